@@ -1,0 +1,1 @@
+"""The daemon: configuration, policy, lease book, service, HTTP."""

@@ -1,0 +1,278 @@
+"""One typed configuration, built once at the edge and passed down.
+
+An option ``foo_bar`` is ``--foo-bar`` on the command line, ``STRATA_FOO_BAR`` in the
+environment and ``foo_bar`` in ``$XDG_CONFIG_HOME/strata/config.toml``; that is also the order of
+precedence over the defaults. Each layer is read into plain values that remember where they came
+from, so that an error names the option in the spelling the user typed, and ``strata config show``
+can say where each effective value came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from strata.daemon import paths
+
+ENV_PREFIX = "STRATA_"
+# Environment variables with the prefix that are not options (they steer the loading itself).
+ENV_RESERVED = frozenset({"STRATA_CONFIG"})
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+KvCacheType = Literal["f16", "f32"]
+MiB = Annotated[int, Field(ge=0)]
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; ``str()`` is the one line shown to the user."""
+
+
+class Origin(StrEnum):
+    DEFAULT = "default"
+    FILE = "file"
+    ENV = "environment"
+    FLAG = "command line"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A raw value and where it came from: ``spelling`` is the name the user wrote."""
+
+    value: Any
+    origin: Origin
+    spelling: str
+
+
+class StrataConfig(BaseSettings):
+    """Every option of Strata. Field docs are the option's help text."""
+
+    # Sources are assembled by :func:`load_config` (which tracks where each value came from),
+    # so the model validates an already merged mapping and reads nothing by itself.
+    model_config = SettingsConfigDict(extra="forbid", validate_default=True, frozen=True)
+
+    model: Path | None = Field(
+        None, description="GGUF model file to serve; unset: the built-in demo model"
+    )
+    host: str = Field("127.0.0.1", description="address the HTTP endpoint binds")
+    port: int = Field(
+        8427, ge=0, le=65535, description="TCP port of the HTTP endpoint (0: any free port)"
+    )
+    log_level: LogLevel = Field("info", description="logging threshold")
+    threads: int | None = Field(
+        None, ge=1, le=1024, description="CPU threads for compute (unset: physical cores - 1)"
+    )
+    context_length: int | None = Field(
+        None, ge=16, description="context window in tokens (unset: min(the model's, 16384))"
+    )
+    prefill_chunk_tokens: int = Field(
+        512, ge=1, le=65536, description="prompt tokens computed per prefill chunk (a safe point)"
+    )
+    kv_cache_type: KvCacheType = Field("f16", description="element type of the K/V cache")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_coercion(cls, value: Any, info: Any) -> Any:
+        # TOML's `port = true` must not become port 1: a bool is only a bool.
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation is not bool:
+            raise ValueError("expected a number or a string, not a boolean")
+        return value
+
+    @field_validator("log_level", "kv_cache_type", mode="before")
+    @classmethod
+    def _lowercase(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("model", mode="after")
+    @classmethod
+    def _expand_user(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @field_validator("host")
+    @classmethod
+    def _non_empty_host(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("expected a host name or address, not an empty string")
+        return value
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(StrataConfig.model_fields)
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_of(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _is_bool(name: str) -> bool:
+    return StrataConfig.model_fields[name].annotation is bool
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per option. Values stay strings: the model validates them, not argparse."""
+    group = parser.add_argument_group("options (also STRATA_* variables and config.toml keys)")
+    group.add_argument(
+        "--config",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help="configuration file (default: $XDG_CONFIG_HOME/strata/config.toml; "
+        "also STRATA_CONFIG)",
+    )
+    for name, field in StrataConfig.model_fields.items():
+        default = field.default if field.default is not None else "unset"
+        kwargs: dict[str, Any] = {
+            "dest": f"opt_{name}",
+            "default": argparse.SUPPRESS,
+            "help": f"{field.description} (default: {default})",
+        }
+        if _is_bool(name):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = name.upper()
+        group.add_argument(flag_of(name), **kwargs)
+
+
+def flag_settings(args: argparse.Namespace) -> dict[str, Setting]:
+    """The options given as flags, from a namespace built with :func:`add_option_flags`."""
+    given = vars(args)
+    return {
+        name: Setting(given[f"opt_{name}"], Origin.FLAG, flag_of(name))
+        for name in OPTION_NAMES
+        if f"opt_{name}" in given
+    }
+
+
+def env_settings(environ: Mapping[str, str]) -> dict[str, Setting]:
+    out: dict[str, Setting] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key in ENV_RESERVED:
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name not in StrataConfig.model_fields:
+            raise ConfigError(f"{key}: unknown option (known: {_known(env_of)})")
+        out[name] = Setting(value, Origin.ENV, key)
+    return out
+
+
+def file_settings(path: Path) -> dict[str, Setting]:
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the configuration file: {e.strerror}") from None
+    out: dict[str, Setting] = {}
+    for key, value in data.items():
+        if key not in StrataConfig.model_fields:
+            raise ConfigError(f"{key} (in {path}): unknown option (known: {_known(str)})")
+        out[key] = Setting(value, Origin.FILE, f"{key} (in {path})")
+    return out
+
+
+def _known(spell: Any) -> str:
+    return ", ".join(spell(n) for n in OPTION_NAMES)
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """The validated configuration and, per option, the setting it came from."""
+
+    config: StrataConfig
+    sources: dict[str, Setting]
+    config_file: Path | None
+
+
+def load_config(
+    args: argparse.Namespace | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LoadedConfig:
+    """Merge defaults < file < environment < flags and validate. Raises :class:`ConfigError`."""
+    environ = os.environ if environ is None else environ
+    args = args if args is not None else argparse.Namespace()
+    config_file = _config_path(args, environ)
+    layers: list[dict[str, Setting]] = []
+    if config_file is not None:
+        layers.append(file_settings(config_file))
+    layers.append(env_settings(environ))
+    layers.append(flag_settings(args))
+
+    merged: dict[str, Setting] = {}
+    for layer in layers:
+        merged.update(layer)
+    try:
+        config = StrataConfig.model_validate({k: s.value for k, s in merged.items()})
+    except ValidationError as e:
+        raise ConfigError(_describe(e, merged)) from None
+
+    sources = {
+        name: merged.get(name)
+        or Setting(StrataConfig.model_fields[name].default, Origin.DEFAULT, name)
+        for name in OPTION_NAMES
+    }
+    return LoadedConfig(config, sources, config_file)
+
+
+def _config_path(args: argparse.Namespace, environ: Mapping[str, str]) -> Path | None:
+    named = getattr(args, "config", None) or environ.get("STRATA_CONFIG")
+    if named:
+        path = Path(named).expanduser()
+        how = "--config" if getattr(args, "config", None) else "STRATA_CONFIG"
+        if not path.is_file():
+            raise ConfigError(f"{how}: configuration file {str(path)!r} does not exist")
+        return path
+    default = paths.config_dir(environ) / "config.toml"
+    return default if default.is_file() else None
+
+
+def _describe(error: ValidationError, merged: Mapping[str, Setting]) -> str:
+    """One line for the first problem: the option as the user spelled it, the value, the need."""
+    first = error.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else ""
+    setting = merged.get(name)
+    spelling = setting.spelling if setting else name
+    value = setting.value if setting else first.get("input")
+    expected = first["msg"].removeprefix("Value error, ")
+    expected = expected.replace("Input should be", "expected").replace(
+        "input should be", "expected"
+    )
+    if first["type"] == "literal_error":
+        expected = expected.replace("'", "")
+    return f"{spelling}: invalid value {value!r} ({expected})"
+
+
+def describe_sources(loaded: LoadedConfig) -> list[str]:
+    """Lines for ``strata config show``: ``name = value  # from where``."""
+    width = max(len(n) for n in OPTION_NAMES)
+    lines = []
+    for name in OPTION_NAMES:
+        value = getattr(loaded.config, name)
+        setting = loaded.sources[name]
+        shown = "unset" if value is None else _toml_value(value)
+        where = {
+            Origin.DEFAULT: "default",
+            Origin.FILE: f"file {loaded.config_file}",
+            Origin.ENV: f"environment {setting.spelling}",
+            Origin.FLAG: f"command line {setting.spelling}",
+        }[setting.origin]
+        lines.append(f"{name:<{width}} = {shown:<24} # {where}")
+    return lines
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,1 @@
+"""The inference engine: GGUF reading, quantised weights, models, tokenizer, generation."""

@@ -1,0 +1,310 @@
+"""Loading a GGUF model and generating from it: the engine's one public entry point.
+
+``Engine.load`` reads the file, builds the tokenizer, chat template, model and runner. ``generate``
+runs prefill and decode with sampling, stop tokens and strings, a streaming callback, and
+cancellation at every safe point.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from strata.engine.chat_template import ChatTemplate
+from strata.engine.errors import ContextOverflow, EngineError, ModelLoadError
+from strata.engine.experts import ExpertProvider, FileExpertProvider
+from strata.engine.gguf_index import GGUFIndex
+from strata.engine.models import architecture_module
+from strata.engine.params import SamplingParams
+from strata.engine.runner import Runner, SafePoint
+from strata.engine.sampling import Sampler
+from strata.engine.tokenizer import Tokenizer
+from strata.engine.vocab import Vocab
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONTEXT = 16384
+
+FinishReason = Literal["stop", "length", "cancelled"]
+Progress = Callable[[int, int, str], None]  # (done, total, what)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's share of the configuration (built from the daemon's config at the edge)."""
+
+    context_length: int | None = None  # None: min(the model's, 16384)
+    threads: int | None = None  # None: physical cores - 1
+    prefill_chunk_tokens: int = 512
+    kv_cache_type: str = "f16"
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    first_token_s: float | None = None  # from the call to the first generated token
+    seed: int | None = None
+    token_times: list[float] = field(default_factory=list)  # monotonic time of each token
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        # tokens after the first are the decode steps
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else None
+
+
+def physical_cores() -> int:
+    """Physical cores (not hyper-threads) from /proc/cpuinfo, or the logical count as fallback."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            pairs, phys, core = set(), None, None
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "physical id":
+                    phys = value.strip()
+                elif key == "core id":
+                    core = value.strip()
+                elif not key and phys is not None and core is not None:
+                    pairs.add((phys, core))
+                    phys = core = None
+            if phys is not None and core is not None:
+                pairs.add((phys, core))
+        if pairs:
+            return len(pairs)
+    except OSError:
+        pass
+    return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    return max(1, physical_cores() - 1)
+
+
+class Engine:
+    def __init__(
+        self,
+        index: GGUFIndex,
+        tokenizer: Tokenizer,
+        template: ChatTemplate | None,
+        runner: Runner,
+        provider: ExpertProvider,
+    ) -> None:
+        self.index = index
+        self.tokenizer = tokenizer
+        self.template = template
+        self.runner = runner
+        self.provider = provider
+
+    @property
+    def model_id(self) -> str:
+        return self.index.path.stem
+
+    @property
+    def n_ctx(self) -> int:
+        return self.runner.n_ctx
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        options: EngineOptions | None = None,
+        provider: Callable[[GGUFIndex], ExpertProvider] | None = None,
+        progress: Progress | None = None,
+    ) -> Engine:
+        """Open ``path``; any reason it cannot serve is a :class:`ModelLoadError` naming the file."""
+        options = options or EngineOptions()
+        step = progress or (lambda done, total, what: None)
+        path = Path(path)
+        step(0, 4, "reading the GGUF index")
+        index = GGUFIndex(path)
+        module = architecture_module(index.arch)
+        step(1, 4, "building the tokenizer")
+        try:
+            vocab = Vocab.from_metadata(index.metadata)
+            tokenizer = Tokenizer.from_vocab(vocab)
+        except EngineError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        template = None
+        if vocab.chat_template:
+            bos = vocab.tokens[vocab.bos_id] if vocab.bos_id is not None else ""
+            eos = vocab.tokens[vocab.eos_id] if vocab.eos_id is not None else ""
+            template = ChatTemplate(vocab.chat_template, bos_token=bos, eos_token=eos)
+        step(2, 4, "mapping the weights")
+        expert_provider = provider(index) if provider else FileExpertProvider(index)
+        model = module.Model(index, expert_provider)
+        n_ctx = _context_length(model.args.context_length, options.context_length, path)
+        threads = options.threads or default_threads()
+        torch.set_num_threads(threads)
+        step(3, 4, "allocating the K/V cache")
+        runner = Runner(model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens)
+        step(4, 4, "ready")
+        log.info(
+            "loaded %s: %s, %d layers, %d experts (top-%d), context %d, %d threads, K/V %s",
+            path.name,
+            index.arch,
+            model.args.n_layer,
+            model.args.n_expert,
+            model.args.n_expert_used,
+            n_ctx,
+            threads,
+            options.kv_cache_type,
+        )
+        return cls(index, tokenizer, template, runner, expert_provider)
+
+    # -- prompts --------------------------------------------------------------------------------
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw completion prompt: BOS as the file's ``add_bos_token`` says."""
+        return self.tokenizer.encode(text)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        if self.template is None:
+            raise EngineError(
+                f"{self.index.path.name} has no chat template (tokenizer.chat_template)"
+            )
+        return self.template.render(list(messages), add_generation_prompt=True)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        # The template writes BOS itself where the model wants one; encode never doubles it.
+        return self.tokenizer.encode(self.render_chat(messages))
+
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        if n_prompt + max_tokens > self.n_ctx:
+            raise ContextOverflow(
+                f"prompt of {n_prompt} tokens + max_tokens {max_tokens} = "
+                f"{n_prompt + max_tokens} exceeds the context length of {self.n_ctx} tokens"
+            )
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        on_text: Callable[[str], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+        safe_point: SafePoint | None = None,
+    ) -> GenerationResult:
+        """Generate up to ``params.max_tokens`` tokens after ``prompt``.
+
+        ``on_text`` receives text as it becomes final (never text that a stop string may still
+        swallow); ``cancelled`` is polled at every safe point and ends the generation with
+        ``finish_reason="cancelled"``; ``safe_point`` runs between steps (cache resizes).
+        """
+        if not prompt:
+            raise EngineError("the prompt is empty: it needs at least one token")
+        self.check_fits(len(prompt), params.max_tokens)
+        sampler = Sampler(params)
+        result = GenerationResult("", [], "length", len(prompt), seed=sampler.seed)
+        stops = _StopMatcher(params.stop)
+        decoder = self.tokenizer.stream_decoder()
+        history = list(prompt)
+
+        def boundary() -> None:
+            if safe_point is not None:
+                safe_point()
+
+        t0 = time.monotonic()
+        todo = self.runner.start(prompt)
+        logits = self.runner.feed(todo, boundary)
+        result.prefill_s = time.monotonic() - t0
+        t_first = None
+        while True:
+            if cancelled is not None and cancelled():
+                result.finish_reason = "cancelled"
+                break
+            token = sampler(logits, history)
+            now = time.monotonic()
+            if t_first is None:
+                t_first = now
+                result.first_token_s = now - t0
+            if token in self.tokenizer.eog_ids:
+                result.finish_reason = "stop"
+                break
+            result.tokens.append(token)
+            result.token_times.append(now)
+            history.append(token)
+            ready, hit = stops.push(decoder.push(token))
+            if ready and on_text is not None:
+                on_text(ready)
+            result.text += ready
+            if hit:
+                result.finish_reason = "stop"
+                break
+            if len(result.tokens) >= params.max_tokens:
+                break
+            logits = self.runner.feed([token], boundary)
+        if not stops.hit:
+            # what the stream decoder and the stop matcher still hold back is final now
+            ready, hit = stops.push(decoder.flush())
+            tail = ready if hit else ready + stops.flush()
+            if hit:
+                result.finish_reason = "stop"
+            if tail and on_text is not None:
+                on_text(tail)
+            result.text += tail
+        if t_first is not None:
+            result.decode_s = time.monotonic() - t_first
+        return result
+
+
+def _context_length(model_ctx: int, asked: int | None, path: Path) -> int:
+    if asked is None:
+        return min(model_ctx, DEFAULT_MAX_CONTEXT) if model_ctx > 0 else DEFAULT_MAX_CONTEXT
+    if model_ctx > 0 and asked > model_ctx:
+        log.warning(
+            "context_length %d is beyond the %d tokens %s was trained for; quality may drop",
+            asked,
+            model_ctx,
+            path.name,
+        )
+    return asked
+
+
+class _StopMatcher:
+    """Holds back text that could still become a stop string; cuts at the first full match."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.pending = ""
+        self.hit = False
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text now final, whether a stop string matched)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        first = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if first >= 0:
+            out, self.pending, self.hit = self.pending[:first], "", True
+            return out, True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self, text: str = "") -> str:
+        out, self.pending = self.pending + text, ""
+        return out

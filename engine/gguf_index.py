@@ -1,0 +1,178 @@
+"""What a GGUF file holds, as the engine needs it: metadata, a tensor index and the expert blob map.
+
+The file is memory-mapped (copy-on-write, so a stray write can never touch the file); tensor bytes
+are handed out as zero-copy uint8 views and stay quantised until a layer dequantises them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from strata.engine.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+EXPERT_KINDS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file. ``shape`` is in torch order (GGUF's ``ne`` reversed)."""
+
+    name: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ExpertRun:
+    """One matrix of one routed expert: a contiguous byte run inside a 3-D ``*_exps`` tensor."""
+
+    tensor: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, int]  # [rows, ne0]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ExpertBlob:
+    """Everything one routed expert (layer, expert) owns: its gate, up and down byte runs."""
+
+    layer: int
+    expert: int
+    gate: ExpertRun
+    up: ExpertRun
+    down: ExpertRun
+
+    @property
+    def runs(self) -> tuple[ExpertRun, ExpertRun, ExpertRun]:
+        return (self.gate, self.up, self.down)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.runs)
+
+
+class GGUFIndex:
+    """A memory-mapped GGUF file: ``metadata``, ``tensors`` and ``experts`` ((layer, expert) → blob)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"{self.path}: no such model file")
+        try:
+            reader = gguf.GGUFReader(self.path, "c")
+        except (ValueError, OSError, KeyError, IndexError) as e:
+            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({e})") from None
+        self._data: np.memmap = reader.data
+        self.metadata: dict[str, Any] = {
+            name: field.contents() for name, field in reader.fields.items() if field.types
+        }
+        self.tensors: dict[str, TensorInfo] = {}
+        for t in reader.tensors:
+            try:
+                qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
+            except ValueError:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {t.name} has unknown type id {int(t.tensor_type)}"
+                ) from None
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            self.tensors[t.name] = TensorInfo(t.name, qtype, shape, t.data_offset, int(t.n_bytes))
+        self.arch: str = str(self.metadata.get("general.architecture", ""))
+        if not self.arch:
+            raise ModelLoadError(f"{self.path}: no general.architecture in the metadata")
+        self.experts: dict[tuple[int, int], ExpertBlob] = self._expert_map()
+        log.debug(
+            "%s: %s, %d tensors, %d routed experts",
+            self.path.name,
+            self.arch,
+            len(self.tensors),
+            len(self.experts),
+        )
+
+    # -- metadata -------------------------------------------------------------------------------
+
+    def key(self, name: str, default: Any = ...) -> Any:
+        """``{arch}.name`` from the metadata; raises naming the key when absent and no default."""
+        full = f"{self.arch}.{name}"
+        if full in self.metadata:
+            return self.metadata[full]
+        if default is ...:
+            raise ModelLoadError(f"{self.path}: metadata key {full} is missing")
+        return default
+
+    # -- tensors --------------------------------------------------------------------------------
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"{self.path}: tensor {name} is missing") from None
+
+    def raw(self, offset: int, nbytes: int) -> torch.Tensor:
+        """Zero-copy uint8 view of ``nbytes`` at ``offset`` of the mapped file."""
+        # raw: [nbytes] uint8, backed by the file's pages
+        return torch.from_numpy(self._data[offset : offset + nbytes])
+
+    def tensor_raw(self, name: str) -> torch.Tensor:
+        t = self.info(name)
+        return self.raw(t.offset, t.nbytes)
+
+    # -- experts --------------------------------------------------------------------------------
+
+    def _expert_map(self) -> dict[tuple[int, int], ExpertBlob]:
+        blobs: dict[tuple[int, int], ExpertBlob] = {}
+        layers: dict[int, dict[str, TensorInfo]] = {}
+        for t in self.tensors.values():
+            parts = t.name.split(".")
+            # blk.{l}.ffn_{kind}_exps.weight
+            if len(parts) == 4 and parts[0] == "blk" and parts[2].endswith("_exps"):
+                kind = parts[2].removeprefix("ffn_").removesuffix("_exps")
+                if kind in EXPERT_KINDS:
+                    layers.setdefault(int(parts[1]), {})[kind] = t
+        for layer, kinds in sorted(layers.items()):
+            missing = [k for k in EXPERT_KINDS if k not in kinds]
+            if missing:
+                raise ModelLoadError(
+                    f"{self.path}: layer {layer} lacks expert tensors for {', '.join(missing)}"
+                )
+            n_expert = {len(kinds[k].shape) == 3 and kinds[k].shape[0] for k in EXPERT_KINDS}
+            if len(n_expert) != 1 or False in n_expert:
+                shapes = {k: kinds[k].shape for k in EXPERT_KINDS}
+                raise ModelLoadError(f"{self.path}: layer {layer} has mismatched experts {shapes}")
+            for e in range(n_expert.pop()):
+                runs = {k: _expert_run(kinds[k], e) for k in EXPERT_KINDS}
+                blobs[(layer, e)] = ExpertBlob(layer, e, runs["gate"], runs["up"], runs["down"])
+        return blobs
+
+    def expert(self, layer: int, expert: int) -> ExpertBlob:
+        try:
+            return self.experts[(layer, expert)]
+        except KeyError:
+            raise ModelLoadError(f"{self.path}: no routed expert ({layer}, {expert})") from None
+
+    def iter_experts(self) -> Iterator[ExpertBlob]:
+        return iter(self.experts.values())
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(b.nbytes for b in self.experts.values())
+
+
+def _expert_run(t: TensorInfo, expert: int) -> ExpertRun:
+    n_expert, rows, ne0 = t.shape
+    per = t.nbytes // n_expert
+    if per * n_expert != t.nbytes:
+        raise ModelLoadError(f"tensor {t.name}: {t.nbytes} bytes do not split into {n_expert}")
+    return ExpertRun(t.name, t.qtype, (rows, ne0), t.offset + expert * per, per)

@@ -1,0 +1,1 @@
+"""Inter-process edges: the D-Bus service, strata-ctl, the GameMode watcher."""

@@ -1,0 +1,3 @@
+from strata.daemon.cli import main
+
+raise SystemExit(main())

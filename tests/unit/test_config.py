@@ -1,0 +1,195 @@
+"""The configuration: every kind of bad value through every layer is one line and exit code 2;
+flag > environment > file > default, as ``strata config show`` reports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from strata.daemon.cli import main
+
+# option, a bad value, a fragment of the expected explanation
+BAD_VALUES = [
+    ("port", "abc", "valid integer"),
+    ("port", "70000", "less than or equal to 65535"),
+    ("port", "-1", "greater than or equal to 0"),
+    ("port", "80.5", "valid integer"),
+    ("threads", "0", "greater than or equal to 1"),
+    ("threads", "many", "valid integer"),
+    ("context_length", "-4096", "greater than or equal to 16"),
+    ("prefill_chunk_tokens", "0", "greater than or equal to 1"),
+    ("log_level", "loud", "debug, info, warning, error or critical"),
+    ("kv_cache_type", "q4", "f16 or f32"),
+    ("host", "", "not an empty string"),
+]
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A clean environment: no STRATA_* variables, XDG config under a temporary directory."""
+    for key in list(os.environ):
+        if key.startswith("STRATA_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    (tmp_path / "config" / "strata").mkdir(parents=True)
+    return tmp_path / "config" / "strata" / "config.toml"
+
+
+def _fails_with(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line, got: {err!r}"
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), BAD_VALUES)
+def test_bad_flag_value_is_one_line_naming_the_flag(
+    env: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, expected: str
+) -> None:
+    flag = "--" + option.replace("_", "-")
+    _fails_with(capsys, ["config", "show", f"{flag}={value}"], flag, repr(value), expected)
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), BAD_VALUES)
+def test_bad_environment_value_is_one_line_naming_the_variable(
+    env: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    option: str,
+    value: str,
+    expected: str,
+) -> None:
+    var = "STRATA_" + option.upper()
+    monkeypatch.setenv(var, value)
+    _fails_with(capsys, ["config", "show"], var, repr(value), expected)
+
+
+TOML_BAD = [
+    ("port", '"abc"', "'abc'", "valid integer"),
+    ("port", "70000", "70000", "less than or equal to 65535"),
+    ("port", "true", "True", "not a boolean"),
+    ("port", "80.5", "80.5", "integer"),
+    ("threads", "-2", "-2", "greater than or equal to 1"),
+    ("context_length", "[1, 2]", "[1, 2]", "integer"),
+    ("log_level", '"loud"', "'loud'", "debug, info, warning, error or critical"),
+    ("kv_cache_type", "16", "16", "f16 or f32"),
+]
+
+
+@pytest.mark.parametrize(("option", "toml", "shown", "expected"), TOML_BAD)
+def test_bad_file_value_is_one_line_naming_the_key_and_file(
+    env: Path,
+    capsys: pytest.CaptureFixture[str],
+    option: str,
+    toml: str,
+    shown: str,
+    expected: str,
+) -> None:
+    env.write_text(f"{option} = {toml}\n")
+    _fails_with(capsys, ["config", "show"], f"{option} (in {env})", shown, expected)
+
+
+def test_unknown_key_in_file_is_an_error(env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    env.write_text("prot = 8000\n")
+    _fails_with(capsys, ["config", "show"], "prot", "unknown option", str(env))
+
+
+def test_unknown_environment_variable_is_an_error(
+    env: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STRATA_PROT", "8000")
+    _fails_with(capsys, ["config", "show"], "STRATA_PROT", "unknown option")
+
+
+def test_unknown_flag_is_an_error(env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fails_with(capsys, ["config", "show", "--prot", "8000"], "--prot")
+
+
+def test_malformed_toml_is_an_error_naming_the_file(
+    env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env.write_text("port = [\n")
+    _fails_with(capsys, ["config", "show"], str(env), "not valid TOML")
+
+
+def test_missing_named_config_file_is_an_error(
+    env: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope.toml"
+    _fails_with(capsys, ["config", "show", "--config", str(missing)], "--config", str(missing))
+
+
+def test_absent_default_config_file_is_fine(env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert not env.exists()
+    assert main(["config", "show"]) == 0
+    assert "no config.toml found" in capsys.readouterr().out
+
+
+def _show(env_vars: dict[str, str], *argv: str) -> dict[str, tuple[str, str]]:
+    """Run the real ``strata config show`` and parse ``name = value  # source`` lines."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+    environ.update(env_vars)
+    proc = subprocess.run(
+        [sys.executable, "-m", "strata", "config", "show", *argv],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    shown = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, rest = line.partition("=")
+        value, _, source = rest.partition("#")
+        shown[name.strip()] = (value.strip(), source.strip())
+    return shown
+
+
+def test_precedence_is_flag_then_environment_then_file_then_default(env: Path) -> None:
+    env.write_text('port = 9001\nthreads = 3\ncontext_length = 2048\nlog_level = "warning"\n')
+    xdg = {"XDG_CONFIG_HOME": str(env.parent.parent)}
+    shown = _show(
+        {**xdg, "STRATA_PORT": "9002", "STRATA_THREADS": "4"},
+        "--port",
+        "9003",
+    )
+    assert shown["port"] == ("9003", "command line --port")
+    assert shown["threads"] == ("4", "environment STRATA_THREADS")
+    assert shown["context_length"] == ("2048", f"file {env}")
+    assert shown["log_level"] == ('"warning"', f"file {env}")
+    assert shown["prefill_chunk_tokens"] == ("512", "default")
+    assert shown["host"] == ('"127.0.0.1"', "default")
+
+
+def test_config_flag_and_strata_config_variable_name_the_file(tmp_path: Path, env: Path) -> None:
+    named = tmp_path / "other.toml"
+    named.write_text("port = 9100\n")
+    env.write_text("port = 9200\n")  # the default file is ignored when another is named
+    xdg = {"XDG_CONFIG_HOME": str(env.parent.parent)}
+    assert _show(xdg, "--config", str(named))["port"] == ("9100", f"file {named}")
+    assert _show({**xdg, "STRATA_CONFIG": str(named)})["port"] == ("9100", f"file {named}")
+
+
+def test_values_are_normalised_not_clamped(env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", "--log-level", "DEBUG", "--kv-cache-type", "F32"]) == 0
+    out = capsys.readouterr().out
+    assert 'log_level            = "debug"' in out
+    assert 'kv_cache_type        = "f32"' in out
+
+
+def test_every_option_is_documented() -> None:
+    from strata.daemon.config import OPTION_NAMES
+
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    missing = [name for name in OPTION_NAMES if f"| `{name}` |" not in doc]
+    assert not missing, f"options missing from docs/configuration.md: {missing}"
