@@ -75,9 +75,14 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     try:
         return SamplingParams(**values)
     except ValueError as e:
-        name = str(e).split(":", 1)[0]
+        # "name: invalid value X (expected ...)" -> the flag and the value as the user typed them
+        name, _, rest = str(e).partition(":")
         flag = next((f for f, (n, _, _) in _SAMPLING_FLAGS.items() if n == name), f"--{name}")
-        raise UsageError(f"{flag}:{str(e).split(':', 1)[1]}") from None
+        raw = getattr(args, f"sp_{name}", None)
+        given = rest.split(" (")[0].removeprefix(" invalid value ")
+        shown = repr(raw) if raw is not None else given
+        why = rest[rest.find(" (") :] if " (" in rest else ""
+        raise UsageError(f"{flag}: invalid value {shown}{why}") from None
 
 
 def model_path(config: StrataConfig) -> Path:

@@ -1,0 +1,107 @@
+"""Sampling on fixed logits: each filter keeps exactly what it should, the seed decides the draw."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from strata.engine.params import SamplingParams
+from strata.engine.sampling import Sampler, apply_repeat_penalty, min_p, top_k, top_p
+
+# probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 (as logits)
+PROBS = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+LOGITS = PROBS.log()
+
+
+def kept(logits: torch.Tensor) -> list[int]:
+    return torch.nonzero(torch.isfinite(logits)).flatten().tolist()
+
+
+def test_top_k_keeps_the_k_most_likely() -> None:
+    assert kept(top_k(LOGITS, 2)) == [0, 1]
+    assert kept(top_k(LOGITS, 0)) == [0, 1, 2, 3, 4]  # 0 is off
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    assert kept(top_p(LOGITS, 0.5)) == [0]
+    assert kept(top_p(LOGITS, 0.6)) == [0, 1]
+    assert kept(top_p(LOGITS, 0.8)) == [0, 1, 2]
+    assert kept(top_p(LOGITS, 1.0)) == [0, 1, 2, 3, 4]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best() -> None:
+    assert kept(min_p(LOGITS, 0.3)) == [0, 1]  # 0.25 >= 0.3 * 0.5
+    assert kept(min_p(LOGITS, 0.26)) == [0, 1]  # 0.125 < 0.13
+    assert kept(min_p(LOGITS, 0.24)) == [0, 1, 2]  # 0.125 >= 0.12
+    assert kept(min_p(LOGITS, 0.0)) == [0, 1, 2, 3, 4]
+
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = torch.tensor([2.0, -2.0, 1.0, 3.0])
+    out = apply_repeat_penalty(logits, [0, 1, 1], 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0, 3.0]
+    assert apply_repeat_penalty(logits, [0, 1], 1.0) is logits  # 1.0 is off
+
+
+def test_repeat_penalty_can_change_the_greedy_choice() -> None:
+    logits = torch.tensor([3.0, 2.0, 0.0])
+    greedy = SamplingParams(temperature=0.0, repeat_penalty=2.0)
+    assert Sampler(greedy)(logits, history=[]) == 0
+    assert Sampler(greedy)(logits, history=[0]) == 1
+
+
+def test_top_k_one_equals_greedy() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        logits = torch.randn(50, generator=gen)
+        hot = Sampler(SamplingParams(temperature=1.5, top_k=1, seed=7))
+        assert hot(logits, []) == int(torch.argmax(logits))
+
+
+def test_same_seed_same_draws_and_another_seed_differs() -> None:
+    logits = torch.zeros(1000)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    a, b = Sampler(params), Sampler(params)
+    draws_a = [a(logits, []) for _ in range(30)]
+    assert draws_a == [b(logits, []) for _ in range(30)]
+    c = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=43))
+    assert draws_a != [c(logits, []) for _ in range(30)]
+
+
+def test_draws_follow_the_filtered_distribution() -> None:
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0, seed=1)
+    s = Sampler(params)
+    counts = torch.zeros(5)
+    for _ in range(4000):
+        counts[s(LOGITS, [])] += 1
+    assert counts[3] == counts[4] == 0  # outside top-p 0.8
+    freq = counts / counts.sum()
+    # renormalised over {0, 1, 2}: 4/7, 2/7, 1/7
+    assert torch.allclose(freq[:3], torch.tensor([4 / 7, 2 / 7, 1 / 7]), atol=0.03)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", 1.0),
+        ("repeat_penalty", 0.0),
+        ("seed", -5),
+        ("max_tokens", True),
+    ],
+)
+def test_invalid_sampling_values_raise_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}: invalid value"):
+        SamplingParams(**{field: value})
+
+
+def test_empty_stop_string_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"^stop: invalid value"):
+        SamplingParams(stop=("",))
