@@ -175,7 +175,12 @@ def _write(text: str) -> None:
 
 def _report(engine: Engine, r: GenerationResult) -> None:
     stats = engine.provider.stats
-    hit = "n/a (no expert cache)" if stats.hit_rate is None else f"{stats.hit_rate:.1%}"
+    if not stats.cached:
+        hit = "n/a (no expert cache: every expert read from RAM or the file)"
+    elif stats.hit_rate is None:
+        hit = "n/a (no expert used)"
+    else:
+        hit = f"{stats.hit_rate:.1%}"
     tok_s = f"{r.decode_tok_s:.2f} tok/s" if r.decode_tok_s else "n/a tok/s"
     prefill = r.prompt_tokens / r.prefill_s if r.prefill_s > 0 else 0.0
     print(

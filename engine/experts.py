@@ -23,8 +23,9 @@ class ExpertWeights:
 
 @dataclass
 class ProviderStats:
-    """Counters since the provider was made: how many expert fetches, from which tier, how many bytes."""
+    """Counters since the provider was made: expert fetches, and bytes read from each tier."""
 
+    cached: bool = False  # whether a cache stands in front of RAM and the file at all
     hits: int = 0
     misses: int = 0
     bytes_from_cache: int = 0
@@ -48,7 +49,7 @@ class FileExpertProvider:
 
     def __init__(self, index: GGUFIndex) -> None:
         self.index = index
-        self.stats = ProviderStats()
+        self.stats = ProviderStats(cached=False)
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         blob = self.index.expert(layer, expert)

@@ -128,7 +128,7 @@ class Engine:
         provider: Callable[[GGUFIndex], ExpertProvider] | None = None,
         progress: Progress | None = None,
     ) -> Engine:
-        """Open ``path``; any reason it cannot serve is a :class:`ModelLoadError` naming the file."""
+        """Open ``path``; a reason it cannot serve is a :class:`ModelLoadError` naming the file."""
         options = options or EngineOptions()
         step = progress or (lambda done, total, what: None)
         path = Path(path)
@@ -214,7 +214,9 @@ class Engine:
         sampler = Sampler(params)
         result = GenerationResult("", [], "length", len(prompt), seed=sampler.seed)
         stops = _StopMatcher(params.stop)
-        decoder = self.tokenizer.stream_decoder()
+        # Invalid UTF-8 (a byte token a model emits out of sequence) is dropped, as
+        # llama-cpp-python does, rather than shown as U+FFFD.
+        decoder = self.tokenizer.stream_decoder(errors="ignore")
         history = list(prompt)
 
         def boundary() -> None:

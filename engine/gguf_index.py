@@ -65,7 +65,7 @@ class ExpertBlob:
 
 
 class GGUFIndex:
-    """A memory-mapped GGUF file: ``metadata``, ``tensors`` and ``experts`` ((layer, expert) → blob)."""
+    """A mapped GGUF file: ``metadata``, ``tensors`` and ``experts`` ((layer, expert) → blob)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)

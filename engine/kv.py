@@ -22,9 +22,10 @@ class KVCache:
         self.n_ctx = n_ctx
         self.dtype = KV_DTYPES[kind]
         shape = (n_layer, n_ctx, n_head_kv, head_dim)
-        # k, v: [L, n_ctx, Hkv, d]
-        self.k = torch.zeros(shape, dtype=self.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=device)
+        # k, v: [L, n_ctx, Hkv, d]. Left uninitialised: only positions [0, length) are ever read,
+        # and untouched pages of a long context cost no memory until used.
+        self.k = torch.empty(shape, dtype=self.dtype, device=device)
+        self.v = torch.empty(shape, dtype=self.dtype, device=device)
         self.length = 0  # positions [0, length) hold valid entries
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -40,7 +41,7 @@ class KVCache:
         return self.k[layer, :end].float(), self.v[layer, :end].float()
 
     def truncate(self, length: int) -> None:
-        """Forget positions from ``length`` on (a new prompt that shares a prefix reuses the rest)."""
+        """Forget positions from ``length`` on (a prompt sharing a prefix reuses the rest)."""
         self.length = min(self.length, length)
 
     @property

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks of the sampler; invalid values raise ``ValueError`` naming the field."""
+    """What one request asks of the sampler; a bad value raises ``ValueError`` naming it."""
 
     max_tokens: int = 256
     temperature: float = 0.8

@@ -7,16 +7,16 @@ their reason (``-ra`` in pytest's options).
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from tests.helpers import in_ci
+import pytest
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and in_ci() and item.get_closest_marker("gpu") is None:
+    if report.skipped and os.environ.get("CI") and item.get_closest_marker("gpu") is None:
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, which must run every non-gpu test: {reason}"

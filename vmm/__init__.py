@@ -1,1 +1,1 @@
-"""VRAM plumbing: the elastic arena, pinned host memory and VRAM monitors. Knows nothing of models."""
+"""VRAM plumbing: the elastic arena, pinned host memory, VRAM monitors. Knows no models."""

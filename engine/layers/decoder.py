@@ -76,7 +76,7 @@ class Block:
 
 
 class MoEDecoder:
-    """Weights of the dense part (loaded once) plus the expert provider; ``forward`` gives logits."""
+    """The dense weights (loaded once) and the expert provider; ``forward`` gives logits."""
 
     def __init__(self, index: GGUFIndex, args: DecoderArgs, provider: ExpertProvider) -> None:
         self.index, self.args, self.provider = index, args, provider

@@ -30,16 +30,37 @@ class QWeight:
     def dequant(self) -> torch.Tensor:
         return dequantize(self.raw, self.qtype, self.shape)
 
+    @property
+    def row_bytes(self) -> int:
+        return tensor_nbytes(self.qtype, (1, self.shape[-1]))
+
+    def row_block(self, start: int, stop: int) -> QWeight:
+        """Rows [start, stop) of a 2-D weight, still quantised (a view, no copy)."""
+        rb = self.row_bytes
+        return QWeight(self.raw[start * rb : stop * rb], self.qtype, (stop - start, self.shape[1]))
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantise only the rows ``ids`` of a 2-D weight (an embedding lookup)."""
         # ids: [T] -> out: [T, ne0]
         n_rows, ne0 = self.shape
-        row_bytes = tensor_nbytes(self.qtype, (1, ne0))
-        by_row = self.raw.view(n_rows, row_bytes)
+        by_row = self.raw.view(n_rows, self.row_bytes)
         picked = by_row.index_select(0, ids.to(by_row.device)).reshape(-1)
         return dequantize(picked, self.qtype, (len(ids), ne0))
 
 
+# A weight larger than this many elements is dequantised in blocks of rows, so that a 150k-token
+# output matrix never exists in float32 all at once (its temporaries would take gigabytes).
+BLOCK_ELEMENTS = 1 << 24
+
+
 def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     # x: [T, in], w: [out, in] -> [T, out]
-    return x @ w.dequant().T
+    n_out, n_in = w.shape
+    if n_out * n_in <= BLOCK_ELEMENTS:
+        return x @ w.dequant().T
+    step = max(1, BLOCK_ELEMENTS // n_in)
+    out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
+    for r in range(0, n_out, step):
+        stop = min(r + step, n_out)
+        out[:, r:stop] = x @ w.row_block(r, stop).dequant().T
+    return out
