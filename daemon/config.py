@@ -77,6 +77,24 @@ class StrataConfig(BaseSettings):
         512, ge=1, le=65536, description="prompt tokens computed per prefill chunk (a safe point)"
     )
     kv_cache_type: KvCacheType = Field("f16", description="element type of the K/V cache")
+    device: str = Field(
+        "auto", description="compute device: auto (cuda when present), cpu, cuda or cuda:N"
+    )
+    cache_mib: int | None = Field(
+        None,
+        ge=0,
+        description="expert cache budget in MiB (unset: free VRAM minus elastic_reserve_mib on a "
+        "GPU, 0 on the CPU)",
+    )
+    elastic_tail_mib: int | None = Field(
+        None, ge=0, description="elastic part of the cache in MiB (unset: half of it, <= 6 GiB)"
+    )
+    elastic_reserve_mib: int = Field(
+        500, ge=0, description="VRAM in MiB kept free for other programs"
+    )
+    arena_chunk_mib: int = Field(
+        32, ge=2, le=1024, description="arena mapping granularity in MiB (a multiple of 2)"
+    )
 
     @field_validator("*", mode="before")
     @classmethod
@@ -95,6 +113,22 @@ class StrataConfig(BaseSettings):
     @classmethod
     def _expand_user(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        value = value.strip().lower()
+        kind, _, index = value.partition(":")
+        if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+            return value
+        raise ValueError("expected auto, cpu, cuda or cuda:N")
+
+    @field_validator("arena_chunk_mib")
+    @classmethod
+    def _even_chunk(cls, value: int) -> int:
+        if value % 2:
+            raise ValueError("expected a multiple of 2 (the GPU's mapping granularity)")
+        return value
 
     @field_validator("host")
     @classmethod

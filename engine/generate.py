@@ -44,6 +44,7 @@ class EngineOptions:
     threads: int | None = None  # None: physical cores - 1
     prefill_chunk_tokens: int = 512
     kv_cache_type: str = "f16"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the dense weights, K/V and compute live
 
 
 @dataclass
@@ -97,6 +98,26 @@ def default_threads() -> int:
     return max(1, physical_cores() - 1)
 
 
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N``; CUDA that is absent is an error naming the device."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise EngineError(f"device {name!r} is not cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EngineError(f"device {name!r}: no CUDA device is available")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise EngineError(
+                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise EngineError(f"device {name!r} is not cpu, cuda or cuda:N")
+    return device
+
+
 class Engine:
     def __init__(
         self,
@@ -125,7 +146,7 @@ class Engine:
         cls,
         path: str | Path,
         options: EngineOptions | None = None,
-        provider: Callable[[GGUFIndex], ExpertProvider] | None = None,
+        provider: Callable[[GGUFIndex, torch.device], ExpertProvider] | None = None,
         progress: Progress | None = None,
     ) -> Engine:
         """Open ``path``; a reason it cannot serve is a :class:`ModelLoadError` naming the file."""
@@ -147,8 +168,9 @@ class Engine:
             eos = vocab.tokens[vocab.eos_id] if vocab.eos_id is not None else ""
             template = ChatTemplate(vocab.chat_template, bos_token=bos, eos_token=eos)
         step(2, 4, "mapping the weights")
-        expert_provider = provider(index) if provider else FileExpertProvider(index)
-        model = module.Model(index, expert_provider)
+        device = resolve_device(options.device)
+        expert_provider = (provider or FileExpertProvider)(index, device)
+        model = module.Model(index, expert_provider, device)
         n_ctx = _context_length(model.args.context_length, options.context_length, path)
         threads = options.threads or default_threads()
         torch.set_num_threads(threads)
@@ -156,7 +178,7 @@ class Engine:
         runner = Runner(model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens)
         step(4, 4, "ready")
         log.info(
-            "loaded %s: %s, %d layers, %d experts (top-%d), context %d, %d threads, K/V %s",
+            "loaded %s: %s, %d layers, %d experts (top-%d), context %d, %d threads, K/V %s, on %s",
             path.name,
             index.arch,
             model.args.n_layer,
@@ -165,6 +187,7 @@ class Engine:
             n_ctx,
             threads,
             options.kv_cache_type,
+            device,
         )
         return cls(index, tokenizer, template, runner, expert_provider)
 

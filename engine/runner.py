@@ -42,14 +42,14 @@ class Runner:
         logits = None
         for i in range(0, len(ids), self.prefill_chunk):
             chunk = list(ids[i : i + self.prefill_chunk])
-            x = torch.tensor(chunk, dtype=torch.long)
+            x = torch.tensor(chunk, dtype=torch.long, device=self.model.device)
             logits = self.model.forward(x, len(self.tokens), self.kv, last_only=True)
             self.tokens.extend(chunk)
             self.steps += 1
             if safe_point is not None:
                 safe_point()
         assert logits is not None
-        return logits[-1]
+        return logits[-1].float().cpu()
 
     def start(self, prompt: Sequence[int]) -> list[int]:
         """Keep the longest cached prefix of ``prompt`` (at least its last token is recomputed, to
@@ -75,8 +75,8 @@ class Runner:
             raise ValueError(f"chunk sizes {sizes} do not add up to {len(ids)} tokens")
         out, pos = [], 0
         for n in sizes:
-            x = torch.tensor(list(ids[pos : pos + n]), dtype=torch.long)
+            x = torch.tensor(list(ids[pos : pos + n]), dtype=torch.long, device=self.model.device)
             out.append(self.model.forward(x, pos, self.kv))
             self.tokens.extend(ids[pos : pos + n])
             pos += n
-        return torch.cat(out)
+        return torch.cat(out).float().cpu()

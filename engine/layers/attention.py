@@ -49,7 +49,7 @@ def attention(
     if w.q_norm is not None and w.k_norm is not None:
         q = rms_norm(q, w.q_norm, shape.rms_eps)
         k = rms_norm(k, w.k_norm, shape.rms_eps)
-    positions = torch.arange(start, start + T)
+    positions = torch.arange(start, start + T, device=x.device)
     q, k = rope(q, positions), rope(k, positions)
     kv.write(layer, start, k, v)
     keys, values = kv.read(layer, start + T)  # [S, Hkv, d], S = start + T
@@ -60,7 +60,7 @@ def attention(
     # causal mask: query at position start+t sees keys 0..start+t
     S = start + T
     q_pos = positions.repeat(group)  # [group*T]
-    mask = torch.arange(S)[None, :] > q_pos[:, None]  # [group*T, S]
+    mask = torch.arange(S, device=x.device)[None, :] > q_pos[:, None]  # [group*T, S]
     scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = probs @ values.permute(1, 0, 2)  # [Hkv, group*T, d]

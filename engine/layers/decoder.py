@@ -78,8 +78,17 @@ class Block:
 class MoEDecoder:
     """The dense weights (loaded once) and the expert provider; ``forward`` gives logits."""
 
-    def __init__(self, index: GGUFIndex, args: DecoderArgs, provider: ExpertProvider) -> None:
+    def __init__(
+        self,
+        index: GGUFIndex,
+        args: DecoderArgs,
+        provider: ExpertProvider,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.index, self.args, self.provider = index, args, provider
+        # Dense weights live on the compute device for the model's life (copied once, still
+        # quantised); on the CPU they stay views of the mapped file.
+        self.device = torch.device(device)
         self.embd = self._w("token_embd.weight")
         self.out_norm = self._vec("output_norm.weight")
         # Files with tied embeddings have no output.weight (llama.cpp then reuses token_embd).
@@ -90,7 +99,7 @@ class MoEDecoder:
         self.moe_shape = MoEShape(args.n_expert, args.n_expert_used, args.norm_topk)
 
     def _w(self, name: str) -> QWeight:
-        return QWeight.of_tensor(self.index, self.index.info(name))
+        return QWeight.of_tensor(self.index, self.index.info(name)).to(self.device)
 
     def _vec(self, name: str) -> torch.Tensor:
         return self._w(name).dequant()
@@ -115,7 +124,7 @@ class MoEDecoder:
 
     def new_kv(self, n_ctx: int, kind: str) -> KVCache:
         a = self.args
-        return KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim, kind)
+        return KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim, kind, self.device)
 
     def forward(
         self, tokens: torch.Tensor, start: int, kv: KVCache, last_only: bool = False

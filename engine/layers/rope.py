@@ -20,6 +20,8 @@ class Rope:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, H, d], positions: [T]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # [T, d/2]
         cos = angles.cos().to(x.dtype)[:, None, :]  # [T, 1, d/2]
         sin = angles.sin().to(x.dtype)[:, None, :]

@@ -27,6 +27,12 @@ class QWeight:
     def of_run(cls, raw: torch.Tensor, run: ExpertRun) -> QWeight:
         return cls(raw, run.qtype, run.shape)
 
+    def to(self, device: torch.device) -> QWeight:
+        """The same weight with its bytes on ``device`` (no copy when already there)."""
+        if self.raw.device == device:
+            return self
+        return QWeight(self.raw.to(device), self.qtype, self.shape)
+
     def dequant(self) -> torch.Tensor:
         return dequantize(self.raw, self.qtype, self.shape)
 

@@ -3,6 +3,8 @@ q/k norms, normal (pairwise) RoPE, softmax top-k routing renormalised over the c
 
 from __future__ import annotations
 
+import torch
+
 from strata.engine.errors import ModelLoadError
 from strata.engine.experts import ExpertProvider
 from strata.engine.gguf_index import GGUFIndex
@@ -23,5 +25,7 @@ class ModelArgs(DecoderArgs):
 
 
 class Model(MoEDecoder):
-    def __init__(self, index: GGUFIndex, provider: ExpertProvider) -> None:
-        super().__init__(index, ModelArgs.from_index(index), provider)
+    def __init__(
+        self, index: GGUFIndex, provider: ExpertProvider, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__(index, ModelArgs.from_index(index), provider, device)

@@ -3,6 +3,8 @@ top-k routing with renormalised weights, SwiGLU experts, no shared expert."""
 
 from __future__ import annotations
 
+import torch
+
 from strata.engine.experts import ExpertProvider
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.layers.decoder import DecoderArgs, MoEDecoder
@@ -16,5 +18,7 @@ class ModelArgs(DecoderArgs):
 
 
 class Model(MoEDecoder):
-    def __init__(self, index: GGUFIndex, provider: ExpertProvider) -> None:
-        super().__init__(index, ModelArgs.from_index(index), provider)
+    def __init__(
+        self, index: GGUFIndex, provider: ExpertProvider, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__(index, ModelArgs.from_index(index), provider, device)

@@ -25,6 +25,14 @@ BAD_VALUES = [
     ("log_level", "loud", "debug, info, warning, error or critical"),
     ("kv_cache_type", "q4", "f16 or f32"),
     ("host", "", "not an empty string"),
+    ("device", "tpu", "auto, cpu, cuda or cuda:N"),
+    ("device", "cuda:x", "auto, cpu, cuda or cuda:N"),
+    ("cache_mib", "-1", "greater than or equal to 0"),
+    ("cache_mib", "4GB", "valid integer"),
+    ("elastic_tail_mib", "-5", "greater than or equal to 0"),
+    ("elastic_reserve_mib", "lots", "valid integer"),
+    ("arena_chunk_mib", "3", "multiple of 2"),
+    ("arena_chunk_mib", "1", "greater than or equal to 2"),
 ]
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.layers.weights import QWeight
 
@@ -47,13 +49,16 @@ class ExpertProvider(Protocol):
 class FileExpertProvider:
     """Every expert from the mapped file (no cache): each fetch is a miss served by the file."""
 
-    def __init__(self, index: GGUFIndex) -> None:
+    def __init__(self, index: GGUFIndex, device: torch.device | str = "cpu") -> None:
         self.index = index
+        self.device = torch.device(device)
         self.stats = ProviderStats(cached=False)
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         blob = self.index.expert(layer, expert)
         self.stats.misses += 1
         self.stats.bytes_from_file += blob.nbytes
-        gate, up, down = (QWeight.of_run(self.index.raw(r.offset, r.nbytes), r) for r in blob.runs)
+        gate, up, down = (
+            QWeight.of_run(self.index.raw(r.offset, r.nbytes), r).to(self.device) for r in blob.runs
+        )
         return ExpertWeights(gate, up, down)
