@@ -104,7 +104,24 @@ def engine_options(config: StrataConfig) -> EngineOptions:
         threads=config.threads,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         kv_cache_type=config.kv_cache_type,
+        device=resolve_device_name(config.device),
+        cache_mib=config.cache_mib,
+        elastic_tail_mib=config.elastic_tail_mib,
+        arena_chunk_mib=config.arena_chunk_mib,
+        reserve_mib=config.elastic_reserve_mib,
     )
+
+
+def resolve_device_name(name: str) -> str:
+    """``auto`` becomes the first CUDA device when there is one, else the CPU (logged)."""
+    if name != "auto":
+        return name
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda:0"
+    log.info("no CUDA device: computing on the CPU with the host arena")
+    return "cpu"
 
 
 class ProgressBar:
@@ -138,9 +155,17 @@ def run(loaded: LoadedConfig, args: argparse.Namespace) -> int:
 
     try:
         path = model_path(config)
-        engine = Engine.load(path, engine_options(config), progress=ProgressBar("loading"))
+        engine = Engine.load(
+            path,
+            engine_options(config),
+            state_dir=paths.state_dir(),
+            progress=ProgressBar("loading"),
+        )
     except ModelLoadError as e:
         print(f"strata: error: cannot load the model: {e}", file=sys.stderr)
+        return 2
+    except EngineError as e:  # e.g. a CUDA device that is not there
+        print(f"strata: error: {e}", file=sys.stderr)
         return 2
     try:
         if args.chat:
@@ -150,15 +175,18 @@ def run(loaded: LoadedConfig, args: argparse.Namespace) -> int:
         else:
             ids = engine.encode_prompt(prompt)
         result = engine.generate(ids, params, on_text=_write)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        _report(engine, result)
     except ContextOverflow as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return 2
     except EngineError as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return 1
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    _report(engine, result)
+    finally:
+        engine.save_profile()
+        engine.close()
     return 0
 
 
@@ -175,6 +203,13 @@ def _write(text: str) -> None:
 
 def _report(engine: Engine, r: GenerationResult) -> None:
     stats = engine.provider.stats
+    cache = engine.cache
+    if cache is not None:
+        print(
+            f"[expert cache: {cache.n_slots} of {cache.max_slots} experts, "
+            f"{cache.size_bytes / 2**20:.0f} MiB]",
+            file=sys.stderr,
+        )
     if not stats.cached:
         hit = "n/a (no expert cache: every expert read from RAM or the file)"
     elif stats.hit_rate is None:

@@ -19,7 +19,9 @@ import torch
 
 from strata.engine.chat_template import ChatTemplate
 from strata.engine.errors import ContextOverflow, EngineError, ModelLoadError
-from strata.engine.experts import ExpertProvider, FileExpertProvider
+from strata.engine.experts.cache import ExpertCache, model_key
+from strata.engine.experts.profile import UsageProfile, profile_path
+from strata.engine.experts.provider import ExpertProvider, FileExpertProvider
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.models import architecture_module
 from strata.engine.params import SamplingParams
@@ -31,6 +33,7 @@ from strata.engine.vocab import Vocab
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 16384
+MiB = 2**20
 
 FinishReason = Literal["stop", "length", "cancelled"]
 Progress = Callable[[int, int, str], None]  # (done, total, what)
@@ -45,6 +48,10 @@ class EngineOptions:
     prefill_chunk_tokens: int = 512
     kv_cache_type: str = "f16"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the dense weights, K/V and compute live
+    cache_mib: int | None = 0  # expert cache budget; None: free VRAM - reserve on a GPU, 0 on CPU
+    elastic_tail_mib: int | None = None  # None: half the cache, at most 6 GiB
+    arena_chunk_mib: int = 32
+    reserve_mib: int = 500  # VRAM kept free when the cache size is automatic
 
 
 @dataclass
@@ -125,13 +132,44 @@ class Engine:
         tokenizer: Tokenizer,
         template: ChatTemplate | None,
         runner: Runner,
-        provider: ExpertProvider,
+        profile_file: Path | None = None,
     ) -> None:
         self.index = index
         self.tokenizer = tokenizer
         self.template = template
         self.runner = runner
-        self.provider = provider
+        self.profile_file = profile_file
+
+    def save_profile(self) -> None:
+        """Merge this run's expert usage into the saved profile (atomically; errors are logged,
+        never fatal: a profile only speeds up the next start)."""
+        if self.profile_file is None or not self.provider.totals:
+            return
+        key = model_key(self.index)
+        profile = UsageProfile.load(self.profile_file, key)
+        profile.merge({k: float(v) for k, v in self.provider.totals.items()})
+        try:
+            profile.save(self.profile_file)
+        except OSError as e:
+            log.warning("could not save the expert usage profile %s: %s", self.profile_file, e)
+            return
+        self.provider.totals.clear()
+        log.debug("saved the expert usage profile %s", self.profile_file)
+
+    @property
+    def provider(self) -> ExpertProvider:
+        return self.runner.model.provider
+
+    @property
+    def cache(self) -> ExpertCache | None:
+        provider = self.runner.model.provider
+        return provider if isinstance(provider, ExpertCache) else None
+
+    def close(self) -> None:
+        """Give the cache's memory back (the arena is unmapped and released)."""
+        if self.cache is not None:
+            self.cache.close()
+            self.runner.model.provider = self.cache.file
 
     @property
     def model_id(self) -> str:
@@ -146,7 +184,7 @@ class Engine:
         cls,
         path: str | Path,
         options: EngineOptions | None = None,
-        provider: Callable[[GGUFIndex, torch.device], ExpertProvider] | None = None,
+        state_dir: Path | None = None,
         progress: Progress | None = None,
     ) -> Engine:
         """Open ``path``; a reason it cannot serve is a :class:`ModelLoadError` naming the file."""
@@ -169,14 +207,28 @@ class Engine:
             template = ChatTemplate(vocab.chat_template, bos_token=bos, eos_token=eos)
         step(2, 4, "mapping the weights")
         device = resolve_device(options.device)
-        expert_provider = (provider or FileExpertProvider)(index, device)
-        model = module.Model(index, expert_provider, device)
+        model = module.Model(index, FileExpertProvider(index, device), device)
         n_ctx = _context_length(model.args.context_length, options.context_length, path)
         threads = options.threads or default_threads()
         torch.set_num_threads(threads)
-        step(3, 4, "allocating the K/V cache")
+        step(3, 5, "allocating the K/V cache")
         runner = Runner(model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens)
-        step(4, 4, "ready")
+        # The usage profile of earlier runs orders the cache's first fill.
+        profile_file = profile_path(state_dir, model_key(index)) if state_dir else None
+        profile = UsageProfile.load(profile_file, model_key(index)) if profile_file else None
+        # The cache is sized last, so that an automatic size sees what the model already holds.
+        budget = _cache_budget_mib(options, device)
+        if budget > 0:
+            step(4, 5, "filling the expert cache")
+            model.provider = ExpertCache.create(
+                index,
+                device,
+                budget * MiB,
+                None if options.elastic_tail_mib is None else options.elastic_tail_mib * MiB,
+                options.arena_chunk_mib * MiB,
+                profile,
+            )
+        step(5, 5, "ready")
         log.info(
             "loaded %s: %s, %d layers, %d experts (top-%d), context %d, %d threads, K/V %s, on %s",
             path.name,
@@ -189,7 +241,7 @@ class Engine:
             options.kv_cache_type,
             device,
         )
-        return cls(index, tokenizer, template, runner, expert_provider)
+        return cls(index, tokenizer, template, runner, profile_file)
 
     # -- prompts --------------------------------------------------------------------------------
 
@@ -288,6 +340,16 @@ class Engine:
         if t_first is not None:
             result.decode_s = time.monotonic() - t_first
         return result
+
+
+def _cache_budget_mib(options: EngineOptions, device: torch.device) -> int:
+    if options.cache_mib is not None:
+        return options.cache_mib
+    if device.type != "cuda":
+        # A host-memory cache would only duplicate the file's pages (already in the page cache).
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(0, free // MiB - options.reserve_mib)
 
 
 def _context_length(model_ctx: int, asked: int | None, path: Path) -> int:

@@ -1,19 +1,26 @@
 """The expert provider: the one seam between the MoE layer and where expert weights live.
 
-The MoE layer asks ``provider.expert(layer, expert)`` for the three matrices of a routed expert.
-The file provider here hands out views of the memory-mapped GGUF; the expert cache (VRAM or host
-arena, RAM complement) implements the same protocol.
+The MoE layer asks ``provider.expert(layer, expert)`` for the three matrices of a routed expert and
+calls ``provider.step()`` once per forward pass. The file provider here hands out views of the
+memory-mapped GGUF (uploaded to the compute device when that is a GPU); the expert cache
+(``cache.ExpertCache``) serves the same protocol from its arena slots.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from strata.engine.gguf_index import GGUFIndex
+from strata.engine.experts.slots import ExpertKey, UsageCounts
+from strata.engine.gguf_index import ExpertBlob, GGUFIndex
 from strata.engine.layers.weights import QWeight
+
+# Decayed usage halves every this many forward steps: recent routing dominates what the cache
+# keeps, without forgetting a whole conversation's worth of history at once.
+USAGE_HALF_LIFE_STEPS = 1024
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,12 @@ class ProviderStats:
 
 class ExpertProvider(Protocol):
     stats: ProviderStats
+    usage: UsageCounts  # decayed counts: what is hot now
+    totals: Counter[ExpertKey]  # plain counts of this run: what the profile keeps
 
     def expert(self, layer: int, expert: int) -> ExpertWeights: ...
+
+    def step(self) -> None: ...
 
 
 class FileExpertProvider:
@@ -53,9 +64,22 @@ class FileExpertProvider:
         self.index = index
         self.device = torch.device(device)
         self.stats = ProviderStats(cached=False)
+        self.usage = UsageCounts(USAGE_HALF_LIFE_STEPS)
+        self.totals: Counter[ExpertKey] = Counter()
+
+    def record(self, key: ExpertKey) -> None:
+        self.usage.record((key,))
+        self.totals[key] += 1
+
+    def step(self) -> None:
+        self.usage.tick()
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
-        blob = self.index.expert(layer, expert)
+        self.record((layer, expert))
+        return self.from_file(self.index.expert(layer, expert))
+
+    def from_file(self, blob: ExpertBlob) -> ExpertWeights:
+        """The expert's runs from the mapped file (uploaded when computing on a GPU): a miss."""
         self.stats.misses += 1
         self.stats.bytes_from_file += blob.nbytes
         gate, up, down = (

@@ -138,6 +138,7 @@ class MoEDecoder:
             h = rms_norm(x, b.ffn_norm, eps)
             x = x + moe(h, b.router, self.moe_shape, self.provider, i)
         kv.length = start + tokens.shape[0]
+        self.provider.step()
         if last_only:
             x = x[-1:]
         return linear(rms_norm(x, self.out_norm, eps), self.output)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def strata(*argv: str, tmp: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
-    env.update(XDG_CACHE_HOME=str(tmp / "cache"), XDG_CONFIG_HOME=str(tmp / "config"))
+    env.update(
+        XDG_CACHE_HOME=str(tmp / "cache"),
+        XDG_CONFIG_HOME=str(tmp / "config"),
+        XDG_STATE_HOME=str(tmp / "state"),
+    )
     return subprocess.run(
         [sys.executable, "-m", "strata", "generate", *argv],
         env=env,
@@ -110,3 +115,22 @@ def test_prompt_beyond_the_context_exits_2_naming_both_numbers(tiny: Path, tmp_p
                   "--max-tokens", "100", tmp=tmp_path)  # fmt: skip
     assert proc.returncode == 2
     assert "max_tokens 100" in proc.stderr and "context length of 64" in proc.stderr
+
+
+def test_cache_mib_reports_the_effective_size_and_hit_rate(tiny: Path, tmp_path: Path) -> None:
+    proc = strata("--model", str(tiny), "--prompt", "Hello", "--max-tokens", "8",
+                  "--temperature", "0", "--cache-mib", "13", "--arena-chunk-mib", "2",
+                  tmp=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    # 1.5 MiB slots: 13 MiB holds 8 whole slots (12 MiB)
+    assert "[expert cache: 8 of 32 experts, 12 MiB]" in proc.stderr
+    assert re.search(r"expert cache hit rate \d+\.\d%", proc.stderr), proc.stderr
+    profiles = list((tmp_path / "state" / "strata" / "profiles").glob("*.json"))
+    assert len(profiles) == 1, "the run's expert usage is saved for the next start"
+
+
+def test_without_a_cache_the_hit_rate_says_so(tiny: Path, tmp_path: Path) -> None:
+    proc = strata("--model", str(tiny), "--prompt", "Hello", "--max-tokens", "4",
+                  "--cache-mib", "0", tmp=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "hit rate n/a (no expert cache" in proc.stderr

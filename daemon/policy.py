@@ -1,0 +1,422 @@
+"""The cache-size policy: a pure function from what the daemon sees to the size the cache should be.
+
+``decide(now_ms, device, cache, book, lease_usage, cfg, state)`` reads no clock, touches no
+device and keeps no hidden state: history lives in the immutable :class:`PolicyState` that each
+:class:`Decision` carries forward. The service calls it every ``elastic_period_ms`` and at each
+request's start, and applies ``target_mib`` at the next safe point (architecture §3).
+
+The rules, all sizes in MiB:
+
+* **Tenants** are the other programs on the GPU: ``total - free - ours`` (never negative), where
+  *ours* is the arena's mapped memory plus the engine's own allocations. Strata's activations and
+  K/V are in *ours*, so they never look like a tenant.
+* **Room kept free** = ``max(elastic_reserve_mib, the run-time reserve, the largest hold)`` plus,
+  for each lease, the part its borrower has not allocated yet (see :func:`lease_allocations`).
+* **Goal** = ``total - tenants - fixed - room``, clamped to ``[core, max]`` and to
+  ``vram_max_mib - fixed`` when set; the core always wins (never below it, no negative numbers,
+  whatever the reserve). At the goal, ``free == room`` exactly when ``ours == size + fixed``.
+* **Shrink** (goal < size). An *explicit* request — a raised reserve or hold, a new lease, a
+  ``vram_max_mib`` or ``max`` below the current size — shrinks by its whole amount in one
+  decision (``urgent=True``). Everything else is *NVML-driven* (a tenant grew): at most
+  ``elastic_shrink_step_mib`` below the current size per decision (``urgent=False``).
+  Explicit is recognised from the history, not from a flag the caller passes: the state records
+  the base room and the lease cookies of the previous decision, and a larger base room or an
+  unseen cookie is new explicit demand. The urgent target then stays in the state until the cache
+  has reached it (or it is no longer needed), so a periodic check that runs before the safe point
+  can never turn it back into a one-step shrink.
+* **Grow** (goal > size) only once the room has lasted the current stable time without a break,
+  and then to the goal in one decision. A shrink that comes within ``stable_backoff_reset_ms`` of
+  a growth doubles the stable time (oscillation damping, at most up to
+  ``max(elastic_stable_ms, stable_backoff_reset_ms)``); ``stable_backoff_reset_ms`` without such
+  a shrink brings it back to ``elastic_stable_ms``.
+
+Reasons a decision gives: ``tenant`` (NVML-driven step), ``reserve``, ``lease``, a hold's source
+name such as ``gamemode`` (explicit shrinks), ``vram_max`` / ``max`` (the size is above the cap),
+``room`` (growth), ``waiting`` (room seen, not yet stable), ``core`` (held at the core: growing
+back to it, or unable to go lower), ``steady`` (no change).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from strata.daemon.leases import BookView, Lease, is_int
+
+ELASTIC_RESERVE = "elastic_reserve"
+
+
+def _whole(owner: str, name: str, value: object, minimum: int) -> None:
+    if not is_int(value):
+        raise ValueError(f"{owner}{name}: expected a whole number, got {value!r}")
+    if value < minimum:  # type: ignore[operator]
+        raise ValueError(f"{owner}{name}: expected at least {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The policy's knobs (the service builds this from ``StrataConfig``)."""
+
+    elastic_reserve_mib: int = 500
+    elastic_stable_ms: int = 5000
+    elastic_shrink_step_mib: int = 1024
+    stable_backoff_reset_ms: int = 300_000
+    vram_max_mib: int | None = None
+
+    def __post_init__(self) -> None:
+        _whole("", "elastic_reserve_mib", self.elastic_reserve_mib, 0)
+        _whole("", "elastic_stable_ms", self.elastic_stable_ms, 0)
+        _whole("", "elastic_shrink_step_mib", self.elastic_shrink_step_mib, 1)
+        _whole("", "stable_backoff_reset_ms", self.stable_backoff_reset_ms, 0)
+        if self.vram_max_mib is not None:
+            _whole("", "vram_max_mib", self.vram_max_mib, 1)
+
+    @property
+    def stable_max_ms(self) -> int:
+        """Doubling stops here: beyond it the reset would come before the room could last."""
+        return max(self.elastic_stable_ms, self.stable_backoff_reset_ms)
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """One reading of the device. ``ours_mib``: the arena's mapped memory plus the engine's own
+    allocations (what Strata really holds, never the policy's target)."""
+
+    total_mib: int
+    free_mib: int
+    ours_mib: int
+
+    def __post_init__(self) -> None:
+        for name in ("total_mib", "free_mib", "ours_mib"):
+            _whole("DeviceView.", name, getattr(self, name), 0)
+
+    @property
+    def tenants_mib(self) -> int:
+        """Other programs' usage. Readings taken a moment apart can make this negative: 0."""
+        return max(0, self.total_mib - self.free_mib - self.ours_mib)
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """The expert cache: its current (mapped) size, fixed core, largest size (the whole expert
+    set or the reservation), and the engine's own non-cache memory (weights outside the experts,
+    K/V, workspaces; it is part of ``DeviceView.ours_mib``)."""
+
+    size_mib: int
+    core_mib: int
+    max_mib: int
+    fixed_mib: int
+
+    def __post_init__(self) -> None:
+        for name in ("size_mib", "core_mib", "max_mib", "fixed_mib"):
+            _whole("CacheView.", name, getattr(self, name), 0)
+        if self.core_mib > self.max_mib:
+            raise ValueError(
+                f"CacheView: core_mib {self.core_mib} is larger than max_mib {self.max_mib}"
+            )
+
+
+@dataclass(frozen=True)
+class LeaseUsage:
+    """What a lease's borrower has allocated *since its Borrow* (the service subtracts the PID's
+    usage at Borrow time), from NVML's per-process usage; None where the driver does not say."""
+
+    cookie: int
+    allocated_mib: int | None
+
+    def __post_init__(self) -> None:
+        if self.allocated_mib is not None:
+            _whole("LeaseUsage.", "allocated_mib", self.allocated_mib, 0)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """The policy's memory between decisions; start from :meth:`initial`.
+
+    * ``stable_ms``: how long room must last before the cache grows (doubles, then resets);
+    * ``room_since_ms``: when the current unbroken stretch of room began (None: no room now);
+    * ``last_growth_ms``: the last growth not yet followed by a shrink (a shrink within
+      ``stable_backoff_reset_ms`` of it doubles ``stable_ms``);
+    * ``last_shrink_after_growth_ms``: when ``stable_ms`` last doubled (the reset counts from it);
+    * ``base_room_mib``, ``known_cookies``: the base room and the leases of the last decision, to
+      recognise new explicit demand (``initial`` starts from the automatic reserve; None: count
+      nothing as new);
+    * ``urgent_target_mib``, ``urgent_reason``: an explicit shrink the cache has not reached yet.
+    """
+
+    stable_ms: float
+    room_since_ms: float | None = None
+    last_growth_ms: float | None = None
+    last_shrink_after_growth_ms: float | None = None
+    base_room_mib: int | None = None
+    known_cookies: frozenset[int] = frozenset()
+    urgent_target_mib: int | None = None
+    urgent_reason: str | None = None
+
+    @classmethod
+    def initial(cls, cfg: PolicyConfig) -> PolicyState:
+        # The automatic reserve is the room the cache was sized for before any request.
+        return cls(stable_ms=cfg.elastic_stable_ms, base_room_mib=cfg.elastic_reserve_mib)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The arithmetic behind a decision, for the log and the status.
+
+    ``owed_mib``: per lease cookie, the part its borrower has not allocated yet (kept free);
+    ``available_mib``: ``total - tenants - fixed - room`` (may be negative); ``cap_mib``: the
+    largest size allowed (``max_mib``, or ``vram_max_mib - fixed`` when that is lower, reason
+    ``"vram_max"``); ``goal_mib``: ``available`` clamped to ``[core, cap]``, the core winning.
+    """
+
+    tenants_mib: int
+    base_mib: int
+    base_source: str
+    owed_mib: Mapping[int, int]
+    room_mib: int
+    available_mib: int
+    cap_mib: int
+    cap_reason: str
+    goal_mib: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the cache should be now; ``state`` goes into the next call."""
+
+    target_mib: int
+    reason: str
+    urgent: bool
+    state: PolicyState
+    budget: Budget
+    explain: str
+
+    @property
+    def room_kept_mib(self) -> int:
+        return self.budget.room_mib
+
+    @property
+    def tenants_mib(self) -> int:
+        return self.budget.tenants_mib
+
+    @property
+    def goal_mib(self) -> int:
+        """Where the policy is heading: the target without the step limit or the stable wait."""
+        return self.budget.goal_mib
+
+
+def base_room(cfg: PolicyConfig, reserve_mib: int, holds: Mapping[str, int]) -> tuple[int, str]:
+    """``max(automatic reserve, run-time reserve, largest hold)`` and which of them it is."""
+    best, source = cfg.elastic_reserve_mib, ELASTIC_RESERVE
+    if reserve_mib > best:
+        best, source = reserve_mib, "reserve"
+    for name, mib in sorted(holds.items()):
+        if mib > best:
+            best, source = mib, name
+    return best, source
+
+
+def lease_allocations(
+    leases: Iterable[Lease], usage: Sequence[LeaseUsage], tenants_mib: int
+) -> dict[int, int]:
+    """How much of each lease its borrower has allocated, in ``[0, lease]``, by cookie.
+
+    Measured per PID where ``usage`` has a number. Otherwise estimated as the growth of tenant
+    usage since the Borrow, newest lease first, each lease taking only the growth the newer
+    leases' borrowers have not already accounted for (their allocations happened after the older
+    Borrow too), so one program's growth is never counted twice. The estimate cannot tell the
+    borrower from another program that grows at the same time; both count as the borrower's.
+    A lease with neither a measurement nor a tenant reading at Borrow counts as unallocated.
+    """
+    measured = {u.cookie: u.allocated_mib for u in usage}
+    out: dict[int, int] = {}
+    newer = 0
+    for lease in sorted(leases, key=lambda lease: lease.cookie, reverse=True):
+        got = measured.get(lease.cookie)
+        if got is None:
+            at_borrow = lease.tenant_used_at_borrow_mib
+            got = 0 if at_borrow is None else tenants_mib - at_borrow - newer
+        got = min(max(got, 0), lease.mib)
+        out[lease.cookie] = got
+        newer += got
+    return out
+
+
+def budget(
+    device: DeviceView,
+    cache: CacheView,
+    book: BookView,
+    lease_usage: Sequence[LeaseUsage],
+    cfg: PolicyConfig,
+) -> Budget:
+    """The room to keep free and the size it leaves for the cache (steps 1 and 2 of the rules)."""
+    tenants = device.tenants_mib
+    base, base_source = base_room(cfg, book.reserve_mib, book.holds)
+    allocated = lease_allocations(book.leases, lease_usage, tenants)
+    owed = {lease.cookie: lease.mib - allocated[lease.cookie] for lease in book.leases}
+    room = base + sum(owed.values())
+    available = device.total_mib - tenants - cache.fixed_mib - room
+    cap, cap_reason = cache.max_mib, "max"
+    if cfg.vram_max_mib is not None and cfg.vram_max_mib - cache.fixed_mib < cap:
+        cap, cap_reason = max(0, cfg.vram_max_mib - cache.fixed_mib), "vram_max"
+    goal = max(cache.core_mib, min(available, cap))
+    return Budget(
+        tenants, base, base_source, MappingProxyType(owed), room, available, cap, cap_reason, goal
+    )
+
+
+def decide(
+    now_ms: float,
+    device: DeviceView,
+    cache: CacheView,
+    book: BookView,
+    lease_usage: Sequence[LeaseUsage],
+    cfg: PolicyConfig,
+    state: PolicyState,
+) -> Decision:
+    """The cache size for this moment and the state for the next call (see the module doc)."""
+    if isinstance(now_ms, bool) or not isinstance(now_ms, int | float) or not math.isfinite(now_ms):
+        raise ValueError(f"now_ms: expected a finite number of milliseconds, got {now_ms!r}")
+    b = budget(device, cache, book, lease_usage, cfg)
+    size, core, goal = cache.size_mib, cache.core_mib, b.goal_mib
+
+    # Oscillation damping: back to the base stable time after a quiet stretch.
+    stable = state.stable_ms
+    damped_at = state.last_shrink_after_growth_ms
+    if damped_at is not None and now_ms - damped_at >= cfg.stable_backoff_reset_ms:
+        stable, damped_at = cfg.elastic_stable_ms, None
+
+    urgent_target, urgent_reason = _urgent(size, core, b, book, state)
+    room_since, grown_at = state.room_since_ms, state.last_growth_ms
+    if goal < size:
+        room_since = None
+        if urgent_target is not None:
+            # The explicit part at once, plus at most one step for what the tenants did.
+            target = max(goal, urgent_target - cfg.elastic_shrink_step_mib)
+            target = urgent_target if goal == urgent_target else target
+            reason, urgent = urgent_reason or "lease", True
+        else:
+            target = max(goal, size - cfg.elastic_shrink_step_mib)
+            reason, urgent = "tenant", False
+        if grown_at is not None:
+            if now_ms - grown_at < cfg.stable_backoff_reset_ms:
+                stable, damped_at = min(stable * 2, cfg.stable_max_ms), now_ms
+            grown_at = None
+    elif goal > size:
+        if room_since is None or room_since > now_ms:  # a clock that went back restarts the wait
+            room_since = now_ms
+        urgent = False
+        if now_ms - room_since >= stable:
+            target, reason, grown_at, room_since = goal, "room", now_ms, None
+        elif size < core:
+            target, reason = core, "core"
+        else:
+            target, reason = size, "waiting"
+    else:
+        room_since, urgent, target = None, False, size
+        reason = "core" if size == core and b.available_mib < core else "steady"
+
+    next_state = PolicyState(
+        stable_ms=stable,
+        room_since_ms=room_since,
+        last_growth_ms=grown_at,
+        last_shrink_after_growth_ms=damped_at,
+        base_room_mib=b.base_mib,
+        known_cookies=frozenset(lease.cookie for lease in book.leases),
+        urgent_target_mib=urgent_target,
+        urgent_reason=urgent_reason,
+    )
+    explain = _explain(now_ms, device, cache, cfg, book, b, target, reason, next_state)
+    return Decision(target, reason, urgent, next_state, b, explain)
+
+
+def _urgent(
+    size: int, core: int, b: Budget, book: BookView, state: PolicyState
+) -> tuple[int | None, str | None]:
+    """The explicit shrink still owed: the previous one if the cache has not reached it, lowered
+    by new demand (a larger base room, leases not seen before) and by a cap below the size; never
+    lower than the goal (the room no longer needs it) and None once the size is at or below it."""
+    target, reason = state.urgent_target_mib, state.urgent_reason
+    if target is not None and size <= target:
+        target = reason = None
+    new_base = 0 if state.base_room_mib is None else max(0, b.base_mib - state.base_room_mib)
+    new_leases = sum(lease.mib for lease in book.leases if lease.cookie not in state.known_cookies)
+    if new_base or new_leases:
+        start = size if target is None else min(size, target)
+        target = start - new_base - new_leases
+        reason = b.base_source if new_base >= new_leases else "lease"
+    ceiling = max(core, b.cap_mib)
+    if size > ceiling and (target is None or target > ceiling):
+        target, reason = ceiling, b.cap_reason
+    if target is not None:
+        target = max(target, b.goal_mib)
+        if target >= size:
+            target = reason = None
+    return target, reason
+
+
+def _explain(
+    now_ms: float,
+    device: DeviceView,
+    cache: CacheView,
+    cfg: PolicyConfig,
+    book: BookView,
+    b: Budget,
+    target: int,
+    reason: str,
+    state: PolicyState,
+) -> str:
+    """One line for the log and the status: the room and why, the tenants, the action."""
+    base_name = {ELASTIC_RESERVE: "automatic", "reserve": "reserve"}.get(
+        b.base_source, f"hold {b.base_source}"
+    )
+    parts = [f"{base_name} {b.base_mib}"]
+    parts += [
+        f"lease {lease.cookie}: {b.owed_mib[lease.cookie]} of {lease.mib} not yet allocated"
+        for lease in book.leases
+    ]
+    text = [f"keep {b.room_mib} MiB free ({'; '.join(parts)})"]
+    text.append(f"other programs use {b.tenants_mib} MiB")
+
+    size = cache.size_mib
+    if target < size:
+        how = {
+            "tenant": f"one step of at most {cfg.elastic_shrink_step_mib} MiB: other programs grew",
+            "lease": "all at once: a new lease",
+            "reserve": "all at once: the reserve was raised",
+            "vram_max": f"all at once: vram_max_mib is {cfg.vram_max_mib}",
+            "max": f"all at once: the cache's largest size is {cache.max_mib}",
+        }.get(reason, f"all at once: the {reason} hold")
+        text.append(f"shrink {size} -> {target} MiB ({how})")
+    elif target > size and reason == "room":
+        text.append(f"grow {size} -> {target} MiB (the room lasted {state.stable_ms / 1000:g} s)")
+    elif target > size:
+        text.append(f"grow {size} -> {target} MiB (back to the core at once)")
+    elif reason == "waiting":
+        waited = now_ms - (state.room_since_ms if state.room_since_ms is not None else now_ms)
+        text.append(
+            f"room for {b.goal_mib - size} MiB more; grow once it has lasted "
+            f"{state.stable_ms / 1000:g} s ({waited / 1000:g} s so far)"
+        )
+    else:
+        text.append(f"no change at {size} MiB")
+
+    free_at_core = device.total_mib - b.tenants_mib - cache.fixed_mib - cache.core_mib
+    if b.room_mib > free_at_core:
+        what = f"the room to keep ({b.room_mib} MiB)"
+        if b.base_mib > free_at_core and b.base_source != ELASTIC_RESERVE:
+            what = f"the {base_name} of {b.base_mib} MiB"
+        text.append(
+            f"{what} cannot be met: even at its core ({cache.core_mib} MiB) the cache "
+            f"leaves {max(0, free_at_core)} MiB free of {device.total_mib} MiB"
+        )
+    if b.cap_reason == "vram_max" and b.cap_mib < cache.core_mib:
+        text.append(
+            f"vram_max_mib {cfg.vram_max_mib} is below the core plus the engine's memory "
+            f"({cache.core_mib} + {cache.fixed_mib} MiB): the cache stays at its core"
+        )
+    if state.stable_ms != cfg.elastic_stable_ms:
+        text.append(f"stable time {state.stable_ms / 1000:g} s after an oscillation")
+    return "; ".join(text)

@@ -1,0 +1,251 @@
+"""The expert cache: routed experts in fixed-size slots of an elastic arena.
+
+The first ``core_slots`` slots are the fixed core (never shrunk, never a relocation target); the
+rest is the elastic tail. Each slot holds one expert's gate, up and down byte runs, copied verbatim
+from the GGUF file, so a hit is dequantised by exactly the code a miss is: residency never changes
+the numbers. The slot table tags every slot with (layer, expert, generation); a lookup whose tag
+does not match raises instead of computing with the wrong expert.
+
+Resizing happens only at safe points (between forward steps): ``resize`` grows by filling the new
+tail slots with the hottest missing experts, and shrinks by first moving the hottest experts of the
+removed slots into the coldest surviving ones, then unmapping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from strata.engine.experts.profile import UsageProfile
+from strata.engine.experts.provider import ExpertWeights, FileExpertProvider
+from strata.engine.experts.slots import (
+    CacheSizes,
+    ExpertKey,
+    Fill,
+    SlotTable,
+    UsageCounts,
+    plan_sizes,
+)
+from strata.engine.gguf_index import ExpertBlob, GGUFIndex
+from strata.engine.layers.weights import QWeight
+from strata.vmm.arena import ElasticArena, create_arena
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
+RUN_ALIGN = 256  # each run starts 256-byte aligned in its slot (fp16 fields, vector loads)
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def run_offsets(blob: ExpertBlob) -> tuple[int, int, int]:
+    """Where gate, up and down start inside a slot."""
+    gate = 0
+    up = _align(blob.gate.nbytes, RUN_ALIGN)
+    down = up + _align(blob.up.nbytes, RUN_ALIGN)
+    return gate, up, down
+
+
+def slot_bytes_for(index: GGUFIndex) -> int:
+    """One slot fits the largest expert (files mix types per layer, e.g. Q4_K_M's Q6_K downs)."""
+    largest = max(run_offsets(b)[2] + b.down.nbytes for b in index.iter_experts())
+    return _align(largest, RUN_ALIGN)
+
+
+def model_key(index: GGUFIndex) -> str:
+    """Identity of a model for its usage profile: architecture, shape, size and file name."""
+    n_layer = len({layer for layer, _ in index.experts})
+    n_expert = len(index.experts) // max(1, n_layer)
+    size = index.path.stat().st_size
+    return f"{index.arch}:{n_layer}x{n_expert}:{size}:{index.path.name}"
+
+
+@dataclass(frozen=True)
+class ResizeResult:
+    """What one resize did: slot counts before and after, experts copied, and how long it took."""
+
+    from_slots: int
+    to_slots: int
+    copied: int
+    seconds: float
+
+
+class ExpertCache:
+    """An :class:`ExpertProvider` that serves cached experts from arena slots and the rest from
+    the file (the RAM tier is the file's page cache for now)."""
+
+    def __init__(
+        self,
+        index: GGUFIndex,
+        arena: ElasticArena,
+        sizes: CacheSizes,
+        slot_bytes: int,
+        device: torch.device,
+        order: Sequence[ExpertKey],
+    ) -> None:
+        self.index = index
+        self.arena = arena
+        self.sizes = sizes
+        self.slot_bytes = slot_bytes
+        self.device = device
+        self.file = FileExpertProvider(index, device)
+        self.stats = self.file.stats
+        self.stats.cached = True
+        self.usage: UsageCounts = self.file.usage
+        self.totals: Counter[ExpertKey] = self.file.totals
+        self.table = SlotTable(sizes.core_slots, len(index.experts))
+        # Fill order when nothing is hot yet: the profile's order, then (layer, expert).
+        seen = set(order)
+        self.order = list(order) + sorted(k for k in index.experts if k not in seen)
+        self.resizes = 0
+
+    # -- creation -------------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        index: GGUFIndex,
+        device: torch.device,
+        budget_bytes: int,
+        tail_bytes: int | None,
+        chunk_bytes: int,
+        profile: UsageProfile | None = None,
+    ) -> ExpertCache:
+        """A cache of the most whole slots that fit ``budget_bytes`` (at most every expert),
+        filled in the profile's order. The arena reserves room for every expert, so the cache can
+        later grow to the whole set without its addresses moving."""
+        slot_bytes = slot_bytes_for(index)
+        sizes = plan_sizes(budget_bytes, slot_bytes, len(index.experts), tail_bytes)
+        reserved = max(_align(len(index.experts) * slot_bytes, chunk_bytes), chunk_bytes)
+        backend = "cuda" if device.type == "cuda" else "host"
+        arena = create_arena(backend, reserved, chunk_bytes, device.index or 0)
+        cache = cls(index, arena, sizes, slot_bytes, device, profile.ranked() if profile else [])
+        cache.resize(sizes.total_slots)
+        log.info(
+            "expert cache: %d of %d experts (%.0f MiB; core %d slots, tail %d) of %.2f MiB each, "
+            "%s arena of %.0f MiB reserved in %d MiB chunks",
+            cache.table.n_slots,
+            len(index.experts),
+            cache.table.n_slots * slot_bytes / MiB,
+            sizes.core_slots,
+            sizes.tail_slots,
+            slot_bytes / MiB,
+            backend,
+            reserved / MiB,
+            chunk_bytes // MiB,
+        )
+        return cache
+
+    # -- the provider protocol ------------------------------------------------------------------
+
+    def step(self) -> None:
+        self.file.step()
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        key = (layer, expert)
+        self.file.record(key)
+        blob = self.index.expert(layer, expert)
+        slot = self.table.slot_of(key)
+        if slot is None:
+            return self.file.from_file(blob)
+        self.table.check(slot, key)  # a wrong expert is an error, never a plausible answer
+        self.stats.hits += 1
+        self.stats.bytes_from_cache += blob.nbytes
+        base = slot * self.slot_bytes
+        gate, up, down = (
+            QWeight.of_run(self.arena.view(base + off, run.nbytes), run)
+            for off, run in zip(run_offsets(blob), blob.runs, strict=True)
+        )
+        return ExpertWeights(gate, up, down)
+
+    # -- sizes ----------------------------------------------------------------------------------
+
+    @property
+    def n_slots(self) -> int:
+        return self.table.n_slots
+
+    @property
+    def size_bytes(self) -> int:
+        return self.table.n_slots * self.slot_bytes
+
+    @property
+    def core_bytes(self) -> int:
+        return self.sizes.core_slots * self.slot_bytes
+
+    @property
+    def max_slots(self) -> int:
+        return self.table.max_slots
+
+    def slots_for_bytes(self, nbytes: int) -> int:
+        """The most whole slots that fit ``nbytes``, between the core and the whole set."""
+        return max(self.sizes.core_slots, min(nbytes // self.slot_bytes, self.table.max_slots))
+
+    def _mapped_for(self, n_slots: int) -> int:
+        return _align(n_slots * self.slot_bytes, self.arena.chunk_bytes) if n_slots else 0
+
+    def resize(self, n_slots: int) -> ResizeResult:
+        """Grow or shrink to ``n_slots`` (call at a safe point only). A grow that cannot get all
+        its memory stops at the slots it got; the cache never goes below its core."""
+        if not self.sizes.core_slots <= n_slots <= self.table.max_slots:
+            raise ValueError(
+                f"cache size of {n_slots} slots is outside [{self.sizes.core_slots} (the core), "
+                f"{self.table.max_slots} (every expert)]"
+            )
+        t0 = time.perf_counter()
+        before = self.table.n_slots
+        copied = self._grow(n_slots) if n_slots > before else self._shrink(n_slots)
+        result = ResizeResult(before, self.table.n_slots, copied, time.perf_counter() - t0)
+        if result.from_slots != result.to_slots:
+            self.resizes += 1
+        return result
+
+    def _grow(self, n_slots: int) -> int:
+        self.arena.resize(max(self.arena.mapped_bytes, self._mapped_for(n_slots)))
+        got = min(n_slots, self.arena.mapped_bytes // self.slot_bytes)
+        if got < n_slots:
+            log.warning("expert cache grow to %d slots got memory for %d only", n_slots, got)
+        ranked = self.usage.ranked(self.order)
+        # empty slots below the old top first (the core at creation), then the new tail slots;
+        # one plan's fills are executed before the next plan is made
+        copied = self._fill(self.table.plan_fill(ranked))
+        copied += self._fill(self.table.plan_grow(got, self.usage.ranked(self.order)))
+        self._sync()
+        return copied
+
+    def _fill(self, fills: Sequence[Fill]) -> int:
+        for fill in fills:
+            # bytes first, then the tag: until assign() the slot is a miss, never a wrong expert
+            self._copy_in(fill.slot, self.index.expert(*fill.key))
+            self.table.assign(fill.slot, fill.key)
+        return len(fills)
+
+    def _shrink(self, n_slots: int) -> int:
+        moves = self.table.plan_shrink(n_slots, self.usage.hotness)
+        for move in moves:
+            blob = self.index.expert(*move.key)
+            n = run_offsets(blob)[2] + blob.down.nbytes
+            src = self.arena.view(move.src * self.slot_bytes, n)
+            self.arena.view(move.dst * self.slot_bytes, n).copy_(src)
+        self._sync()  # every copy lands before a chunk goes away
+        self.arena.resize(self._mapped_for(n_slots))
+        return len(moves)
+
+    def _copy_in(self, slot: int, blob: ExpertBlob) -> None:
+        base = slot * self.slot_bytes
+        for off, run in zip(run_offsets(blob), blob.runs, strict=True):
+            dst = self.arena.view(base + off, run.nbytes)
+            dst.copy_(self.index.raw(run.offset, run.nbytes), non_blocking=False)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.arena.close()
