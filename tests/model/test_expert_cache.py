@@ -19,7 +19,9 @@ CHUNK_MIB = 2
 
 
 @pytest.fixture(
-    params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["host", "cuda"], scope="module"
+    params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)],
+    ids=["host", "cuda"],
+    scope="module",
 )
 def device(request: pytest.FixtureRequest) -> str:
     if request.param == "cuda" and not torch.cuda.is_available():
