@@ -31,3 +31,13 @@ class CudaError(BackendError):
         super().__init__(f"{call} failed: {result}")
         self.call = call
         self.result = result
+
+
+class MonitorError(VmmError):
+    """A VRAM monitor that cannot be created as configured: an unknown kind, a simulated-VRAM file
+    that is missing or malformed, a CUDA device that matches no NVML device (``find_nvml_index``;
+    the NVML monitor turns that one into its warning rather than a crash). The message names the
+    file or the device looked for and what was found instead.
+
+    A monitor that stops working *at run time* never raises this: it logs one warning, sets
+    ``healthy = False`` and returns ``None`` from ``sample()``."""
