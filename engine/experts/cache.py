@@ -190,16 +190,21 @@ class ExpertCache:
     def _mapped_for(self, n_slots: int) -> int:
         return _align(n_slots * self.slot_bytes, self.arena.chunk_bytes) if n_slots else 0
 
-    def resize(self, n_slots: int) -> ResizeResult:
-        """Grow or shrink to ``n_slots`` (call at a safe point only). A grow that cannot get all
-        its memory stops at the slots it got; the cache never goes below its core."""
+    def resize(self, n_slots: int, max_shrink: int | None = None) -> ResizeResult:
+        """Grow or shrink to ``n_slots`` (call at a safe point only). A shrink removes at most
+        ``max_shrink`` slots per call when given; a grow that cannot get all its memory stops at
+        the slots it got; the cache never goes below its core."""
         if not self.sizes.core_slots <= n_slots <= self.table.max_slots:
             raise ValueError(
                 f"cache size of {n_slots} slots is outside [{self.sizes.core_slots} (the core), "
                 f"{self.table.max_slots} (every expert)]"
             )
+        if max_shrink is not None and max_shrink < 1:
+            raise ValueError(f"max_shrink of {max_shrink} slots must be at least 1")
         t0 = time.perf_counter()
         before = self.table.n_slots
+        if max_shrink is not None:
+            n_slots = max(n_slots, before - max_shrink)
         copied = self._grow(n_slots) if n_slots > before else self._shrink(n_slots)
         result = ResizeResult(before, self.table.n_slots, copied, time.perf_counter() - t0)
         if result.from_slots != result.to_slots:

@@ -195,6 +195,21 @@ def test_shrink_moves_the_hottest_tail_experts_into_the_coldest_survivors(
     e.close()
 
 
+def test_shrink_removes_at_most_the_step_per_call(model_path, device) -> None:
+    probe = load(model_path, "cpu", 0)
+    e = load(model_path, device, all_mib(probe))
+    cache = e.cache
+    start = cache.n_slots
+    steps = []
+    while cache.n_slots > cache.sizes.core_slots:
+        r = cache.resize(cache.sizes.core_slots, max_shrink=3)
+        steps.append(r.from_slots - r.to_slots)
+    assert all(1 <= s <= 3 for s in steps) and sum(steps) == start - cache.sizes.core_slots
+    with pytest.raises(ValueError, match="max_shrink of 0"):
+        cache.resize(cache.sizes.core_slots, max_shrink=0)
+    e.close()
+
+
 def test_shrink_returns_host_memory(model_path) -> None:
     probe = load(model_path, "cpu", 0)
     e = load(model_path, "cpu", all_mib(probe))
