@@ -244,7 +244,8 @@ class LeaseBook:
 
 def max_freeable_mib(device_total_mib: int, core_mib: int, engine_fixed_mib: int) -> int:
     """The most Strata can ever free: device total - the cache's core - the engine's fixed memory
-    (never negative). Other programs' usage does not count: they may exit."""
+    (never negative). Other programs' usage does not count: they may exit. Pass as the total what
+    processes can hold (NVML used + free), not the memory the driver keeps for itself."""
     for name, value in (
         ("device_total_mib", device_total_mib),
         ("core_mib", core_mib),

@@ -7,14 +7,15 @@ request's start, and applies ``target_mib`` at the next safe point (architecture
 
 The rules, all sizes in MiB:
 
-* **Tenants** are the other programs on the GPU: ``total - free - ours`` (never negative), where
+* **Tenants** are the other programs on the GPU: ``used - ours`` (never negative), where
   *ours* is the arena's mapped memory plus the engine's own allocations. Strata's activations and
   K/V are in *ours*, so they never look like a tenant.
 * **Room kept free** = ``max(elastic_reserve_mib, the run-time reserve, the largest hold)`` plus,
   for each lease, the part its borrower has not allocated yet (see :func:`lease_allocations`).
-* **Goal** = ``total - tenants - fixed - room``, clamped to ``[core, max]`` and to
-  ``vram_max_mib - fixed`` when set; the core always wins (never below it, no negative numbers,
-  whatever the reserve). At the goal, ``free == room`` exactly when ``ours == size + fixed``.
+* **Goal** = ``usable - tenants - fixed - room`` (usable: used + free, the total less what the
+  driver keeps for itself), clamped to ``[core, max]`` and to ``vram_max_mib - fixed`` when set;
+  the core always wins (never below it, no negative numbers, whatever the reserve). At the goal,
+  ``free == room`` exactly when ``ours == size + fixed``.
 * **Shrink** (goal < size). An *explicit* request — a raised reserve or hold, a new lease, a
   ``vram_max_mib`` or ``max`` below the current size — shrinks by its whole amount in one
   decision (``urgent=True``). Everything else is *NVML-driven* (a tenant grew): at most
@@ -81,21 +82,35 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class DeviceView:
-    """One reading of the device. ``ours_mib``: the arena's mapped memory plus the engine's own
-    allocations (what Strata really holds, never the policy's target)."""
+    """One reading of the device (``vmm.monitor.VramSample`` in MiB). ``ours_mib``: the arena's
+    mapped memory plus the engine's own allocations (what Strata really holds, never the policy's
+    target). ``used_mib``: memory allocated by processes, Strata included; memory the driver keeps
+    for itself is in neither used nor free. Without it, everything not free counts as used."""
 
     total_mib: int
     free_mib: int
     ours_mib: int
+    used_mib: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("total_mib", "free_mib", "ours_mib"):
             _whole("DeviceView.", name, getattr(self, name), 0)
+        if self.used_mib is not None:
+            _whole("DeviceView.", "used_mib", self.used_mib, 0)
+
+    @property
+    def usable_mib(self) -> int:
+        """What processes can hold at all: used + free (the total less the driver's reserve)."""
+        if self.used_mib is None:
+            return self.total_mib
+        return min(self.total_mib, self.used_mib + self.free_mib)
 
     @property
     def tenants_mib(self) -> int:
-        """Other programs' usage. Readings taken a moment apart can make this negative: 0."""
-        return max(0, self.total_mib - self.free_mib - self.ours_mib)
+        """Other programs' usage: used - ours. Readings taken a moment apart can make it
+        negative: 0."""
+        used = self.total_mib - self.free_mib if self.used_mib is None else self.used_mib
+        return max(0, used - self.ours_mib)
 
 
 @dataclass(frozen=True)
@@ -143,7 +158,8 @@ class PolicyState:
     * ``base_room_mib``, ``known_cookies``: the base room and the leases of the last decision, to
       recognise new explicit demand (``initial`` starts from the automatic reserve; None: count
       nothing as new);
-    * ``urgent_target_mib``, ``urgent_reason``: an explicit shrink the cache has not reached yet.
+    * ``urgent_target_mib``, ``urgent_reason``: an explicit shrink the cache has not reached yet;
+    * ``growing_to_mib``: a growth decided but not reached yet (repeated, not waited for again).
     """
 
     stable_ms: float
@@ -154,6 +170,7 @@ class PolicyState:
     known_cookies: frozenset[int] = frozenset()
     urgent_target_mib: int | None = None
     urgent_reason: str | None = None
+    growing_to_mib: int | None = None
 
     @classmethod
     def initial(cls, cfg: PolicyConfig) -> PolicyState:
@@ -166,7 +183,7 @@ class Budget:
     """The arithmetic behind a decision, for the log and the status.
 
     ``owed_mib``: per lease cookie, the part its borrower has not allocated yet (kept free);
-    ``available_mib``: ``total - tenants - fixed - room`` (may be negative); ``cap_mib``: the
+    ``available_mib``: ``usable - tenants - fixed - room`` (may be negative); ``cap_mib``: the
     largest size allowed (``max_mib``, or ``vram_max_mib - fixed`` when that is lower, reason
     ``"vram_max"``); ``goal_mib``: ``available`` clamped to ``[core, cap]``, the core winning.
     """
@@ -257,7 +274,7 @@ def budget(
     allocated = lease_allocations(book.leases, lease_usage, tenants)
     owed = {lease.cookie: lease.mib - allocated[lease.cookie] for lease in book.leases}
     room = base + sum(owed.values())
-    available = device.total_mib - tenants - cache.fixed_mib - room
+    available = device.usable_mib - tenants - cache.fixed_mib - room
     cap, cap_reason = cache.max_mib, "max"
     if cfg.vram_max_mib is not None and cfg.vram_max_mib - cache.fixed_mib < cap:
         cap, cap_reason = max(0, cfg.vram_max_mib - cache.fixed_mib), "vram_max"
@@ -290,6 +307,7 @@ def decide(
 
     urgent_target, urgent_reason = _urgent(size, core, b, book, state)
     room_since, grown_at = state.room_since_ms, state.last_growth_ms
+    growing_to: int | None = None
     if goal < size:
         room_since = None
         if urgent_target is not None:
@@ -305,15 +323,20 @@ def decide(
                 stable, damped_at = min(stable * 2, cfg.stable_max_ms), now_ms
             grown_at = None
     elif goal > size:
-        if room_since is None or room_since > now_ms:  # a clock that went back restarts the wait
-            room_since = now_ms
         urgent = False
-        if now_ms - room_since >= stable:
-            target, reason, grown_at, room_since = goal, "room", now_ms, None
-        elif size < core:
-            target, reason = core, "core"
+        if state.growing_to_mib is not None and size < state.growing_to_mib:
+            # Decided but not applied yet (a busy engine grows at its next safe point): repeat
+            # it rather than restart the wait.
+            target, reason, growing_to = goal, "room", goal
         else:
-            target, reason = size, "waiting"
+            if room_since is None or room_since > now_ms:  # a clock that went back: restart
+                room_since = now_ms
+            if now_ms - room_since >= stable:
+                target, reason, grown_at, room_since, growing_to = goal, "room", now_ms, None, goal
+            elif size < core:
+                target, reason = core, "core"
+            else:
+                target, reason = size, "waiting"
     else:
         room_since, urgent, target = None, False, size
         reason = "core" if size == core and b.available_mib < core else "steady"
@@ -327,6 +350,7 @@ def decide(
         known_cookies=frozenset(lease.cookie for lease in book.leases),
         urgent_target_mib=urgent_target,
         urgent_reason=urgent_reason,
+        growing_to_mib=growing_to,
     )
     explain = _explain(now_ms, device, cache, cfg, book, b, target, reason, next_state)
     return Decision(target, reason, urgent, next_state, b, explain)
@@ -403,7 +427,7 @@ def _explain(
     else:
         text.append(f"no change at {size} MiB")
 
-    free_at_core = device.total_mib - b.tenants_mib - cache.fixed_mib - cache.core_mib
+    free_at_core = device.usable_mib - b.tenants_mib - cache.fixed_mib - cache.core_mib
     if b.room_mib > free_at_core:
         what = f"the room to keep ({b.room_mib} MiB)"
         if b.base_mib > free_at_core and b.base_source != ELASTIC_RESERVE:

@@ -1,0 +1,206 @@
+"""The lease book: cookies, owners, revocation, vanished owners, admission errors with numbers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from strata.daemon.leases import (
+    COOKIE_MAX,
+    InvalidArgument,
+    LeaseBook,
+    LeaseError,
+    LeaseNotFound,
+    NotEnoughVram,
+    NotOwner,
+    Timeout,
+    max_freeable_mib,
+)
+
+
+def _add(book: LeaseBook, owner: str = ":1.7", mib: int = 1000, pid: int | None = 4242):
+    return book.add(owner, pid, "org.example.Game", "textures", mib, 1_700_000_000_000_000, 300)
+
+
+def test_cookies_are_unique_non_zero_and_never_reused() -> None:
+    book = LeaseBook()
+    seen = set()
+    for i in range(50):
+        lease = _add(book)
+        assert lease.cookie != 0 and lease.cookie not in seen
+        seen.add(lease.cookie)
+        if i % 2:  # returning leases must not free their cookies for reuse
+            book.remove(lease.cookie, ":1.7")
+    book.owner_vanished(":1.7")
+    assert _add(book).cookie not in seen
+    assert all(0 < c <= COOKIE_MAX for c in seen)
+
+
+def test_a_lease_keeps_what_it_was_given() -> None:
+    book = LeaseBook()
+    lease = book.add(":1.9", 77, "app", "why", 2048, 123, None)
+    assert (lease.owner, lease.pid, lease.app_id, lease.reason) == (":1.9", 77, "app", "why")
+    assert (lease.mib, lease.since_us, lease.tenant_used_at_borrow_mib) == (2048, 123, None)
+    assert book.get(lease.cookie) == lease
+    assert book.leases() == [lease] and book.borrowed_mib == 2048
+
+
+def test_owner_rules_return_and_revoke() -> None:
+    book = LeaseBook()
+    mine, theirs = _add(book, ":1.7", 1000), _add(book, ":1.8", 2000)
+    with pytest.raises(NotOwner) as e:
+        book.remove(theirs.cookie, ":1.7")
+    assert str(theirs.cookie) in str(e.value) and ":1.7" in str(e.value) and ":1.8" in str(e.value)
+    assert (e.value.cookie, e.value.caller, e.value.owner) == (theirs.cookie, ":1.7", ":1.8")
+    assert book.leases() == [mine, theirs]  # a refused return changes nothing
+
+    assert book.remove(mine.cookie, ":1.7") == mine
+    assert book.remove(theirs.cookie, None) == theirs  # revoke: any owner
+    assert book.leases() == [] and book.borrowed_mib == 0
+
+
+@pytest.mark.parametrize("owner", [":1.7", None])
+def test_a_cookie_that_is_not_there_is_named(owner: str | None) -> None:
+    book = LeaseBook()
+    lease = _add(book)
+    book.remove(lease.cookie, owner)
+    for cookie in (lease.cookie, 0, 999):
+        with pytest.raises(LeaseNotFound, match=rf"\b{cookie}\b") as e:
+            book.remove(cookie, owner)
+        assert e.value.cookie == cookie
+
+
+def test_a_cookie_that_is_not_a_number() -> None:
+    with pytest.raises(InvalidArgument, match="'7'"):
+        LeaseBook().remove("7", None)  # type: ignore[arg-type]
+
+
+def test_owner_vanished_returns_all_its_leases_and_only_those() -> None:
+    book = LeaseBook()
+    a1, b, a2 = _add(book, ":1.7", 100), _add(book, ":1.8", 200), _add(book, ":1.7", 300)
+    assert book.owner_vanished(":1.7") == [a1, a2]
+    assert book.leases() == [b]
+    assert book.owner_vanished(":1.7") == []
+    assert book.owner_vanished(":1.99") == []
+
+
+def test_reserve_and_holds() -> None:
+    book = LeaseBook()
+    assert book.reserve_mib == 0 and book.holds == {}
+    book.set_reserve(4000)
+    book.set_hold("gamemode", 3000)
+    book.set_hold("gamemode", 3500)  # replaces
+    book.holds["gamemode"] = 1  # a copy: the book is not changed behind its back
+    view = book.view()
+    assert (view.reserve_mib, dict(view.holds)) == (4000, {"gamemode": 3500})
+    assert book.clear_hold("gamemode") is True and book.clear_hold("gamemode") is False
+    book.set_reserve(0)
+    assert (book.reserve_mib, book.holds) == (0, {})
+    assert dict(view.holds) == {"gamemode": 3500}  # a view is a snapshot
+
+
+def test_view_is_an_immutable_snapshot() -> None:
+    book = LeaseBook()
+    lease = _add(book, mib=1500)
+    view = book.view()
+    _add(book)
+    assert view.leases == (lease,) and view.borrowed_mib == 1500
+    with pytest.raises(TypeError):
+        view.holds["x"] = 1  # type: ignore[index]
+
+
+# value, fragment of the message
+BAD_SIZES = [
+    (0, "got 0"),
+    (-5, "got -5"),
+    (True, "got True"),
+    (1.5, "got 1.5"),
+    ("100", "got '100'"),
+    (None, "got None"),
+]
+
+
+@pytest.mark.parametrize(("mib", "fragment"), BAD_SIZES)
+def test_check_request_rejects_what_is_not_a_positive_whole_number(mib, fragment) -> None:
+    with pytest.raises(InvalidArgument, match=fragment):
+        LeaseBook.check_request(mib, 10_000)
+
+
+def test_check_request_beyond_what_can_ever_be_freed_names_both_numbers() -> None:
+    LeaseBook.check_request(10_000, 10_000)
+    with pytest.raises(NotEnoughVram) as e:
+        LeaseBook.check_request(10_001, 10_000)
+    assert (e.value.requested_mib, e.value.max_freeable_mib) == (10_001, 10_000)
+    assert "10001" in str(e.value) and "10000" in str(e.value)
+
+
+def test_check_request_allow_zero_for_clearing_the_reserve() -> None:
+    LeaseBook.check_request(0, 0, allow_zero=True)
+    with pytest.raises(InvalidArgument):
+        LeaseBook.check_request(-1, 100, allow_zero=True)
+    with pytest.raises(NotEnoughVram):
+        LeaseBook.check_request(1, 0, allow_zero=True)
+
+
+@pytest.mark.parametrize(
+    ("call", "fragment"),
+    [
+        (lambda b: b.set_reserve(-1), "reserve.*got -1"),
+        (lambda b: b.set_reserve(False), "reserve.*got False"),
+        (lambda b: b.set_hold("", 100), "hold source"),
+        (lambda b: b.set_hold("gamemode", -3), "gamemode.*got -3"),
+        (lambda b: b.add(":1.7", 1, "a", "r", 0, 0, None), "lease size.*got 0"),
+        (lambda b: b.add(":1.7", 1, "a", "r", True, 0, None), "lease size.*got True"),
+        (lambda b: b.add("", 1, "a", "r", 10, 0, None), "owner"),
+        (lambda b: b.add(":1.7", 0, "a", "r", 10, 0, None), "pid.*got 0"),
+        (lambda b: b.add(":1.7", 1, "a", "r", 10, -1, None), "since_us.*got -1"),
+        (lambda b: b.add(":1.7", 1, "a", "r", 10, 0, -2), "tenant usage.*got -2"),
+    ],
+)
+def test_book_rejects_bad_values_and_changes_nothing(call, fragment) -> None:
+    book = LeaseBook()
+    book.set_reserve(700)
+    with pytest.raises(InvalidArgument, match=fragment):
+        call(book)
+    assert (book.reserve_mib, book.holds, book.leases()) == (700, {}, [])
+
+
+def test_max_freeable() -> None:
+    assert max_freeable_mib(24576, 2048, 3000) == 19528
+    assert max_freeable_mib(4000, 3000, 3000) == 0  # never negative
+    with pytest.raises(ValueError, match=r"core_mib.*-1"):
+        max_freeable_mib(24576, -1, 0)
+
+
+def test_error_hierarchy_and_dbus_names() -> None:
+    classes = [InvalidArgument, NotEnoughVram, LeaseNotFound, NotOwner, Timeout]
+    assert all(issubclass(c, LeaseError) for c in classes)
+    names = [c.dbus_name for c in [LeaseError, *classes]]
+    assert names == [
+        "org.strata.Error.Failed",
+        "org.strata.Error.InvalidArgument",
+        "org.strata.Error.NotEnoughVram",
+        "org.strata.Error.LeaseNotFound",
+        "org.strata.Error.NotOwner",
+        "org.strata.Error.Timeout",
+    ]
+    assert len(set(names)) == len(names)
+
+
+def test_cookie_space_is_never_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    book = LeaseBook()
+    book._last_cookie = COOKIE_MAX - 1  # white-box: 4 billion borrows take too long to test
+    assert _add(book).cookie == COOKIE_MAX
+    with pytest.raises(LeaseError, match="cookies"):
+        _add(book)
+
+
+def test_the_book_and_the_policy_import_no_torch() -> None:
+    code = (
+        "import sys, strata.daemon.leases, strata.daemon.policy; "
+        "bad = {'torch', 'asyncio', 'pynvml'} & set(sys.modules); "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

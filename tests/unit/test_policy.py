@@ -1,0 +1,641 @@
+"""The cache-size policy with an injected clock: single decisions from a table, then minutes of
+1-second checks against a tiny simulated device (free = total - tenants - cache - fixed)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from strata.daemon.leases import BookView, Lease, LeaseBook
+from strata.daemon.policy import (
+    CacheView,
+    Decision,
+    DeviceView,
+    LeaseUsage,
+    PolicyConfig,
+    PolicyState,
+    decide,
+    lease_allocations,
+)
+
+TOTAL, FIXED, CORE, MAX = 24_576, 2_048, 2_048, 30_000  # MAX: the expert set outgrows the GPU
+FULL = TOTAL - FIXED - 500  # 22028: the cache with no tenants and the default room
+STEP = 1024
+CFG = PolicyConfig()
+
+
+# --- a tiny simulated device and the service's loop around decide() --------------------------
+
+
+@dataclass
+class Sim:
+    """The service in miniature: checks every second (and at each request), applies the target at
+    once unless ``busy`` (then at the next ``safe_point()``), never maps memory that is not free."""
+
+    cfg: PolicyConfig = CFG
+    size: int = FULL
+    core: int = CORE
+    max: int = MAX
+    now: int = 0
+    busy: bool = False
+    per_pid: bool = True
+    tenants: dict[str, int] = field(default_factory=dict)
+    book: LeaseBook = field(default_factory=LeaseBook)
+    allocated: dict[int, int] = field(default_factory=dict)  # per-PID usage since Borrow
+    state: PolicyState = field(default_factory=lambda: PolicyState.initial(CFG))
+    log: list[tuple[int, int, Decision]] = field(default_factory=list)  # now, size seen, decision
+    pending: int | None = None
+
+    def __post_init__(self) -> None:
+        self.state = PolicyState.initial(self.cfg)
+
+    @property
+    def free(self) -> int:
+        return TOTAL - sum(self.tenants.values()) - self.size - FIXED
+
+    def check(self) -> Decision:
+        usage = [LeaseUsage(c, a if self.per_pid else None) for c, a in self.allocated.items()]
+        d = decide(
+            self.now,
+            DeviceView(TOTAL, self.free, self.size + FIXED),
+            CacheView(self.size, self.core, self.max, FIXED),
+            self.book.view(),
+            usage,
+            self.cfg,
+            self.state,
+        )
+        self.state = d.state
+        self.log.append((self.now, self.size, d))
+        self.pending = d.target_mib
+        if not self.busy:
+            self.safe_point()
+        return d
+
+    def safe_point(self) -> None:
+        if self.pending is not None:
+            self.size = self.pending
+            assert self.free >= 0, f"grew into memory that is not free at {self.now} ms"
+            self.pending = None
+
+    def run(self, seconds: int, tick: Callable[[Sim], None] = lambda sim: None) -> None:
+        for _ in range(seconds):
+            self.now += 1000
+            tick(self)
+            self.check()
+
+    # The service's request paths: change the book, then check at once.
+    def borrow(self, mib: int) -> Lease:
+        tenants = TOTAL - self.free - self.size - FIXED
+        lease = self.book.add(":1.50", 4242, "app", "test", mib, self.now * 1000, tenants)
+        self.allocated[lease.cookie] = 0
+        self.check()
+        return lease
+
+    def give_back(self, lease: Lease) -> None:
+        self.book.remove(lease.cookie, ":1.50")
+        del self.allocated[lease.cookie]
+        self.check()
+
+    def allocate(self, name: str, mib: int, lease: Lease | None = None) -> None:
+        """A program allocates; like a driver, refused (AssertionError) beyond free."""
+        assert mib <= self.free, f"{name}: {mib} MiB asked, {self.free} free"
+        self.tenants[name] = self.tenants.get(name, 0) + mib
+        if lease is not None:
+            self.allocated[lease.cookie] += mib
+
+    def sizes(self) -> list[int]:
+        return [d.target_mib for _, _, d in self.log]
+
+    def reasons(self) -> list[str]:
+        return [d.reason for _, _, d in self.log]
+
+
+def hungry(name: str, want: int, piece: int = 256) -> Callable[[Sim], None]:
+    """A tenant that grabs free VRAM in ``piece`` MiB allocations until it has ``want``."""
+
+    def tick(sim: Sim) -> None:
+        while sim.tenants.get(name, 0) + piece <= want and sim.free >= piece:
+            sim.tenants[name] = sim.tenants.get(name, 0) + piece
+
+    return tick
+
+
+def drops(sim: Sim) -> list[int]:
+    """How much each decision shrank the size it saw."""
+    return [max(0, seen - d.target_mib) for _, seen, d in sim.log]
+
+
+# --- defaults and single decisions ------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    cfg = PolicyConfig()
+    assert (cfg.elastic_reserve_mib, cfg.elastic_stable_ms, cfg.elastic_shrink_step_mib) == (
+        500,
+        5000,
+        1024,
+    )
+    assert (cfg.stable_backoff_reset_ms, cfg.vram_max_mib) == (300_000, None)
+    state = PolicyState.initial(cfg)
+    assert state.stable_ms == 5000 and state.room_since_ms is None
+    assert state.urgent_target_mib is None and state.base_room_mib == 500  # sized for the default
+
+
+def _one(
+    *,
+    size: int = FULL,
+    free: int | None = None,
+    tenants: int = 0,
+    reserve: int = 0,
+    holds: dict[str, int] | None = None,
+    leases: tuple[Lease, ...] = (),
+    usage: tuple[LeaseUsage, ...] = (),
+    cfg: PolicyConfig = CFG,
+    now: int = 100_000,
+    **state: object,
+) -> Decision:
+    free = TOTAL - tenants - size - FIXED if free is None else free
+    st = replace(PolicyState.initial(cfg), **{"base_room_mib": 500, **state})
+    book = BookView(reserve, holds or {}, leases)
+    device = DeviceView(TOTAL, max(0, free), size + FIXED)
+    return decide(now, device, CacheView(size, CORE, MAX, FIXED), book, list(usage), cfg, st)
+
+
+def _lease(cookie: int, mib: int, at_borrow: int | None = 0) -> Lease:
+    return Lease(cookie, ":1.9", 99, "app", "why", mib, 0, at_borrow)
+
+
+# name, _one() arguments, (target, reason, urgent)
+CASES = [
+    ("steady at the goal", {}, (FULL, "steady", False)),
+    ("a tenant took 300 of the room", {"tenants": 300}, (FULL - 300, "tenant", False)),
+    (
+        "a tenant took a 4000 MiB reserve: one step",
+        {"reserve": 4000, "base_room_mib": 4000, "size": FULL - 3500, "free": 0},
+        (FULL - 3500 - STEP, "tenant", False),
+    ),
+    ("room first seen", {"size": FULL - 3000}, (FULL - 3000, "waiting", False)),
+    (
+        "room 1 ms short of the stable time",
+        {"size": FULL - 3000, "room_since_ms": 100_000 - 4_999},
+        (FULL - 3000, "waiting", False),
+    ),
+    (
+        "room lasted the stable time: grow to the goal at once",
+        {"size": FULL - 3000, "room_since_ms": 100_000 - 5_000},
+        (FULL, "room", False),
+    ),
+    ("reserve raised: the whole amount", {"reserve": 6000}, (FULL - 5500, "reserve", True)),
+    (
+        "reserve raised while a tenant took the room: all of it",
+        {"reserve": 6000, "tenants": 3000, "size": FULL - 2500, "free": 0},
+        (FULL - 2500 - 6000, "reserve", True),
+    ),
+    (
+        "a hold above a reserve a tenant took: the hold's part at once, then one step",
+        {
+            "reserve": 4000,
+            "base_room_mib": 4000,
+            "holds": {"gamemode": 6000},
+            "size": FULL - 3500,
+            "free": 0,
+        },
+        (FULL - 3500 - 2000 - STEP, "gamemode", True),
+    ),
+    ("a reserve below the automatic one", {"reserve": 400}, (FULL, "steady", False)),
+    ("a GameMode hold", {"holds": {"gamemode": 4000}}, (FULL - 3500, "gamemode", True)),
+    ("a new lease", {"leases": (_lease(1, 5000),)}, (FULL - 5000, "lease", True)),
+    (
+        "a known lease whose borrower allocated it all",
+        {"leases": (_lease(1, 5000),), "known_cookies": frozenset({1}), "size": FULL - 5000},
+        (FULL - 5000, "steady", False),
+    ),
+    (
+        "reserve above the device total: the core",
+        {"reserve": TOTAL + 1000},
+        (CORE, "reserve", True),
+    ),
+    (
+        "a tenant larger than the tail, at the core",
+        {"size": CORE, "tenants": 20_000},
+        (CORE, "core", False),
+    ),
+    ("below the core: back to it at once", {"size": 1000}, (CORE, "core", False)),
+    (
+        "vram_max below the size",
+        {"cfg": PolicyConfig(vram_max_mib=12_000)},
+        (12_000 - FIXED, "vram_max", True),
+    ),
+    (
+        "vram_max below core + fixed: the core",
+        {"cfg": PolicyConfig(vram_max_mib=3000)},
+        (CORE, "vram_max", True),
+    ),
+    (
+        "above the largest size: down to it at once, one step toward the goal",
+        {"size": MAX + 512, "free": 0},
+        (MAX - STEP, "max", True),
+    ),
+    ("readings that overlap: tenants 0", {"free": TOTAL}, (FULL, "steady", False)),
+]
+
+
+@pytest.mark.parametrize(("args", "want"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_single_decision(args: dict, want: tuple[int, str, bool]) -> None:
+    d = _one(**args)
+    assert (d.target_mib, d.reason, d.urgent) == want, d.explain
+    assert CORE <= d.target_mib and d.room_kept_mib >= 0 and d.tenants_mib >= 0
+
+
+def test_memory_the_driver_keeps_is_neither_a_tenant_nor_room() -> None:
+    # NVML memory info v2: 300 MiB reserved by the driver, in neither used nor free.
+    size, driver = FULL - 300, 300
+    device = DeviceView(TOTAL, 500, size + FIXED, used_mib=TOTAL - driver - 500)
+    assert (device.tenants_mib, device.usable_mib) == (0, TOTAL - driver)
+    d = decide(
+        0, device, CacheView(size, CORE, MAX, FIXED), BookView(), [], CFG, PolicyState.initial(CFG)
+    )
+    assert (d.target_mib, d.reason) == (size, "steady")  # free is exactly the 500 kept
+    # Without used, the reserve would look like a 300 MiB tenant.
+    assert DeviceView(TOTAL, 500, size + FIXED).tenants_mib == driver
+
+
+def test_a_reserve_above_the_device_total_is_explained_not_a_crash() -> None:
+    d = _one(reserve=TOTAL + 1000)
+    assert d.target_mib == CORE and d.goal_mib == CORE
+    assert f"reserve of {TOTAL + 1000} MiB cannot be met" in d.explain
+    again = _one(reserve=TOTAL + 1000, size=CORE, base_room_mib=TOTAL + 1000)
+    assert (again.target_mib, again.reason) == (CORE, "core")
+    assert "cannot be met" in again.explain
+
+
+def test_explain_says_what_and_why() -> None:
+    d = _one(reserve=6000)
+    assert "keep 6000 MiB free (reserve 6000)" in d.explain
+    assert f"shrink {FULL} -> {FULL - 5500} MiB" in d.explain
+    d = _one(leases=(_lease(3, 2000),), usage=(LeaseUsage(3, 500),), known_cookies={3})
+    assert "lease 3: 1500 of 2000 not yet allocated" in d.explain
+    assert "vram_max_mib 3000 is below" in _one(cfg=PolicyConfig(vram_max_mib=3000)).explain
+
+
+def test_decide_is_pure(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_clock() -> float:
+        raise AssertionError("the policy read the clock")
+
+    for name in ("time", "monotonic", "perf_counter", "time_ns", "monotonic_ns"):
+        monkeypatch.setattr(time, name, no_clock)
+    args = {"reserve": 3000, "leases": (_lease(1, 2000, at_borrow=100),), "tenants": 600}
+    assert _one(**args) == _one(**args)
+
+
+def test_now_must_be_a_finite_number() -> None:
+    for bad in (float("nan"), float("inf"), True, "5"):
+        with pytest.raises(ValueError, match="now_ms"):
+            _one(now=bad)  # type: ignore[arg-type]
+
+
+def test_a_clock_that_went_back_restarts_the_wait() -> None:
+    d = _one(size=FULL - 3000, room_since_ms=200_000, now=100_000)
+    assert d.reason == "waiting" and d.state.room_since_ms == 100_000
+
+
+# --- lease allocation estimates ---------------------------------------------------------------
+
+
+def test_lease_allocations_measured_estimated_and_never_counted_twice() -> None:
+    older, newer = _lease(1, 3000, at_borrow=1000), _lease(2, 2000, at_borrow=1500)
+    # Tenants grew 1000 -> 4000: the newer borrower's 2000 (since 1500) comes first, the older
+    # lease gets the remaining 1000 of its 3000 growth, not all 3000.
+    assert lease_allocations([older, newer], [], 4000) == {1: 1000, 2: 2000}
+    # Measured usage wins and is capped to the lease; a reading below the Borrow counts as 0.
+    got = lease_allocations([older, newer], [LeaseUsage(1, 5000), LeaseUsage(2, None)], 1200)
+    assert got == {1: 3000, 2: 0}
+    assert lease_allocations([_lease(5, 800, at_borrow=None)], [], 9000) == {5: 0}
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field_name", "value", "fragment"),
+    [
+        ("elastic_reserve_mib", -1, "at least 0, got -1"),
+        ("elastic_reserve_mib", 1.5, "whole number, got 1.5"),
+        ("elastic_stable_ms", -5, "at least 0, got -5"),
+        ("elastic_stable_ms", "5s", "whole number, got '5s'"),
+        ("elastic_shrink_step_mib", 0, "at least 1, got 0"),
+        ("elastic_shrink_step_mib", True, "whole number, got True"),
+        ("stable_backoff_reset_ms", -300_000, "at least 0, got -300000"),
+        ("vram_max_mib", 0, "at least 1, got 0"),
+        ("vram_max_mib", -8000, "at least 1, got -8000"),
+    ],
+)
+def test_config_errors_name_the_field_and_value(field_name, value, fragment) -> None:
+    with pytest.raises(ValueError, match=rf"^{field_name}: .*{fragment}"):
+        PolicyConfig(**{field_name: value})
+
+
+def test_views_reject_nonsense() -> None:
+    with pytest.raises(ValueError, match=r"DeviceView\.free_mib: .*-1"):
+        DeviceView(100, -1, 0)
+    with pytest.raises(ValueError, match=r"DeviceView\.used_mib: .*-2"):
+        DeviceView(100, 1, 0, used_mib=-2)
+    with pytest.raises(ValueError, match=r"CacheView\.core_mib: .*-1"):
+        CacheView(0, -1, 10, 0)
+    with pytest.raises(ValueError, match="core_mib 20 is larger than max_mib 10"):
+        CacheView(10, 20, 10, 0)
+    with pytest.raises(ValueError, match=r"LeaseUsage\.allocated_mib: .*-3"):
+        LeaseUsage(1, -3)
+
+
+def test_random_inputs_never_give_negative_or_out_of_bounds_numbers() -> None:
+    rng = random.Random(5)
+    for _ in range(3000):
+        total = rng.choice([0, 1000, 8192, 24_576])
+        core = rng.randrange(0, 4000)
+        cache = CacheView(rng.randrange(0, 40_000), core, core + rng.randrange(0, 30_000), 500)
+        used = rng.choice([None, rng.randrange(0, total + 1)])
+        device = DeviceView(total, rng.randrange(0, total + 2), rng.randrange(0, 40_000), used)
+        leases = tuple(
+            _lease(c, rng.randrange(1, 9000), rng.choice([None, rng.randrange(0, 9000)]))
+            for c in range(1, rng.randrange(1, 4))
+        )
+        usage = [
+            LeaseUsage(lease.cookie, rng.choice([None, rng.randrange(0, 9000)])) for lease in leases
+        ]
+        cfg = PolicyConfig(vram_max_mib=rng.choice([None, rng.randrange(1, 30_000)]))
+        book = BookView(rng.randrange(0, 30_000), {"gamemode": rng.randrange(0, 9000)}, leases)
+        state = PolicyState(
+            stable_ms=5000,
+            room_since_ms=rng.choice([None, 0]),
+            last_growth_ms=rng.choice([None, 0]),
+            base_room_mib=rng.choice([None, 0, 20_000]),
+            urgent_target_mib=rng.choice([None, rng.randrange(0, 40_000)]),
+            urgent_reason="lease",
+        )
+        d = decide(rng.randrange(0, 10**6), device, cache, book, usage, cfg, state)
+        b = d.budget
+        assert core <= d.target_mib, d.explain
+        assert d.target_mib <= max(cache.size_mib, core, b.cap_mib), d.explain
+        assert b.room_mib >= 0 and b.tenants_mib >= 0 and b.cap_mib >= 0
+        assert all(0 <= b.owed_mib[lease.cookie] <= lease.mib for lease in leases)
+        assert core <= d.goal_mib <= max(core, b.cap_mib)
+        if d.target_mib < cache.size_mib and not d.urgent:
+            assert cache.size_mib - d.target_mib <= STEP
+
+
+# --- scenarios: minutes of 1-second checks ----------------------------------------------------
+
+
+def test_oscillating_tenant_every_3_s_never_regrows() -> None:
+    sim = Sim()
+    on = hungry("osc", 3072)
+
+    def tick(sim: Sim) -> None:
+        if (sim.now // 3000) % 2 == 0:
+            on(sim)
+        else:
+            sim.tenants["osc"] = 0
+
+    sim.run(180, tick)
+    assert "room" not in sim.reasons()
+    assert all(b >= a for b, a in itertools.pairwise(sim.sizes()))  # never up
+    assert max(drops(sim)) <= STEP
+    assert sim.size == FULL - 3072  # it gave the tenant its 3 GiB once, then held still
+    assert sim.state.stable_ms == CFG.elastic_stable_ms  # no growth, so nothing to damp
+
+
+def test_stable_time_doubles_after_a_shrink_that_follows_a_growth_and_resets_after_5_min() -> None:
+    sim = Sim()
+    on = hungry("game", 3000)
+
+    def tick(sim: Sim) -> None:  # 10 s on, 8 s off: room lasts 8 s, longer than 5, less than 10
+        if (sim.now // 1000) % 18 < 10:
+            on(sim)
+        else:
+            sim.tenants["game"] = 0
+
+    sim.run(420, tick)
+    grows = [t for t, _, d in sim.log if d.reason == "room"]
+    stables = [(t, d.state.stable_ms) for t, _, d in sim.log]
+    doubled = [t for (_, s0), (t, s) in itertools.pairwise(stables) if s > s0]
+    reset = [t for (_, s0), (t, s) in itertools.pairwise(stables) if s < s0]
+
+    assert grows[0] < 18_000  # the first 8 s gap: room lasted 5 s, the cache grew
+    assert doubled[0] < 36_000  # the game came back: a shrink after a growth
+    assert dict(stables)[doubled[0]] == 10_000
+    # With 10 s required and 8 s gaps, no growth until the 5 minutes have passed...
+    assert grows[1] >= doubled[0] + CFG.stable_backoff_reset_ms
+    assert reset[0] - doubled[0] in range(300_000, 301_000)
+    assert dict(stables)[reset[0]] == 5_000
+    # ...and then the next gap is long enough again (and the next return doubles again).
+    assert grows[1] <= reset[0] + 18_000 + 5_000
+    assert doubled[1] > grows[1] and dict(stables)[doubled[1]] == 10_000
+
+
+def test_doubling_compounds_up_to_the_reset_time() -> None:
+    state = {"stable_ms": 80_000, "last_growth_ms": 90_000}
+    d = _one(tenants=300, **state)
+    assert d.state.stable_ms == 160_000 and d.state.last_shrink_after_growth_ms == 100_000
+    d = _one(tenants=300, **{**state, "stable_ms": 160_000})
+    assert d.state.stable_ms == 300_000  # capped: beyond it the reset would come first
+    # A shrink long after the growth is not an oscillation.
+    d = _one(tenants=300, stable_ms=5000, last_growth_ms=100_000 - 300_000)
+    assert d.state.stable_ms == 5000 and d.state.last_growth_ms is None
+
+
+@pytest.mark.parametrize("reserve", [0, 4096])
+def test_slow_tenant_grabs_256_mib_pieces_and_the_cache_gives_one_step_per_period(
+    reserve: int,
+) -> None:
+    sim = Sim()
+    if reserve:
+        sim.book.set_reserve(reserve)
+        sim.check()  # explicit: the whole amount at once
+        assert sim.size == FULL + 500 - reserve
+    sim.log.clear()
+    start = sim.size
+    sim.run(60, hungry("slow", 4096))
+    assert sim.tenants["slow"] == 4096
+    assert max(drops(sim)) <= STEP and not any(d.urgent for _, _, d in sim.log)
+    assert "room" not in sim.reasons()
+    assert sim.size == start - 4096 and sim.free == max(500, reserve)
+    reached = next(t for t, _, d in sim.log if d.tenants_mib >= 4096)
+    assert reached <= (60_000 if not reserve else 10_000)
+
+
+def test_tenant_larger_than_the_tail_stops_the_cache_at_its_core() -> None:
+    sim = Sim()
+    sim.run(120, hungry("huge", 30_000))
+    assert sim.size == CORE and min(sim.sizes()) == CORE
+    assert max(drops(sim)) <= STEP
+    assert sim.log[-1][2].reason == "core" and "cannot be met" in sim.log[-1][2].explain
+    sim.tenants["huge"] = 0  # it exits: regrow after the stable time, to the full size
+    sim.run(4)
+    assert sim.size == CORE
+    sim.run(2)
+    assert sim.size == FULL
+
+
+@pytest.mark.parametrize("per_pid", [True, False], ids=["per-pid usage", "tenant growth"])
+def test_borrower_allocating_its_lease_causes_no_second_shrink_and_regrowth_waits_for_return(
+    per_pid: bool,
+) -> None:
+    sim = Sim(per_pid=per_pid)
+    sim.allocate("desktop", 300)
+    sim.run(10)
+    assert sim.size == FULL - 300
+    lease = sim.borrow(5000)  # larger than one step: answered by one decision
+    assert sim.log[-1][2].urgent and sim.log[-1][2].reason == "lease"
+    assert sim.size == FULL - 300 - 5000 and sim.free == 5500
+    after_borrow = sim.size
+
+    def alloc(sim: Sim) -> None:  # the borrower fills its lease 1000 MiB a second
+        if sim.allocated[lease.cookie] < 5000:
+            sim.allocate("borrower", 1000, lease)
+
+    sim.run(30, alloc)
+    assert set(sim.sizes()[-30:]) == {after_borrow}  # no further shrink, no growth
+    assert sim.free == 500
+    assert sim.log[-1][2].budget.owed_mib[lease.cookie] == 0
+
+    sim.tenants["borrower"] = 0  # it frees its memory but still holds the lease
+    sim.allocated[lease.cookie] = 0
+    sim.run(30)
+    assert set(sim.sizes()[-30:]) == {after_borrow} and sim.free == 5500
+
+    sim.give_back(lease)
+    sim.run(4)
+    assert sim.size == after_borrow
+    sim.run(1)
+    assert sim.size == FULL - 300
+
+
+def test_a_second_borrower_is_not_counted_against_the_first() -> None:
+    sim = Sim(per_pid=False)
+    first = sim.borrow(3000)
+    sim.allocate("one", 3000, first)
+    sim.run(3)
+    second = sim.borrow(2000)
+    assert sim.size == FULL - 5000
+    sim.allocate("two", 1500, second)
+    sim.run(3)
+    owed = sim.log[-1][2].budget.owed_mib
+    assert owed == {first.cookie: 0, second.cookie: 500}
+    assert sim.size == FULL - 5000 and sim.free == 1000
+
+
+def test_explicit_reserve_shrinks_the_whole_amount_at_the_next_safe_point() -> None:
+    sim = Sim(busy=True)  # a generation is running: the resize waits for a safe point
+    sim.book.set_reserve(8000)
+    first = sim.check()
+    assert (first.target_mib, first.urgent, first.reason) == (FULL - 7500, True, "reserve")
+    sim.run(3)  # periodic checks before the safe point keep the whole urgent target
+    assert [d.target_mib for _, _, d in sim.log[-3:]] == [FULL - 7500] * 3
+    assert all(d.urgent for _, _, d in sim.log[-3:])
+    sim.safe_point()
+    assert sim.size == FULL - 7500 and sim.free == 8000
+    sim.busy = False
+    sim.run(2)
+    assert sim.reasons()[-2:] == ["steady", "steady"] and sim.state.urgent_target_mib is None
+
+    sim.book.set_reserve(0)  # lowered: grows back after the stable time, never at once
+    assert sim.check().reason == "waiting"
+    sim.run(4)
+    assert sim.size == FULL - 7500
+    sim.run(1)
+    assert sim.size == FULL
+
+
+def test_urgent_target_is_dropped_when_no_longer_needed() -> None:
+    sim = Sim(busy=True)
+    sim.book.set_reserve(8000)
+    sim.check()
+    sim.book.set_reserve(3000)  # lowered before the safe point: only what 3000 needs
+    d = sim.check()
+    assert (d.target_mib, d.urgent) == (FULL - 2500, True)
+    sim.book.set_reserve(0)
+    d = sim.check()
+    assert (d.target_mib, d.urgent, d.state.urgent_target_mib) == (FULL, False, None)
+
+
+def test_gamemode_hold_is_explicit_and_its_end_regrows() -> None:
+    sim = Sim()
+    sim.book.set_hold("gamemode", 6000)
+    d = sim.check()
+    assert (d.target_mib, d.reason, d.urgent) == (FULL - 5500, "gamemode", True)
+    sim.book.clear_hold("gamemode")
+    sim.run(6)
+    assert sim.size == FULL
+
+
+def test_vram_max_caps_strata_whatever_is_free() -> None:
+    cfg = PolicyConfig(vram_max_mib=12_000)
+    sim = Sim(cfg=cfg)
+    d = sim.check()
+    assert (d.target_mib, d.reason, d.urgent) == (12_000 - FIXED, "vram_max", True)
+    sim.run(120)
+    assert max(sim.sizes()) == 12_000 - FIXED and sim.size + FIXED == 12_000
+    assert sim.reasons()[-1] == "steady"
+    sim.run(60, hungry("game", 14_336))  # still follows tenants below the cap
+    assert sim.size == TOTAL - 14_336 - FIXED - 500 and sim.free == 500
+
+
+def test_start_from_the_core_grows_after_the_stable_time() -> None:
+    sim = Sim(size=CORE)
+    sim.run(5)  # room first seen at the first check, at 1 s
+    assert sim.size == CORE and sim.reasons() == ["waiting"] * 5
+    sim.run(1)
+    assert sim.size == FULL and sim.reasons()[-1] == "room"
+
+
+def test_a_growth_the_busy_engine_has_not_applied_is_repeated_not_forgotten() -> None:
+    sim = Sim(size=FULL - 4000, busy=True)
+    sim.run(6)  # room seen at 1 s, lasted 5 s at 6 s
+    assert sim.reasons()[-1] == "room" and sim.size == FULL - 4000  # decided, not applied yet
+    sim.run(3)  # a long prefill: every check repeats the growth
+    assert sim.reasons()[-3:] == ["room"] * 3 and sim.pending == FULL
+    sim.safe_point()
+    sim.run(1)
+    assert sim.size == FULL and sim.reasons()[-1] == "steady"
+    assert sim.state.room_since_ms is None
+
+
+def test_the_worked_example_in_docs_policy_md() -> None:
+    sim = Sim()
+
+    def at(seconds: int) -> tuple[int, int, int]:
+        sim.now = seconds * 1000
+        d = sim.check()
+        return d.room_kept_mib, sim.size, sim.free
+
+    assert at(0) == (500, 22_028, 500)
+    game = hungry("game", 4096)
+    for t in range(1, 18):
+        sim.now = t * 1000
+        game(sim)
+        sim.check()
+    assert max(drops(sim)) <= STEP and (sim.size, sim.free) == (17_932, 500)
+    sim.book.set_reserve(6000)
+    assert at(20) == (6000, 12_432, 6000)
+    sim.now = 30_000
+    lease = sim.borrow(3000)
+    assert (sim.log[-1][2].room_kept_mib, sim.size, sim.free) == (9000, 9432, 9000)
+    for t in (31, 32, 33):
+        sim.allocate("tool", 1000, lease)
+        at(t)
+    assert (sim.log[-1][2].room_kept_mib, sim.size, sim.free) == (6000, 9432, 6000)
+    sim.tenants["tool"] = sim.allocated[lease.cookie] = 0
+    sim.now = 40_000
+    sim.give_back(lease)
+    assert (sim.size, sim.free, sim.reasons()[-1]) == (9432, 9000, "waiting")
+    assert at(45) == (6000, 12_432, 6000)
+    sim.book.set_reserve(0)
+    sim.tenants["game"] = 0
+    assert at(50) == (500, 12_432, 10_096) and sim.reasons()[-1] == "waiting"
+    assert at(55) == (500, 22_028, 500)
