@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_option_flags(gen)
     gen.set_defaults(run=generate_cmd.run)
 
+    from strata.daemon import service
+
+    srv = sub.add_parser("serve", help="run the daemon (HTTP endpoint, VRAM control plane)")
+    add_option_flags(srv)
+    srv.set_defaults(run=service.run)
+
     cfg = sub.add_parser("config", help="inspect the configuration")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
     cfg_sub.required = True

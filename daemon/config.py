@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from strata.daemon import paths
@@ -95,6 +95,30 @@ class StrataConfig(BaseSettings):
     arena_chunk_mib: int = Field(
         32, ge=2, le=1024, description="arena mapping granularity in MiB (a multiple of 2)"
     )
+    vram_monitor: Literal["auto", "nvml", "simulated", "none"] = Field(
+        "auto", description="how free VRAM is watched: auto (nvml on a GPU, else none)"
+    )
+    simulated_vram_file: Path | None = Field(
+        None, description="JSON file describing the simulated device (vram_monitor = simulated)"
+    )
+    elastic_stable_ms: int = Field(
+        5000, ge=0, le=3_600_000, description="how long free room must last before growing"
+    )
+    elastic_shrink_step_mib: int = Field(
+        1024, ge=1, description="most MiB one periodic check gives back to a growing program"
+    )
+    elastic_period_ms: int = Field(
+        1000, ge=10, le=60_000, description="interval of the VRAM checks in milliseconds"
+    )
+    vram_max_mib: int | None = Field(
+        None, ge=1, description="most VRAM Strata uses in MiB, whatever is free (unset: no cap)"
+    )
+    borrow_timeout_ms: int = Field(
+        10_000,
+        ge=1,
+        le=24_000,
+        description="how long a reserve or Borrow waits for its room (below D-Bus's 25 s)",
+    )
 
     @field_validator("*", mode="before")
     @classmethod
@@ -129,6 +153,17 @@ class StrataConfig(BaseSettings):
         if value % 2:
             raise ValueError("expected a multiple of 2 (the GPU's mapping granularity)")
         return value
+
+    @field_validator("simulated_vram_file", mode="after")
+    @classmethod
+    def _expand_sim(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @model_validator(mode="after")
+    def _simulated_needs_a_file(self) -> StrataConfig:
+        if self.vram_monitor == "simulated" and self.simulated_vram_file is None:
+            raise ValueError("vram_monitor = simulated needs simulated_vram_file")
+        return self
 
     @field_validator("host")
     @classmethod
@@ -273,7 +308,9 @@ def _config_path(args: argparse.Namespace, environ: Mapping[str, str]) -> Path |
 def _describe(error: ValidationError, merged: Mapping[str, Setting]) -> str:
     """One line for the first problem: the option as the user spelled it, the value, the need."""
     first = error.errors()[0]
-    name = str(first["loc"][0]) if first["loc"] else ""
+    if not first["loc"]:  # a rule between options: its message names them
+        return first["msg"].removeprefix("Value error, ")
+    name = str(first["loc"][0])
     setting = merged.get(name)
     spelling = setting.spelling if setting else name
     value = setting.value if setting else first.get("input")

@@ -96,7 +96,7 @@ def model_path(config: StrataConfig) -> Path:
     return path
 
 
-def engine_options(config: StrataConfig) -> EngineOptions:
+def engine_options(config: StrataConfig, device: str | None = None) -> EngineOptions:
     from strata.engine.generate import EngineOptions
 
     return EngineOptions(
@@ -104,7 +104,7 @@ def engine_options(config: StrataConfig) -> EngineOptions:
         threads=config.threads,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         kv_cache_type=config.kv_cache_type,
-        device=resolve_device_name(config.device),
+        device=device or resolve_device_name(config.device),
         cache_mib=config.cache_mib,
         elastic_tail_mib=config.elastic_tail_mib,
         arena_chunk_mib=config.arena_chunk_mib,

@@ -29,6 +29,7 @@ from strata.engine.runner import Runner, SafePoint
 from strata.engine.sampling import Sampler
 from strata.engine.tokenizer import Tokenizer
 from strata.engine.vocab import Vocab
+from strata.vmm.arena import ElasticArena
 
 log = logging.getLogger(__name__)
 
@@ -186,15 +187,16 @@ class Engine:
         options: EngineOptions | None = None,
         state_dir: Path | None = None,
         progress: Progress | None = None,
+        arena_factory: Callable[[int, int], ElasticArena] | None = None,
     ) -> Engine:
         """Open ``path``; a reason it cannot serve is a :class:`ModelLoadError` naming the file."""
         options = options or EngineOptions()
         step = progress or (lambda done, total, what: None)
         path = Path(path)
-        step(0, 4, "reading the GGUF index")
+        step(0, 5, "reading the GGUF index")
         index = GGUFIndex(path)
         module = architecture_module(index.arch)
-        step(1, 4, "building the tokenizer")
+        step(1, 5, "building the tokenizer")
         try:
             vocab = Vocab.from_metadata(index.metadata)
             tokenizer = Tokenizer.from_vocab(vocab)
@@ -205,7 +207,7 @@ class Engine:
             bos = vocab.tokens[vocab.bos_id] if vocab.bos_id is not None else ""
             eos = vocab.tokens[vocab.eos_id] if vocab.eos_id is not None else ""
             template = ChatTemplate(vocab.chat_template, bos_token=bos, eos_token=eos)
-        step(2, 4, "mapping the weights")
+        step(2, 5, "mapping the weights")
         device = resolve_device(options.device)
         model = module.Model(index, FileExpertProvider(index, device), device)
         n_ctx = _context_length(model.args.context_length, options.context_length, path)
@@ -227,6 +229,7 @@ class Engine:
                 None if options.elastic_tail_mib is None else options.elastic_tail_mib * MiB,
                 options.arena_chunk_mib * MiB,
                 profile,
+                arena_factory,
             )
         step(5, 5, "ready")
         log.info(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +117,7 @@ class ExpertCache:
         tail_bytes: int | None,
         chunk_bytes: int,
         profile: UsageProfile | None = None,
+        arena_factory: Callable[[int, int], ElasticArena] | None = None,
     ) -> ExpertCache:
         """A cache of the most whole slots that fit ``budget_bytes`` (at most every expert),
         filled in the profile's order. The arena reserves room for every expert, so the cache can
@@ -125,7 +126,10 @@ class ExpertCache:
         sizes = plan_sizes(budget_bytes, slot_bytes, len(index.experts), tail_bytes)
         reserved = max(_align(len(index.experts) * slot_bytes, chunk_bytes), chunk_bytes)
         backend = "cuda" if device.type == "cuda" else "host"
-        arena = create_arena(backend, reserved, chunk_bytes, device.index or 0)
+        if arena_factory is not None:  # e.g. a host arena guarded by a simulated device
+            arena = arena_factory(reserved, chunk_bytes)
+        else:
+            arena = create_arena(backend, reserved, chunk_bytes, device.index or 0)
         cache = cls(index, arena, sizes, slot_bytes, device, profile.ranked() if profile else [])
         cache.resize(sizes.total_slots)
         log.info(
@@ -184,8 +188,10 @@ class ExpertCache:
         return self.table.max_slots
 
     def slots_for_bytes(self, nbytes: int) -> int:
-        """The most whole slots that fit ``nbytes``, between the core and the whole set."""
-        return max(self.sizes.core_slots, min(nbytes // self.slot_bytes, self.table.max_slots))
+        """The most whole slots whose mapping (whole chunks) fits ``nbytes``, between the core
+        and the whole set."""
+        usable = nbytes // self.arena.chunk_bytes * self.arena.chunk_bytes
+        return max(self.sizes.core_slots, min(usable // self.slot_bytes, self.table.max_slots))
 
     def _mapped_for(self, n_slots: int) -> int:
         return _align(n_slots * self.slot_bytes, self.arena.chunk_bytes) if n_slots else 0

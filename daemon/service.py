@@ -1,0 +1,358 @@
+"""``strata serve``: the daemon.
+
+One asyncio loop carries the HTTP server, the VRAM control plane and the signal handling; the
+engine computes in its own thread (``worker.EngineWorker``). ``Daemon`` is the API every edge
+(HTTP, D-Bus, ``strata-ctl``) calls: reserve, borrow, return, revoke, status.
+
+Exit codes: 0 after SIGTERM/SIGINT, 1 when another instance runs or the port is taken, 2 for a
+configuration error or a model that cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from strata.daemon import paths
+from strata.daemon.config import LoadedConfig, StrataConfig
+from strata.daemon.control import ControlConfig, VramController
+from strata.daemon.leases import Lease
+from strata.daemon.policy import PolicyConfig
+from strata.daemon.worker import EngineWorker, State
+from strata.engine.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
+EXIT_RUNTIME = 1
+EXIT_CONFIG = 2
+STOP_TIMEOUT_S = 4.0  # SIGTERM to exit: well inside systemd's and the tests' 5 s
+
+
+class ServiceError(Exception):
+    """A reason the daemon cannot start; ``code`` is its exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Daemon:
+    """The daemon API: what HTTP, D-Bus and ``strata-ctl`` call. Thin over the worker and the
+    control plane; ``status()`` is the one status schema all of them return."""
+
+    def __init__(
+        self,
+        config: StrataConfig,
+        worker: EngineWorker,
+        controller: VramController,
+        model_path: Path | None,
+        device: str,
+    ) -> None:
+        self.config = config
+        self.worker = worker
+        self.controller = controller
+        self.model_path = model_path
+        self.device = device
+        self.listen_url = ""
+        self.stopping = False
+        self.started = time.time()
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        if self.stopping:
+            return "stopping"
+        return "ready" if self.worker.state == State.READY else "loading"
+
+    @property
+    def model_id(self) -> str:
+        return self.model_path.stem if self.model_path else ""
+
+    # -- the VRAM API ---------------------------------------------------------------------------
+
+    async def reserve(self, mib: int) -> None:
+        await self.controller.set_reserve(mib)
+
+    async def borrow(
+        self, mib: int, owner: str, pid: int | None, app_id: str, reason: str
+    ) -> Lease:
+        return await self.controller.borrow(mib, owner, pid, app_id, reason)
+
+    def return_lease(self, cookie: int, owner: str) -> Lease:
+        return self.controller.return_lease(cookie, owner, "returned")
+
+    def revoke(self, cookie: int) -> Lease:
+        return self.controller.return_lease(cookie, None, "revoked")
+
+    def owner_vanished(self, owner: str) -> list[Lease]:
+        return self.controller.owner_vanished(owner)
+
+    async def set_hold(self, source: str, mib: int | None) -> None:
+        await self.controller.set_hold(source, mib)
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The status schema (docs/status.md). Sizes in MiB; absent values are None."""
+        c = self.controller
+        cache = self.worker.cache
+        sample = c.last_sample
+        decision = c.last_decision
+        book = c.book
+        monitor = c.monitor
+        stats = self.worker.engine.provider.stats if self.worker.engine else None
+        return {
+            "state": self.state,
+            "model": self.model_id,
+            "model_path": str(self.model_path) if self.model_path else None,
+            "listen": self.listen_url,
+            "compute_device": self.device,
+            "device": monitor.device_name,
+            "monitor": {
+                "kind": monitor.kind,
+                "healthy": monitor.healthy,
+                "problem": monitor.problem,
+            },
+            "cache_mib": cache.size_bytes // MiB if cache else 0,
+            "core_mib": cache.core_bytes // MiB if cache else 0,
+            "tail_mib": (cache.size_bytes - cache.core_bytes) // MiB if cache else 0,
+            "max_cache_mib": cache.max_slots * cache.slot_bytes // MiB if cache else 0,
+            "cache_experts": cache.n_slots if cache else 0,
+            "total_experts": cache.max_slots if cache else None,
+            "total_mib": sample.total_bytes // MiB if sample else None,
+            "free_mib": sample.free_bytes // MiB if sample else None,
+            "ours_mib": sample.ours_bytes // MiB if sample else None,
+            "tenants_mib": sample.tenants_bytes // MiB if sample else None,
+            "reserve_mib": book.reserve_mib,
+            "elastic_reserve_mib": self.config.elastic_reserve_mib,
+            "holds": dict(book.holds),
+            "room_kept_mib": decision.room_kept_mib if decision else None,
+            "borrowed_mib": book.borrowed_mib,
+            "leases": [
+                {
+                    "cookie": lease.cookie,
+                    "app_id": lease.app_id,
+                    "reason": lease.reason,
+                    "mib": lease.mib,
+                    "since_us": lease.since_us,
+                    "owner": lease.owner,
+                    "pid": lease.pid,
+                }
+                for lease in book.leases()
+            ],
+            "resizes": c.resizes,
+            "hit_rate": stats.hit_rate if stats else None,
+            "busy": self.worker.busy,
+            "queued": self.worker.queued(),
+        }
+
+
+# -- start-up pieces ----------------------------------------------------------------------------
+
+
+def acquire_instance_lock(environ: dict[str, str] | None = None) -> int:
+    """One daemon per user: an flock on a file in the runtime directory. Returns the fd."""
+    env = os.environ if environ is None else environ
+    runtime = env.get("XDG_RUNTIME_DIR") or f"/tmp/strata-{os.getuid()}"
+    Path(runtime).mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = Path(runtime) / "strata.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ServiceError(
+            f"another strata serve is running (pid {holder}, lock {path})", EXIT_RUNTIME
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServiceError(f"port {port} on {host} is already in use", EXIT_RUNTIME) from None
+        raise ServiceError(f"cannot listen on {host}:{port}: {e.strerror}", EXIT_CONFIG) from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def _monitor_kind(config: StrataConfig, device: str) -> str:
+    if config.vram_monitor != "auto":
+        return config.vram_monitor
+    return "nvml" if device.startswith("cuda") else "none"
+
+
+def build(config: StrataConfig) -> tuple[Daemon, Callable[[], None]]:
+    """The daemon's objects, not started yet: worker, monitor, controller, API."""
+    from strata.daemon.generate_cmd import engine_options, model_path, resolve_device_name
+    from strata.engine.generate import Engine
+    from strata.vmm.monitor import create_monitor
+
+    device = resolve_device_name(config.device)
+    holder: dict[str, VramController] = {}
+    kind = _monitor_kind(config, device)
+    device_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else 0
+    monitor = create_monitor(
+        kind,
+        ours=lambda: holder["c"].ours_bytes() if "c" in holder else 0,
+        device_index=device_index,
+        simulated_file=config.simulated_vram_file,
+    )
+    path = config.model
+
+    def load() -> Engine:
+        nonlocal path
+        path = model_path(config)
+        daemon.model_path = path
+        options = engine_options(config, device)
+        options = _with_start_budget(options, config, monitor)
+        factory = _arena_factory(monitor)
+        return Engine.load(
+            path, options, state_dir=paths.state_dir(), arena_factory=factory, progress=_progress
+        )
+
+    worker = EngineWorker(load)
+    policy = PolicyConfig(
+        elastic_reserve_mib=config.elastic_reserve_mib,
+        elastic_stable_ms=config.elastic_stable_ms,
+        elastic_shrink_step_mib=config.elastic_shrink_step_mib,
+        vram_max_mib=config.vram_max_mib,
+    )
+    control = ControlConfig(
+        period_ms=config.elastic_period_ms, borrow_timeout_ms=config.borrow_timeout_ms
+    )
+    controller = VramController(worker, monitor, policy, control, _fixed_bytes(device))
+    holder["c"] = controller
+    daemon = Daemon(config, worker, controller, path, device)
+    return daemon, monitor.close
+
+
+def _progress(done: int, total: int, what: str) -> None:
+    log.info("loading (%d/%d): %s", done, total, what)
+
+
+def _with_start_budget(options: Any, config: StrataConfig, monitor: Any) -> Any:
+    """The start size: ``cache_mib`` when given, else free VRAM minus the reserve (on a watched
+    device), else none (the CPU: a host cache would only duplicate the file's pages)."""
+    from dataclasses import replace
+
+    if config.cache_mib is not None:
+        return options
+    sample = monitor.sample()
+    if sample is None or (not options.device.startswith("cuda") and monitor.kind != "simulated"):
+        return options
+    free_mib = sample.free_bytes // MiB
+    return replace(options, cache_mib=max(0, free_mib - config.elastic_reserve_mib))
+
+
+def _arena_factory(monitor: Any) -> Callable[[int, int], Any] | None:
+    """On the simulated device the host arena asks the device before committing a chunk, so a
+    grow beyond simulated free memory stops short as on a full GPU."""
+    if monitor.kind != "simulated":
+        return None
+    from strata.vmm.host_arena import HostArena
+
+    return lambda reserved, chunk: HostArena(reserved, chunk, commit=monitor.commit_guard())
+
+
+def _fixed_bytes(device: str) -> Callable[[], int]:
+    """The engine's own device memory besides the arena (weights, K/V, workspaces)."""
+    if not device.startswith("cuda"):
+        return lambda: 0
+    import torch
+
+    dev = torch.device(device)
+    return lambda: int(torch.cuda.memory_reserved(dev))
+
+
+# -- the main loop ------------------------------------------------------------------------------
+
+
+async def serve_async(config: StrataConfig, notify: Any = None) -> int:
+    from strata.daemon.http import create_app
+    from strata.vmm.errors import MonitorError
+
+    lock_fd = acquire_instance_lock()
+    try:
+        sock = bind_socket(config.host, config.port)
+        daemon, close_monitor = build(config)
+    except MonitorError as e:
+        os.close(lock_fd)
+        raise ServiceError(str(e), EXIT_CONFIG) from None
+    except BaseException:
+        os.close(lock_fd)
+        raise
+    host, port = sock.getsockname()[:2]
+    daemon.listen_url = f"http://{host}:{port}"
+    log.info("listening on %s", daemon.listen_url)
+
+    import uvicorn
+
+    app = create_app(daemon)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_config=None, lifespan="off", access_log=False, timeout_notify=30)
+    )
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    daemon.controller.bind(loop)
+    server_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
+    daemon.worker.start()
+    code = 0
+    control_task: asyncio.Task[None] | None = None
+    ready = asyncio.wrap_future(daemon.worker.ready)
+    stopped = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if ready in done and ready.exception() is not None:
+        err = ready.exception()
+        log.error("cannot load the model: %s", err)
+        code = EXIT_CONFIG if isinstance(err, EngineError) else EXIT_RUNTIME
+    elif ready in done:
+        log.info("ready: %s on %s", daemon.model_id, daemon.device)
+        control_task = asyncio.create_task(daemon.controller.run(), name="vram-control")
+        await stopped
+    log.info("stopping")
+    daemon.stopping = True
+    for task in (control_task, stopped):
+        if task is not None:
+            task.cancel()
+    server.should_exit = True
+    await asyncio.to_thread(daemon.worker.stop, STOP_TIMEOUT_S)
+    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+        await asyncio.wait_for(server_task, 1.0)
+    close_monitor()
+    os.close(lock_fd)
+    log.info("stopped")
+    return code
+
+
+def run(loaded: LoadedConfig, args: Any) -> int:
+    try:
+        return asyncio.run(serve_async(loaded.config))
+    except ServiceError as e:
+        log.error("%s", e)
+        return e.code

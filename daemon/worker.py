@@ -1,0 +1,214 @@
+"""The engine thread: loads the model, runs one generation at a time, applies cache resizes at safe
+points. The asyncio loop never waits on compute: it hands work over and gets futures back.
+
+A resize requested while the engine is idle applies at once; while a generation runs it applies at
+the next safe point (a prefill chunk boundary or a decode step). Only the newest requested size
+matters: a request replaces the one still pending, whose future then resolves with the newer
+result.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from strata.engine.experts.cache import ExpertCache, ResizeResult
+from strata.engine.generate import Engine, GenerationResult
+from strata.engine.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class State(StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+@dataclass
+class GenerationJob:
+    """One generation. ``on_text`` runs on the engine thread (callers hop to their loop);
+    ``cancel`` is checked at every safe point, before the job starts too."""
+
+    prompt: list[int]
+    params: SamplingParams
+    on_text: Callable[[str], None] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    done: cf.Future[GenerationResult] = field(default_factory=cf.Future)
+    on_start: Callable[[], None] | None = None
+
+
+@dataclass
+class _Resize:
+    n_slots: int
+    max_shrink: int | None
+    reason: str
+    futures: list[cf.Future[ResizeResult]]
+
+
+class EngineWorker:
+    def __init__(self, load: Callable[[], Engine]) -> None:
+        self._load = load
+        self.engine: Engine | None = None
+        self.state = State.LOADING
+        self.error: BaseException | None = None
+        self.ready = cf.Future[None]()
+        self._jobs: deque[GenerationJob] = deque()
+        self._resize: _Resize | None = None
+        self._cv = threading.Condition()
+        self._stop = False
+        self.busy = False
+        self.steps = 0  # safe points passed: prefill chunks and decode steps
+        self.on_resized: Callable[[ResizeResult, str], None] | None = None
+        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+
+    # -- control (any thread) -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def cache(self) -> ExpertCache | None:
+        return self.engine.cache if self.engine is not None else None
+
+    def submit(self, job: GenerationJob) -> None:
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the engine is stopping")
+            self._jobs.append(job)
+            self._cv.notify()
+
+    def queued(self) -> int:
+        with self._cv:
+            return len(self._jobs)
+
+    def request_resize(
+        self, n_slots: int, max_shrink: int | None, reason: str
+    ) -> cf.Future[ResizeResult]:
+        """Ask for ``n_slots`` at the next safe point (at once when idle)."""
+        fut: cf.Future[ResizeResult] = cf.Future()
+        with self._cv:
+            futures = self._resize.futures if self._resize else []
+            self._resize = _Resize(n_slots, max_shrink, reason, [*futures, fut])
+            self._cv.notify()
+        return fut
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel queued and running work, free the cache's memory, end the thread."""
+        with self._cv:
+            self._stop = True
+            for job in self._jobs:
+                job.cancel.set()
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # -- the thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._load()
+        except BaseException as e:  # reported to the service, which exits with its code
+            self.error = e
+            self.state = State.FAILED
+            self.ready.set_exception(e)
+            return
+        self.state = State.READY
+        self.ready.set_result(None)
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stop or self._jobs or self._resize):
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    job = self._jobs.popleft() if self._jobs else None
+                self._apply_resize()
+                if job is not None:
+                    self._run_job(job)
+        finally:
+            self._shutdown()
+
+    def _run_job(self, job: GenerationJob) -> None:
+        assert self.engine is not None
+        if job.cancel.is_set() or not job.done.set_running_or_notify_cancel():
+            if not job.done.done():
+                job.done.cancel()
+            return
+        if job.on_start is not None:
+            job.on_start()
+        self.busy = True
+        try:
+            result = self.engine.generate(
+                job.prompt,
+                job.params,
+                on_text=job.on_text,
+                cancelled=lambda: job.cancel.is_set() or self._stop,
+                safe_point=self._safe_point,
+            )
+        except BaseException as e:
+            job.done.set_exception(e)
+        else:
+            job.done.set_result(result)
+        finally:
+            self.busy = False
+
+    def _safe_point(self) -> None:
+        self.steps += 1
+        self._apply_resize()
+
+    def _apply_resize(self) -> None:
+        with self._cv:
+            pending, self._resize = self._resize, None
+        if pending is None:
+            return
+        cache = self.cache
+        if cache is None:
+            err = RuntimeError("no expert cache to resize")
+            for f in pending.futures:
+                f.set_exception(err)
+            return
+        try:
+            result = cache.resize(pending.n_slots, pending.max_shrink)
+        except BaseException as e:
+            log.error("cache resize to %d slots failed: %s", pending.n_slots, e)
+            for f in pending.futures:
+                f.set_exception(e)
+            return
+        if result.from_slots != result.to_slots:
+            log.info(
+                "cache resized %d -> %d slots (%.0f -> %.0f MiB) for %s in %.1f ms, %d copied",
+                result.from_slots,
+                result.to_slots,
+                result.from_slots * cache.slot_bytes / 2**20,
+                result.to_slots * cache.slot_bytes / 2**20,
+                pending.reason,
+                result.seconds * 1000,
+                result.copied,
+            )
+        if self.on_resized is not None:
+            self.on_resized(result, pending.reason)
+        for f in pending.futures:
+            f.set_result(result)
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            jobs, self._jobs = list(self._jobs), deque()
+            pending, self._resize = self._resize, None
+        for job in jobs:
+            job.done.cancel()
+        if pending:
+            for f in pending.futures:
+                f.cancel()
+        if self.engine is not None:
+            self.engine.save_profile()
+            self.engine.close()  # unmaps the arena: the VRAM goes back now
+
+    def describe(self) -> dict[str, Any]:
+        return {"state": str(self.state), "busy": self.busy, "queued": self.queued()}
