@@ -113,6 +113,21 @@ class StrataConfig(BaseSettings):
     vram_max_mib: int | None = Field(
         None, ge=1, description="most VRAM Strata uses in MiB, whatever is free (unset: no cap)"
     )
+    gamemode_reserve_mib: int | None = Field(
+        None, ge=1, description="VRAM kept free while Feral GameMode reports a game (unset: off)"
+    )
+    max_queued_requests: int = Field(
+        16, ge=0, le=4096, description="generations that may wait behind the running one"
+    )
+    api_key: str | None = Field(
+        None, description="bearer token the HTTP API requires (unset: none; bind stays local)"
+    )
+    cors_allow_origins: str | None = Field(
+        None, description="comma-separated origins allowed by CORS (unset: CORS closed)"
+    )
+    max_request_kib: int = Field(
+        1024, ge=1, le=1_048_576, description="largest HTTP request body in KiB"
+    )
     borrow_timeout_ms: int = Field(
         10_000,
         ge=1,
