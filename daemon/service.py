@@ -290,7 +290,13 @@ def _fixed_bytes(device: str) -> Callable[[], int]:
 # -- the main loop ------------------------------------------------------------------------------
 
 
-async def serve_async(config: StrataConfig, notify: Any = None) -> int:
+async def serve_async(
+    config: StrataConfig,
+    started: Callable[[Daemon, asyncio.Event], None] | None = None,
+) -> int:
+    """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code.
+    ``started(daemon, stop)`` is called once everything is wired (tests run the daemon in-process
+    through it)."""
     from strata.daemon.http import create_app
     from strata.vmm.errors import MonitorError
 
@@ -318,10 +324,13 @@ async def serve_async(config: StrataConfig, notify: Any = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        with contextlib.suppress(RuntimeError, ValueError):  # not the main thread: in-process
+            loop.add_signal_handler(sig, stop.set)
     daemon.controller.bind(loop)
     server_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
     daemon.worker.start()
+    if started is not None:
+        started(daemon, stop)
     code = 0
     control_task: asyncio.Task[None] | None = None
     ready = asyncio.wrap_future(daemon.worker.ready)

@@ -1,0 +1,157 @@
+"""The daemon in-process (its real loop, HTTP server and engine thread, in a background thread):
+leases and resizes against generations in flight.
+
+Sizes as in test_serve: 32 experts of 1.5 MiB, a 64 MiB simulated device, an 8 MiB automatic
+reserve; the shrink step is 4 MiB so that a Borrow of 20 MiB is "larger than the step".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from strata.daemon.config import StrataConfig
+from strata.daemon.service import Daemon, serve_async
+from strata.daemon.worker import GenerationJob
+from strata.engine import synth
+from strata.engine.params import SamplingParams
+from tests.integration.harness import write_simulated
+
+SCALE = 3
+PERIOD_MS = 200
+
+
+class InProcess:
+    def __init__(self, config: StrataConfig) -> None:
+        self._ready: Future[tuple[Daemon, asyncio.Event, asyncio.AbstractEventLoop]] = Future()
+        self.code: int | None = None
+        self.thread = threading.Thread(target=self._run, args=(config,), daemon=True)
+        self.thread.start()
+        self.daemon, self.stop_event, self.loop = self._ready.result(60)
+        self.daemon.worker.ready.result(60)
+        self.url = self.daemon.listen_url
+
+    def _run(self, config: StrataConfig) -> None:
+        def started(daemon: Daemon, stop: asyncio.Event) -> None:
+            self._ready.set_result((daemon, stop, asyncio.get_running_loop()))
+
+        self.code = asyncio.run(serve_async(config, started))
+
+    def call(self, coro: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth.ensure_synthetic("tiny-qwen3moe", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def daemon(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[InProcess]:
+    for var in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
+        (tmp_path / var).mkdir(mode=0o700)
+        monkeypatch.setenv(var, str(tmp_path / var))
+    device = tmp_path / "device.json"
+    write_simulated(device, 64)
+    config = StrataConfig(
+        model=model,
+        port=0,
+        device="cpu",
+        vram_monitor="simulated",
+        simulated_vram_file=device,
+        cache_mib=48,
+        arena_chunk_mib=2,
+        elastic_reserve_mib=8,
+        elastic_period_ms=PERIOD_MS,
+        elastic_stable_ms=600,
+        elastic_shrink_step_mib=4,
+        prefill_chunk_tokens=8,
+        kv_cache_type="f32",
+    )
+    d = InProcess(config)
+    yield d
+    d.close()
+    assert d.code == 0
+
+
+def generate(d: InProcess, prompt: list[int], max_tokens: int) -> GenerationJob:
+    job = GenerationJob(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    d.daemon.worker.submit(job)
+    return job
+
+
+def test_borrow_larger_than_the_step_is_answered_within_one_period(daemon: InProcess) -> None:
+    t0 = time.monotonic()
+    lease = daemon.call(daemon.daemon.borrow(20, ":1.test", os.getpid(), "game", "test")).result(30)
+    took = time.monotonic() - t0
+    status = daemon.daemon.status()
+    print(f"\nBorrow of 20 MiB (step 4 MiB) answered in {took * 1000:.0f} ms")
+    assert took < PERIOD_MS / 1000 * SCALE
+    assert status["free_mib"] >= 20 + 8 and status["borrowed_mib"] == 20
+    daemon.daemon.return_lease(lease.cookie, ":1.test")
+    assert daemon.daemon.status()["leases"] == []
+
+
+def test_health_and_borrow_answer_during_a_long_prefill(daemon: InProcess) -> None:
+    engine = daemon.daemon.worker.engine
+    prompt = engine.tokenizer.encode("The keeper of the lighthouse wrote " * 250)[:3000]
+    job = generate(daemon, prompt, 4)
+    started = time.monotonic()
+    while daemon.daemon.worker.steps < 2:  # the prefill is under way
+        time.sleep(0.005)
+    worst = 0.0
+    lease_future = daemon.call(daemon.daemon.borrow(20, ":1.t", None, "encoder", "test"))
+    while not job.done.done():
+        t0 = time.monotonic()
+        r = httpx.get(daemon.url + "/health", timeout=5)
+        worst = max(worst, time.monotonic() - t0)
+        assert r.status_code == 200
+        time.sleep(0.02)
+    granted_at = lease_future.result(10) and lease_future.done()
+    prefill_s = time.monotonic() - started
+    print(f"\nprefill of {len(prompt)} tokens took {prefill_s:.1f} s; slowest /health "
+          f"{worst * 1000:.0f} ms")  # fmt: skip
+    assert prefill_s > 1.0, "the prefill must last long enough to mean something"
+    assert worst < 0.5 * SCALE
+    assert granted_at
+    job.done.result(10)
+
+
+def test_borrow_is_granted_before_the_prefill_ends(daemon: InProcess) -> None:
+    engine = daemon.daemon.worker.engine
+    prompt = engine.tokenizer.encode("A long prompt about rivers and mills. " * 250)[:3000]
+    job = generate(daemon, prompt, 2)
+    while daemon.daemon.worker.steps < 2:
+        time.sleep(0.005)
+    lease = daemon.call(daemon.daemon.borrow(20, ":1.t", None, "encoder", "test")).result(30)
+    assert not job.done.done(), "the Borrow had to wait for the prefill to end"
+    assert lease.mib == 20
+    job.done.result(60)
+
+
+def test_generation_with_a_resize_equals_one_without(daemon: InProcess) -> None:
+    engine = daemon.daemon.worker.engine
+    prompt = engine.tokenizer.encode("Once upon a time in a quiet valley")
+    quiet = generate(daemon, prompt, 48).done.result(60)
+    resizes_before = daemon.daemon.controller.resizes
+    job = generate(daemon, prompt, 48)
+    while daemon.daemon.worker.steps == 0 or not job.done.running():
+        time.sleep(0.001)
+    daemon.call(daemon.daemon.reserve(30)).result(30)  # a whole-amount shrink mid-generation
+    resized = job.done.result(60)
+    assert daemon.daemon.controller.resizes > resizes_before, "no resize happened"
+    assert resized.tokens == quiet.tokens
+    assert resized.text == quiet.text
