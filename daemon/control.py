@@ -158,7 +158,7 @@ class VramController:
         view = CacheView(
             size_mib=max(size_mib, _mib(cache.core_bytes)),
             core_mib=_mib(cache.core_bytes),
-            max_mib=-(-cache.max_slots * cache.slot_bytes // MiB),
+            max_mib=-(-cache.mapped_bytes_for(cache.max_slots) // MiB),
             fixed_mib=fixed,
         )
         usage = [self._lease_usage(lease) for lease in self.book.leases()]

@@ -176,6 +176,11 @@ class ExpertCache:
         return self.table.n_slots
 
     @property
+    def cached_experts(self) -> int:
+        """Experts whose bytes are in their slot (during a grow, the new slots fill one by one)."""
+        return len(self.table)
+
+    @property
     def size_bytes(self) -> int:
         return self.table.n_slots * self.slot_bytes
 
@@ -193,7 +198,8 @@ class ExpertCache:
         usable = nbytes // self.arena.chunk_bytes * self.arena.chunk_bytes
         return max(self.sizes.core_slots, min(usable // self.slot_bytes, self.table.max_slots))
 
-    def _mapped_for(self, n_slots: int) -> int:
+    def mapped_bytes_for(self, n_slots: int) -> int:
+        """What the arena maps to hold ``n_slots`` slots (whole chunks)."""
         return _align(n_slots * self.slot_bytes, self.arena.chunk_bytes) if n_slots else 0
 
     def resize(self, n_slots: int, max_shrink: int | None = None) -> ResizeResult:
@@ -218,7 +224,7 @@ class ExpertCache:
         return result
 
     def _grow(self, n_slots: int) -> int:
-        self.arena.resize(max(self.arena.mapped_bytes, self._mapped_for(n_slots)))
+        self.arena.resize(max(self.arena.mapped_bytes, self.mapped_bytes_for(n_slots)))
         got = min(n_slots, self.arena.mapped_bytes // self.slot_bytes)
         if got < n_slots:
             log.warning("expert cache grow to %d slots got memory for %d only", n_slots, got)
@@ -245,7 +251,7 @@ class ExpertCache:
             src = self.arena.view(move.src * self.slot_bytes, n)
             self.arena.view(move.dst * self.slot_bytes, n).copy_(src)
         self._sync()  # every copy lands before a chunk goes away
-        self.arena.resize(self._mapped_for(n_slots))
+        self.arena.resize(self.mapped_bytes_for(n_slots))
         return len(moves)
 
     def _copy_in(self, slot: int, blob: ExpertBlob) -> None:

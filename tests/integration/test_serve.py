@@ -127,7 +127,7 @@ def test_tenant_takes_room_cache_shrinks_then_grows_back(
     write_simulated(device, TOTAL_MIB)  # the tenant leaves
     time.sleep(0.3)
     assert d.status()["cache_mib"] < ALL_MIB, "grew before the room lasted the stable time"
-    d.wait_for(lambda s: s["cache_mib"] == ALL_MIB, (0.6 + 1.0) * SCALE, "regrow")
+    d.wait_for(lambda s: s["cache_experts"] == 32, (0.6 + 1.0) * SCALE, "regrow and refill")
     grow_s = time.monotonic() - t0
     print(f"\nsimulated: tenant -> shrunk in {shrink_s * 1000:.0f} ms; "
           f"room back -> refilled in {grow_s * 1000:.0f} ms (stable time 600 ms)")  # fmt: skip
