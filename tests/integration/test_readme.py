@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.helpers import require_tool
@@ -32,7 +35,7 @@ def readme_commands() -> list[str]:
 def test_readme_has_exactly_two_setup_commands() -> None:
     commands = readme_commands()
     assert len(commands) == 2, commands
-    assert commands[0].startswith("./scripts/strata ")
+    assert commands[0] == "./scripts/strata serve"
     assert commands[1] == "./scripts/test"
 
 
@@ -71,19 +74,43 @@ def _env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def test_readme_start_command_generates_text_in_a_fresh_clone(clone: Path, tmp_path: Path) -> None:
+def test_readme_start_command_serves_in_a_fresh_clone(clone: Path, tmp_path: Path) -> None:
     start = shlex.split(readme_commands()[0])
-    proc = subprocess.run(
-        [*start, "--max-tokens", "12", "--temperature", "0"],
-        cwd=clone,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip(), f"no generated text; stderr: {proc.stderr[-2000:]}"
-    assert "tok/s" in proc.stderr and "tok/s" not in proc.stdout
+    log = tmp_path / "serve.log"
+    env = _env(tmp_path)
+    env["XDG_RUNTIME_DIR"] = str(tmp_path / "runtime")
+    (tmp_path / "runtime").mkdir(mode=0o700)
+    with log.open("w") as out:
+        proc = subprocess.Popen([*start, "--port", "0"], cwd=clone, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            url = _wait_for_url(log, proc, timeout=600)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            health = httpx.get(url + "/health", timeout=5)
+            assert health.status_code == 200, log.read_text()[-3000:]
+            assert health.json()["model"].startswith("strata-demo")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(30)
+    assert code == 0, log.read_text()[-3000:]
+
+
+def _wait_for_url(log: Path, proc: subprocess.Popen[bytes], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = re.search(r"listening on (http://\S+)", log.read_text())
+        if match:
+            return match.group(1)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.1)
+    raise AssertionError(f"no 'listening on' line in {timeout} s: {log.read_text()[-3000:]}")
 
 
 def test_readme_test_command_runs_tests_in_a_fresh_clone(clone: Path, tmp_path: Path) -> None:
