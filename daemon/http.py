@@ -1,15 +1,60 @@
-"""The HTTP edge: parse, call one daemon method, map errors. No policy or state lives here."""
+"""The HTTP edge: parse, call one daemon method, map errors. No policy or state lives here.
+
+Routes: ``/health``, ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/vram``, ``/metrics`` (docs/http.md). Around them, outermost first: request counting, CORS
+(only when ``cors_allow_origins`` is set), the bearer key (only when ``api_key`` is set;
+``/health`` stays open), the body-size limit. Every error leaves as an OpenAI-shaped JSON body,
+mapped once, in :func:`as_api_error`.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata import __version__
+from strata.daemon.generation import Generation, Generations, NotServing, QueueFull
 from strata.daemon.leases import LeaseError, NotEnoughVram, Timeout
+from strata.daemon.metrics import CONTENT_TYPE, Metrics
+from strata.daemon.openai_api import (
+    SSE_DONE,
+    ApiError,
+    Parsed,
+    Reply,
+    error_body,
+    invalid,
+    model_entry,
+    model_not_found,
+    models_list,
+    parse_chat,
+    parse_completion,
+    prepare,
+    retry_after_s,
+    sse,
+)
+from strata.engine.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+FINGERPRINT = f"strata-{__version__}"
+OPEN_PATHS = frozenset({"/health"})
+ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions",
+                       "/v1/completions", "/v1/vram"})  # fmt: skip
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+__all__ = ["as_api_error", "create_app", "error_body"]
 
 
 class VramRequest(BaseModel):
@@ -17,14 +62,50 @@ class VramRequest(BaseModel):
     reserve_mib: StrictInt = Field(ge=0)
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
-    """The OpenAI error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 def create_app(daemon: Any) -> FastAPI:
-    app = FastAPI(title="Strata", version=__version__, docs_url=None, redoc_url=None)
+    config = daemon.config
+    metrics = Metrics(daemon)
+    generations = Generations(
+        daemon.worker, daemon.controller, config.max_queued_requests, metrics.generation
+    )
+    app = FastAPI(title="Strata", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
     app.state.daemon = daemon
+    app.state.generations = generations
+    app.state.metrics = metrics
+    _add_error_handlers(app)
+    _add_middleware(app, config, metrics)
+
+    def engine() -> Any:
+        """The loaded engine, or a 503 while loading or stopping."""
+        if daemon.state == "ready" and daemon.worker.engine is not None:
+            return daemon.worker.engine
+        if daemon.state == "stopping":
+            raise ApiError(503, "the daemon is stopping", "server_error", None, "stopping")
+        raise ApiError(503, "the model is still loading; retry shortly", "server_error", None,
+                       "model_loading", {"Retry-After": "1"})  # fmt: skip
+
+    def created() -> int:
+        try:
+            return int(daemon.model_path.stat().st_mtime)
+        except (AttributeError, OSError):
+            return int(daemon.started)
+
+    async def generate(request: Request, req: Parsed, received: float) -> Response:
+        eng = engine()
+        if req.model != daemon.model_id:
+            raise model_not_found(req.model, daemon.model_id)
+        prompt, params = await asyncio.to_thread(prepare, req, eng)
+        gen = await generations.submit(prompt, params, received, req.stream, request.receive)
+        reply = Reply.new(req, daemon.model_id, FINGERPRINT)
+        if req.stream:
+            return StreamingResponse(
+                _events(reply, gen), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        r = await gen.result()
+        return JSONResponse(
+            reply.body(r.text, r.finish_reason, r.prompt_tokens, r.completion_tokens)
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -33,6 +114,28 @@ def create_app(daemon: Any) -> FastAPI:
         if state == "ready":
             body.update(model=daemon.model_id, device=daemon.device)
         return JSONResponse(body, status_code=200 if state == "ready" else 503)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        engine()
+        return models_list(daemon.model_id, created())
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        engine()
+        if model != daemon.model_id:
+            raise model_not_found(model, daemon.model_id)
+        return model_entry(daemon.model_id, created())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        received = time.monotonic()
+        return await generate(request, parse_chat(await request.body()), received)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        received = time.monotonic()
+        return await generate(request, parse_completion(await request.body()), received)
 
     @app.get("/v1/vram")
     async def get_vram() -> dict[str, Any]:
@@ -43,24 +146,91 @@ def create_app(daemon: Any) -> FastAPI:
         try:
             body = VramRequest.model_validate_json(await request.body())
         except ValueError as e:
-            return JSONResponse(
-                error_body(f"invalid body: {_first_error(e)}", "invalid_request_error",
-                           "reserve_mib"),
-                status_code=400,
-            )  # fmt: skip
+            raise invalid(f"invalid body: {_first_error(e)}", "reserve_mib") from None
         try:
             await daemon.reserve(body.reserve_mib)
         except Timeout as e:
-            return JSONResponse(error_body(str(e), "timeout", "reserve_mib", "timeout"), 504)
+            raise ApiError(504, str(e), "timeout", "reserve_mib", "timeout") from None
         except NotEnoughVram as e:
-            return JSONResponse(
-                error_body(str(e), "invalid_request_error", "reserve_mib", "not_enough_vram"), 400
-            )
+            raise invalid(str(e), "reserve_mib", "not_enough_vram") from None
         except LeaseError as e:
-            return JSONResponse(error_body(str(e), "invalid_request_error", "reserve_mib"), 400)
+            raise invalid(str(e), "reserve_mib") from None
         return JSONResponse(daemon.status())
 
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     return app
+
+
+async def _events(reply: Reply, gen: Generation) -> AsyncIterator[bytes]:
+    """The SSE stream: a role chunk (chat), text chunks, the closing chunk, usage, [DONE]. An
+    error after the headers went out is an error event, as OpenAI sends it."""
+    try:
+        if reply.kind == "chat":
+            yield sse(reply.chunk("", first=True))
+        async for text in gen.text():
+            yield sse(reply.chunk(text))
+        r = gen.final()
+    except Exception as e:  # the status line is sent: the error travels in the stream
+        yield sse(as_api_error(e).body())
+        yield SSE_DONE
+        return
+    finally:
+        gen.close()  # a client that left mid-stream cancels the generation here
+    yield sse(reply.chunk(None, r.finish_reason))
+    if reply.include_usage:
+        yield sse(reply.usage_chunk(r.prompt_tokens, r.completion_tokens))
+    yield SSE_DONE
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """Every exception that leaves a handler, as the API error the client sees."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, QueueFull):
+        return ApiError(
+            429,
+            f"{exc}; retry later",
+            "requests",
+            None,
+            "rate_limit_exceeded",
+            {"Retry-After": str(retry_after_s(exc.mean_generation_s))},
+        )
+    if isinstance(exc, NotServing):
+        return ApiError(503, str(exc), "server_error", None, "stopping")
+    if isinstance(exc, StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), "invalid_request_error", None, code)
+    if isinstance(exc, RequestValidationError):
+        return invalid(str(exc.errors()[0].get("msg")) if exc.errors() else "invalid request")
+    if isinstance(exc, EngineError):
+        log.error("generation failed: %s", exc)
+        return ApiError(500, f"the engine failed: {exc}", "server_error")
+    log.error("unexpected error: %r", exc, exc_info=exc)
+    return ApiError(500, "internal error (see the daemon's log)", "server_error")
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    err = as_api_error(exc)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, StarletteHTTPException) and exc.status_code in (404, 405):
+            where = f"{request.method} {request.url.path}"
+            what = "no such endpoint" if exc.status_code == 404 else "method not allowed"
+            exc = StarletteHTTPException(exc.status_code, f"{what}: {where}")
+        return _error_response(exc)
+
+    for kind in (ApiError, QueueFull, NotServing, StarletteHTTPException,
+                 RequestValidationError, EngineError, Exception):  # fmt: skip
+        app.add_exception_handler(kind, handle)
 
 
 def _first_error(e: ValueError) -> str:
@@ -70,3 +240,126 @@ def _first_error(e: ValueError) -> str:
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
         return f"{where}: {first.get('msg')}"
     return str(e)
+
+
+# -- middleware ---------------------------------------------------------------------------------
+
+
+def _add_middleware(app: FastAPI, config: Any, metrics: Metrics) -> None:
+    # add_middleware puts each new one outside the ones before it
+    app.add_middleware(LimitBody, max_bytes=config.max_request_kib * 1024)
+    if config.api_key:
+        app.add_middleware(RequireKey, key=config.api_key)
+    origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]
+    if origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            max_age=600,
+        )
+    app.add_middleware(CountRequests, metrics=metrics)
+
+
+class CountRequests:
+    """``strata_http_requests_total{endpoint, status}``, counted as each response starts."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = _endpoint(scope["path"])
+        counted = False
+
+        async def counting_send(message: Message) -> None:
+            nonlocal counted
+            if message["type"] == "http.response.start" and not counted:
+                counted = True
+                self.metrics.request(endpoint, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if not counted:
+                self.metrics.request(endpoint, 500)
+
+
+def _endpoint(path: str) -> str:
+    if path in ENDPOINTS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+class RequireKey:
+    """``Authorization: Bearer <api_key>`` on every path but ``/health``."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, b"authorization")
+        scheme, _, token = (given or b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        message = "invalid API key" if given else "missing API key (Authorization: Bearer KEY)"
+        err = ApiError(401, message, "invalid_request_error", None, "invalid_api_key",
+                       {"WWW-Authenticate": "Bearer"})  # fmt: skip
+        await _error_response(err)(scope, receive, send)
+
+
+class LimitBody:
+    """Request bodies of at most ``max_bytes``: a 413 by ``Content-Length`` before reading, or
+    as soon as a chunked body passes the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, size: str) -> ApiError:
+        return ApiError(
+            413,
+            f"the request body of {size} bytes is larger than the limit of {self.max_bytes} bytes "
+            f"(max_request_kib)",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _error_response(self._too_large(length.decode()))(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._too_large(f"more than {seen}")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value
+    return None

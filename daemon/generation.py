@@ -1,0 +1,227 @@
+"""One generation at a time, first come first served, between the asyncio loop and the engine.
+
+``Generations.submit`` admits a request (at most ``max_queued`` waiting behind the running one,
+else :class:`QueueFull`), runs the VRAM controller's per-request check, and hands the job to the
+engine thread. A :class:`Generation` carries the text back to the loop as it becomes final and
+cancels its job when the client goes away: a waiting job then never starts (the worker skips
+cancelled jobs) and a running one stops at its next step.
+
+No HTTP here: the caller passes the ASGI ``receive`` callable only so a disconnect can be seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from strata.daemon.worker import GenerationJob
+from strata.engine.generate import GenerationResult
+from strata.engine.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_END = object()
+_MEAN_WEIGHT = 0.2  # weight of the newest generation in the running mean duration
+
+
+class QueueFull(Exception):
+    """``max_queued`` requests already wait behind the running one."""
+
+    def __init__(self, waiting: int, mean_generation_s: float | None) -> None:
+        super().__init__(f"{waiting} requests are already waiting for the engine (the limit)")
+        self.waiting = waiting
+        self.mean_generation_s = mean_generation_s
+
+
+class NotServing(Exception):
+    """The engine is stopping: the request was not run, or not to its end."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What the metrics learn about one generation once the engine is done with it.
+
+    ``outcome``: ``stop``/``length`` (complete), ``cancelled`` (started, then the client left or
+    the daemon stopped), ``abandoned`` (the client left before it started), ``dropped`` (the
+    daemon stopped before it started), ``error``.
+    """
+
+    outcome: str
+    received: float  # time.monotonic() when the request arrived
+    result: GenerationResult | None
+
+
+class Generation:
+    """One admitted request: ``text()`` (streaming) or ``result()``, never both."""
+
+    def __init__(self, job: GenerationJob, received: float) -> None:
+        self.job = job
+        self.received = received
+        self.started: float | None = None  # monotonic, set on the engine thread
+        self.left = False  # the client went away
+        self.released = False
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._watch: asyncio.Task[None] | None = None
+        self._on_cancel: Callable[[Generation], None] = lambda g: None
+
+    async def text(self) -> AsyncIterator[str]:
+        """Text as it becomes final; the generation is over when this ends (see ``final``).
+        Closing it early (the client left) cancels the job."""
+        try:
+            while (item := await self._queue.get()) is not _END:
+                yield item
+        finally:
+            self.close()
+
+    async def result(self) -> GenerationResult:
+        async for _ in self.text():
+            pass
+        return self.final()
+
+    def final(self) -> GenerationResult:
+        """The finished generation; raises :class:`NotServing` when the daemon stopped it and
+        the engine's own error when it failed."""
+        done = self.job.done
+        if done.cancelled():
+            raise NotServing("the daemon stopped before this request started")
+        error = done.exception()
+        if error is not None:
+            raise error
+        result = done.result()
+        if result.finish_reason == "cancelled":
+            raise NotServing("the daemon is stopping; the generation was cut short")
+        return result
+
+    def cancel(self) -> None:
+        """The client left: a waiting job never starts, a running one stops at its next step."""
+        if not self.job.done.done():
+            self.left = True
+            self.job.cancel.set()
+            self._on_cancel(self)
+
+    def close(self) -> None:
+        """The response is over: sent, or given up."""
+        self.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def _watch_disconnect(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        # Once the body is read, the server's receive() answers only when the client goes away
+        # (or the response is complete, when cancelling is a no-op).
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.cancel()
+                return
+
+
+class Generations:
+    """The FIFO in front of the engine thread."""
+
+    def __init__(
+        self,
+        worker: Any,
+        controller: Any,
+        max_queued: int,
+        observe: Callable[[Finished], None] | None = None,
+    ) -> None:
+        self.worker = worker
+        self.controller = controller
+        self.max_queued = max_queued
+        self.observe = observe
+        self.mean_generation_s: float | None = None
+        self._lock = threading.Lock()
+        self._in_flight = 0  # admitted and not finished (or given up before starting)
+
+    async def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        received: float,
+        stream: bool = False,
+        receive: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+    ) -> Generation:
+        """Admit and queue one generation. Raises :class:`QueueFull` or :class:`NotServing`."""
+        with self._lock:
+            # the running one plus max_queued waiting ones
+            if self._in_flight >= self.max_queued + 1:
+                raise QueueFull(self._in_flight - 1, self.mean_generation_s)
+            self._in_flight += 1
+        loop = asyncio.get_running_loop()
+        job = GenerationJob(prompt, params)
+        gen = Generation(job, received)
+        gen._on_cancel = self._given_up
+        if stream:
+            job.on_text = lambda text: _hop(loop, gen._queue.put_nowait, text)
+
+        def on_start() -> None:  # engine thread
+            gen.started = time.monotonic()
+
+        job.on_start = on_start
+        job.done.add_done_callback(lambda _: _hop(loop, self._finished, gen))
+        try:
+            await self._check_vram()
+            self.worker.submit(job)
+        except BaseException as e:
+            self._release(gen)
+            if isinstance(e, RuntimeError):
+                raise NotServing(str(e)) from None
+            raise
+        if receive is not None:
+            gen._watch = loop.create_task(gen._watch_disconnect(receive))
+        return gen
+
+    async def _check_vram(self) -> None:
+        # The policy looks at VRAM at each request's start too; a resize it asks for applies at
+        # the next safe point. A failing check must not fail the request.
+        try:
+            await self.controller.check("request")
+        except Exception:
+            log.exception("VRAM check at a request's start failed")
+
+    def _given_up(self, gen: Generation) -> None:
+        if gen.started is None:
+            self._release(gen)  # it will never start: its place in the queue is free now
+
+    def _release(self, gen: Generation) -> None:
+        with self._lock:
+            if not gen.released:
+                gen.released = True
+                self._in_flight -= 1
+
+    def _finished(self, gen: Generation) -> None:  # on the loop, once the engine is done
+        self._release(gen)
+        done = gen.job.done
+        result = None
+        if done.cancelled():
+            outcome = "abandoned" if gen.left else "dropped"
+        elif done.exception() is not None:
+            outcome = "error"
+            log.error("generation failed: %s", done.exception())
+        else:
+            result = done.result()
+            outcome = result.finish_reason
+            if outcome != "cancelled" and gen.started is not None:
+                took = time.monotonic() - gen.started
+                mean = self.mean_generation_s
+                self.mean_generation_s = (
+                    took if mean is None else mean + _MEAN_WEIGHT * (took - mean)
+                )
+        if self.observe is not None:
+            try:
+                self.observe(Finished(outcome, gen.received, result))
+            except Exception:
+                log.exception("observing a finished generation failed")
+        gen._queue.put_nowait(_END)
+
+
+def _hop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """From the engine thread to the loop (a closed loop: the daemon is gone, nobody listens)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)

@@ -1,0 +1,111 @@
+"""``GET /metrics``: Prometheus text format from a registry of the app's own.
+
+Counters and histograms are fed as requests end and generations finish; the gauges (queue, cache,
+hit rate, resizes, free VRAM, engine steps) are read from ``daemon.status()`` at scrape time, so
+they never go stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from strata.daemon.generation import Finished
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# seconds; first tokens include queueing and prefill, so they reach further
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self, daemon: Any) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "strata_http_requests", "HTTP requests answered, by endpoint and status",
+            ["endpoint", "status"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "strata_prompt_tokens", "prompt tokens of the generations run", registry=r
+        )
+        self.completion_tokens = Counter("strata_completion_tokens", "tokens generated", registry=r)
+        self.generations = Counter(
+            "strata_generations",
+            "generations by outcome: stop, length, cancelled (the client left or the daemon "
+            "stopped while it ran), abandoned (the client left before it started), dropped, error",
+            ["outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "strata_time_to_first_token_seconds",
+            "from a request's arrival (queueing included) to its first generated token",
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "strata_inter_token_latency_seconds", "time between two generated tokens",
+            buckets=ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        r.register(_StatusCollector(daemon))
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def generation(self, f: Finished) -> None:
+        self.generations.labels(f.outcome).inc()
+        r = f.result
+        if r is None:
+            return
+        self.prompt_tokens.inc(r.prompt_tokens)
+        self.completion_tokens.inc(r.completion_tokens)
+        if r.token_times:
+            self.ttft.observe(max(0.0, r.token_times[0] - f.received))
+        for a, b in zip(r.token_times, r.token_times[1:], strict=False):
+            self.itl.observe(b - a)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StatusCollector(Collector):
+    """Gauges from ``daemon.status()``, read at scrape time; absent values are left out."""
+
+    def __init__(self, daemon: Any) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.daemon.status()
+        gauges = (
+            ("strata_queue_length", "generations waiting for the engine", s.get("queued")),
+            ("strata_busy", "1 while a generation runs", int(bool(s.get("busy")))),
+            ("strata_ready", "1 once the model is loaded", int(s.get("state") == "ready")),
+            ("strata_cache_mib", "expert cache size in MiB", s.get("cache_mib")),
+            ("strata_cache_experts", "experts the cache holds", s.get("cache_experts")),
+            ("strata_cache_hit_rate", "expert cache hit rate (0-1)", s.get("hit_rate")),
+            ("strata_free_vram_mib", "free VRAM on the device in MiB", s.get("free_mib")),
+            ("strata_ours_vram_mib", "VRAM Strata holds in MiB", s.get("ours_mib")),
+            ("strata_reserve_mib", "run-time VRAM reserve in MiB", s.get("reserve_mib")),
+            ("strata_borrowed_mib", "VRAM lent out by leases in MiB", s.get("borrowed_mib")),
+        )
+        for name, doc, value in gauges:
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=value)
+        counters = (
+            ("strata_cache_resizes", "expert cache resizes", s.get("resizes")),
+            # safe points passed (prefill chunks and decode steps): the engine's work
+            ("strata_engine_steps", "engine steps", getattr(self.daemon.worker, "steps", None)),
+        )
+        for name, doc, value in counters:
+            if value is not None:
+                yield CounterMetricFamily(name, doc, value=value)

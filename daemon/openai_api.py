@@ -1,0 +1,570 @@
+"""The OpenAI request and response shapes: parsing, validation, the bodies and SSE chunks we send.
+
+Plain data in, plain data out: no HTTP framework, no queue. A request that cannot be served as
+asked is an :class:`ApiError` naming the field; fields the engine cannot honour yet are refused
+(never ignored), unknown extra fields are ignored.
+
+Sampling defaults are the engine's (``SamplingParams``), not OpenAI's: a field left out means
+"the daemon's default". ``max_tokens`` left out means the rest of the context window for chat and
+16 for completions, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from strata.engine.errors import ContextOverflow, EngineError, TokenizerError
+from strata.engine.params import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error the client caused or must know about; ``body()`` is the OpenAI error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def unsupported(param: str, why: str) -> ApiError:
+    return ApiError(400, f"{param}: {why}", "invalid_request_error", param, "unsupported_parameter")
+
+
+def wrong_type(param: str, expected: str, value: Any) -> ApiError:
+    return invalid(f"{param}: expected {expected}, got {_json_type(value)}", param, "invalid_type")
+
+
+def model_not_found(asked: str, served: str) -> ApiError:
+    return ApiError(
+        404,
+        f"the model {asked!r} does not exist; this server serves {served!r}",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
+
+
+# -- fields the engine cannot honour: each is refused unless its value asks for nothing ---------
+
+
+def _absent(v: Any) -> bool:
+    return v is None
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == [] or v == {}
+
+
+def _zero(v: Any) -> bool:
+    return v is None or (type(v) in (int, float) and v == 0)
+
+
+def _one(v: Any) -> bool:
+    return v is None or (type(v) is int and v == 1)
+
+
+def _falsy(v: Any) -> bool:
+    return v is None or v is False or (type(v) is int and v == 0)
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("type") == "text")
+
+
+# field -> (does this value ask for nothing the engine lacks?, why it is refused otherwise)
+Rule = tuple[Callable[[Any], bool], str]
+_COMMON_RULES: dict[str, Rule] = {
+    "n": (_one, "only n = 1 is supported (one choice per request)"),
+    "logit_bias": (_empty, "logit_bias is not supported"),
+    "frequency_penalty": (
+        _zero,
+        "OpenAI's additive frequency penalty is not supported; use repeat_penalty "
+        "(llama.cpp's multiplicative penalty) or leave it at 0",
+    ),
+    "presence_penalty": (
+        _zero,
+        "OpenAI's additive presence penalty is not supported; use repeat_penalty "
+        "(llama.cpp's multiplicative penalty) or leave it at 0",
+    ),
+}
+_CHAT_RULES: dict[str, Rule] = {
+    **_COMMON_RULES,
+    "tools": (_empty, "tools (function calling) are not supported"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool_choice is not supported (no tools)"),
+    "functions": (_empty, "functions (function calling) are not supported"),
+    "function_call": (lambda v: v in (None, "none"), "function_call is not supported"),
+    "logprobs": (_falsy, "logprobs are not supported"),
+    "top_logprobs": (_falsy, "top_logprobs are not supported"),
+    "response_format": (_text_format, 'only response_format {"type": "text"} is supported'),
+    "audio": (_absent, "audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
+    "prediction": (_absent, "predicted outputs are not supported"),
+    "reasoning_effort": (_absent, "reasoning_effort is not supported"),
+    "web_search_options": (_absent, "web search is not supported"),
+}
+_COMPLETION_RULES: dict[str, Rule] = {
+    **_COMMON_RULES,
+    "logprobs": (_falsy, "logprobs are not supported"),
+    "echo": (_falsy, "echo is not supported"),
+    "best_of": (_one, "only best_of = 1 is supported"),
+    "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
+}
+
+
+# -- request models -----------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    # strict: "0.5" is not a number and true is not 1; ints are accepted where floats are
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # llama.cpp extension
+    min_p: float | None = None  # llama.cpp extension
+    repeat_penalty: float | None = None  # llama.cpp extension
+    repeat_last_n: int | None = None  # llama.cpp extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+_EXPECTED = {
+    "stop": "a string or a list of strings",
+    "prompt": "a string, a list of token ids, or a list holding one of those",
+    "messages": "a list of messages",
+    "stream_options": 'an object like {"include_usage": true}',
+}
+
+_ROLES = ("system", "developer", "user", "assistant")
+_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A validated request: what to encode and how to sample, before the prompt is tokenised."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    stream: bool
+    include_usage: bool
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat
+    text: str | None = None  # a completion prompt as text
+    token_ids: list[int] | None = None  # a completion prompt as token ids
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields the client set
+
+
+def parse_chat(body: bytes) -> Parsed:
+    raw = _json_object(body)
+    _refuse_unsupported(raw, _CHAT_RULES)
+    req = _validate(ChatRequest, raw)
+    messages = _messages(req.messages)
+    max_tokens, which = req.max_tokens, "max_tokens"
+    if req.max_completion_tokens is not None:
+        if max_tokens is not None and max_tokens != req.max_completion_tokens:
+            raise invalid(
+                f"max_tokens ({max_tokens}) and max_completion_tokens "
+                f"({req.max_completion_tokens}) disagree; give one of them",
+                "max_tokens",
+            )
+        max_tokens, which = req.max_completion_tokens, "max_completion_tokens"
+    return Parsed(
+        "chat",
+        req.model,
+        bool(req.stream),
+        _include_usage(req),
+        messages=messages,
+        max_tokens=max_tokens,
+        max_tokens_param=which,
+        sampling=_sampling_fields(req),
+    )
+
+
+def parse_completion(body: bytes) -> Parsed:
+    raw = _json_object(body)
+    _refuse_unsupported(raw, _COMPLETION_RULES)
+    req = _validate(CompletionRequest, raw)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise unsupported("prompt", f"{len(prompt)} prompts in one request are not supported")
+        prompt = prompt[0]
+    text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+    if ids is not None and not ids:
+        raise invalid("prompt: the prompt is empty", "prompt")
+    if text is not None:
+        _check_text(text, "prompt")
+    return Parsed(
+        "completion",
+        req.model,
+        bool(req.stream),
+        _include_usage(req),
+        text=text,
+        token_ids=ids,
+        max_tokens=req.max_tokens,
+        sampling=_sampling_fields(req),
+    )
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"the request body is not valid UTF-8 (byte {e.start})", None) from None
+    try:
+        raw = json.loads(text, parse_constant=_no_constant)
+    except ValueError as e:
+        raise invalid(f"the request body is not valid JSON: {e}", None) from None
+    except RecursionError:
+        raise invalid("the request body is not valid JSON: nested too deeply", None) from None
+    if not isinstance(raw, dict):
+        raise invalid(f"the request body must be a JSON object, not {_json_type(raw)}", None)
+    return raw
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(v), type(v).__name__)  # fmt: skip
+
+
+def _refuse_unsupported(raw: dict[str, Any], rules: dict[str, Rule]) -> None:
+    for name, (harmless, why) in rules.items():
+        if name in raw and not harmless(raw[name]):
+            raise unsupported(name, f"{why} (got {json.dumps(raw[name])[:80]})")
+
+
+def _validate(model: type[_Sampling], raw: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = [p for p in first["loc"] if isinstance(p, int) or p in _field_names(model)]
+        param = _param(loc)
+        top = str(first["loc"][0]) if first["loc"] else ""
+        if first["type"] == "missing":
+            raise invalid(f"{param}: missing required field", param) from None
+        expected = (
+            _EXPECTED.get(param)
+            or (_EXPECTED.get(top) if top in ("stop", "prompt") else None)
+            or first["msg"].removeprefix("Input should be ")
+        )
+        raise wrong_type(param, expected, first.get("input")) from None
+
+
+def _field_names(model: type[BaseModel]) -> set[str]:
+    names = set(model.model_fields)
+    names.update(StreamOptions.model_fields)
+    return names
+
+
+def _param(loc: Sequence[Any]) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "body"
+
+
+def _include_usage(req: _Sampling) -> bool:
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options: only allowed when stream is true", "stream_options")
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n",
+                    "seed")  # fmt: skip
+
+
+def _sampling_fields(req: _Sampling) -> dict[str, Any]:
+    out = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    if req.stop is not None:
+        out["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    return out
+
+
+def _messages(items: list[Any]) -> list[dict[str, Any]]:
+    if not items:
+        raise invalid("messages: at least one message is needed", "messages")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(items)]
+
+
+def _message(m: Any, where: str) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise wrong_type(where, "an object", m)
+    role = m.get("role")
+    if role is None:
+        raise invalid(f"{where}.role: missing required field", f"{where}.role")
+    if not isinstance(role, str):
+        raise wrong_type(f"{where}.role", "a string", role)
+    if role in ("tool", "function"):
+        raise unsupported(f"{where}.role", f"role {role!r} is not supported (no tools)")
+    if role not in _ROLES:
+        raise invalid(
+            f"{where}.role: unknown role {role!r} (expected one of {', '.join(_ROLES)})",
+            f"{where}.role",
+            "invalid_value",
+        )
+    for name in ("tool_calls", "function_call", "audio"):
+        if not _empty(m.get(name)):
+            raise unsupported(f"{where}.{name}", f"{name} in messages are not supported")
+    content = _content(m.get("content", ...), role, f"{where}.content")
+    out: dict[str, Any] = {"role": _ROLE_ALIASES.get(role, role), "content": content}
+    name = m.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise wrong_type(f"{where}.name", "a string", name)
+        out["name"] = name
+    return out
+
+
+def _content(content: Any, role: str, where: str) -> str:
+    if content is ... or (content is None and role != "assistant"):
+        raise invalid(f"{where}: missing required field", where)
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        _check_text(content, where)
+        return content
+    if not isinstance(content, list):
+        raise wrong_type(where, "a string or a list of content parts", content)
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            if isinstance(kind, str):
+                raise unsupported(f"{at}.type", f"content parts of type {kind!r} are not supported")
+            raise wrong_type(at, 'a content part like {"type": "text", "text": "..."}', part)
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise wrong_type(f"{at}.text", "a string", text)
+        _check_text(text, f"{at}.text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _check_text(text: str, where: str) -> None:
+    # JSON may carry lone surrogates ("\ud800"): valid JSON, but not Unicode text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(
+            f"{where}: not valid Unicode text (a lone surrogate at character {e.start})", where
+        ) from None
+
+
+# -- from a parsed request to the engine's inputs ------------------------------------------------
+
+
+def prepare(req: Parsed, engine: Any) -> tuple[list[int], SamplingParams]:
+    """Token ids and sampling parameters; may take a while for a long prompt (run it off the
+    loop). Raises :class:`ApiError` naming the field."""
+    prompt = _prompt_ids(req, engine)
+    where = "messages" if req.kind == "chat" else "prompt"
+    if not prompt:
+        raise invalid(f"{where}: the prompt is empty", where)
+    max_tokens = req.max_tokens
+    if max_tokens is None:
+        room = engine.n_ctx - len(prompt)
+        if room <= 0:
+            raise invalid(
+                f"{where}: the prompt of {len(prompt)} tokens leaves no room in the context "
+                f"length of {engine.n_ctx} tokens",
+                where,
+                "context_length_exceeded",
+            )
+        max_tokens = room if req.kind == "chat" else min(room, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    elif max_tokens <= 0:
+        raise invalid(
+            f"{req.max_tokens_param}: invalid value {max_tokens} (expected an integer >= 1)",
+            req.max_tokens_param,
+            "invalid_value",
+        )
+    else:
+        try:
+            engine.check_fits(len(prompt), max_tokens)
+        except ContextOverflow as e:
+            raise invalid(str(e), req.max_tokens_param, "context_length_exceeded") from None
+    try:
+        params = SamplingParams(max_tokens=max_tokens, **req.sampling)
+    except ValueError as e:
+        name = str(e).partition(":")[0]
+        param = req.max_tokens_param if name == "max_tokens" else name
+        raise invalid(str(e).replace(name, param, 1), param, "invalid_value") from None
+    return prompt, params
+
+
+def _prompt_ids(req: Parsed, engine: Any) -> list[int]:
+    if req.kind == "chat":
+        try:
+            return engine.encode_chat(req.messages)
+        except EngineError as e:  # the template refused the messages, or the file has none
+            raise invalid(f"messages: {e}", "messages") from None
+    if req.token_ids is not None:
+        size = engine.tokenizer.vocab_size
+        for i, t in enumerate(req.token_ids):
+            if not 0 <= t < size:
+                raise invalid(
+                    f"prompt[{i}]: token id {t} is outside the {size}-token vocabulary",
+                    "prompt",
+                    "invalid_value",
+                )
+        return list(req.token_ids)
+    assert req.text is not None
+    try:
+        return engine.encode_prompt(req.text)
+    except TokenizerError as e:
+        raise invalid(f"prompt: {e}", "prompt") from None
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every body and chunk of one response shares."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    include_usage: bool = False
+    id: str = ""
+    created: int = 0
+    fingerprint: str = ""
+
+    @classmethod
+    def new(cls, req: Parsed, model: str, fingerprint: str) -> Reply:
+        prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
+        return cls(req.kind, model, req.include_usage, prefix + uuid.uuid4().hex[:24],
+                   int(time.time()), fingerprint)  # fmt: skip
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}  # fmt: skip
+
+    def body(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int):
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(self.object), "choices": [choice],
+                "usage": usage(prompt_tokens, completion_tokens)}  # fmt: skip
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False):
+        """One streamed chunk: ``text`` None with a ``finish_reason`` is the closing chunk."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None,
+                      "finish_reason": finish_reason}  # fmt: skip
+            obj = "text_completion"
+        out = {**self._head(obj), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [],
+                "usage": usage(prompt_tokens, completion_tokens)}  # fmt: skip
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    data = (
+        obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    )
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def models_list(model_id: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_entry(model_id, created)]}
+
+
+def model_entry(model_id: str, created: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "strata"}
+
+
+def retry_after_s(mean_generation_s: float | None) -> int:
+    """The ``Retry-After`` hint of a 429: about one generation's time, 1 to 60 seconds."""
+    if mean_generation_s is None or mean_generation_s != mean_generation_s:
+        return 1
+    return max(1, min(60, -int(-mean_generation_s // 1)))

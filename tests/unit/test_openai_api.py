@@ -1,0 +1,151 @@
+"""Parsing OpenAI requests: what is accepted, what is refused and how the error names the field;
+and the app's answers while the model loads (a stand-in daemon, no engine)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from strata.daemon.config import StrataConfig
+from strata.daemon.http import create_app
+from strata.daemon.openai_api import ApiError, Reply, parse_chat, parse_completion, prepare
+
+
+def body(**fields: Any) -> bytes:
+    return json.dumps({"model": "m", **fields}).encode()
+
+
+def refused(parse: Any, raw: bytes) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        parse(raw)
+    return e.value
+
+
+def test_chat_request_becomes_messages_and_sampling_fields() -> None:
+    req = parse_chat(body(
+        messages=[{"role": "developer", "content": "be brief"},
+                  {"role": "user", "content": [{"type": "text", "text": "a"},
+                                               {"type": "text", "text": "b"}]},
+                  {"role": "assistant", "content": None}],
+        max_completion_tokens=5, temperature=0, stop="END", top_k=3, stream=True,
+        stream_options={"include_usage": True}, n=1, tool_choice="none", logprobs=False,
+        response_format={"type": "text"}, frequency_penalty=0, whatever={"x": 1},
+    ))  # fmt: skip
+    assert req.messages == [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "ab"},
+                            {"role": "assistant", "content": ""}]  # fmt: skip
+    assert req.max_tokens == 5 and req.max_tokens_param == "max_completion_tokens"
+    assert req.sampling == {"temperature": 0, "top_k": 3, "stop": ("END",)}
+    assert req.stream and req.include_usage
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 3,
+                "max_completion_tokens": 4,
+            },
+            "max_tokens",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": True}, "temperature"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "stream_options": {"include_usage": 1},
+                "stream": True,
+            },
+            "stream_options.include_usage",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]},
+            "messages[0].tool_calls",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({"messages": ["hi"]}, "messages[0]"),
+    ],
+)
+def test_chat_fields_refused_name_the_field(fields: dict[str, Any], param: str) -> None:
+    e = refused(parse_chat, body(**fields))
+    assert e.status == 400 and e.param == param and param.split("[")[0] in e.message
+
+
+def test_completion_prompt_forms() -> None:
+    assert parse_completion(body(prompt="hi")).text == "hi"
+    assert parse_completion(body(prompt=["hi"])).text == "hi"
+    assert parse_completion(body(prompt=[1, 2, 3])).token_ids == [1, 2, 3]
+    assert parse_completion(body(prompt=[[1, 2]])).token_ids == [1, 2]
+    assert refused(parse_completion, body(prompt=[[1], [2]])).param == "prompt"
+    assert refused(parse_completion, body(prompt=[1, "a"])).param.startswith("prompt")
+
+
+class FakeEngine:
+    n_ctx = 100
+    tokenizer = SimpleNamespace(vocab_size=50)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return [1] * len(text.split())
+
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        from strata.engine.errors import ContextOverflow
+
+        if n_prompt + max_tokens > self.n_ctx:
+            raise ContextOverflow(f"{n_prompt} + {max_tokens} > {self.n_ctx}")
+
+
+def test_prepare_defaults_and_context_checks() -> None:
+    eng = FakeEngine()
+    ids, params = prepare(parse_completion(body(prompt="a b c")), eng)
+    assert ids == [1, 1, 1] and params.max_tokens == 16  # OpenAI's completions default
+    e = refused(lambda raw: prepare(parse_completion(raw), eng), body(prompt="a", max_tokens=100))
+    assert e.param == "max_tokens" and e.code == "context_length_exceeded"
+    e = refused(lambda raw: prepare(parse_completion(raw), eng), body(prompt="a " * 100))
+    assert e.param == "prompt" and "100 tokens" in e.message and "100" in e.message
+    e = refused(lambda raw: prepare(parse_completion(raw), eng), body(prompt="a", top_p=2))
+    assert e.param == "top_p" and "top_p: invalid value 2" in e.message
+    e = refused(lambda raw: prepare(parse_completion(raw), eng), body(prompt=[49, 50]))
+    assert e.param == "prompt" and "50" in e.message
+
+
+def test_stream_chunks_have_the_openai_shape() -> None:
+    req = parse_chat(body(messages=[{"role": "user", "content": "x"}], stream=True))
+    reply = Reply.new(req, "m", "fp")
+    first = reply.chunk("", first=True)
+    assert first["object"] == "chat.completion.chunk" and "usage" not in first
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert reply.chunk(None, "stop")["choices"][0] == {
+        "index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}  # fmt: skip
+
+
+def loading_daemon(**config: Any) -> Any:
+    status = {"state": "loading", "queued": 0, "busy": False, "cache_mib": 0, "hit_rate": None,
+              "free_mib": None, "resizes": 0}  # fmt: skip
+    return SimpleNamespace(
+        config=StrataConfig(**config), state="loading", model_id="", model_path=None,
+        device="cpu", started=0.0, status=lambda: status,
+        worker=SimpleNamespace(engine=None, steps=0), controller=None,
+    )  # fmt: skip
+
+
+def test_while_loading_generation_and_models_answer_503() -> None:
+    client = TestClient(create_app(loading_daemon()))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    for r in (client.post("/v1/chat/completions", json=chat),
+              client.post("/v1/completions", json={"model": "m", "prompt": "x"}),
+              client.get("/v1/models")):  # fmt: skip
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "model_loading" and r.headers["retry-after"] == "1"
+    assert client.get("/health").status_code == 503
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200 and "strata_ready 0.0" in metrics.text
