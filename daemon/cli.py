@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_option_flags(srv)
     srv.set_defaults(run=service.run)
 
+    from strata.daemon import install_cmd
+
+    svc = sub.add_parser("service", help="install the systemd user unit and D-Bus activation")
+    install_cmd.add_arguments(svc, _Parser)
+
     cfg = sub.add_parser("config", help="inspect the configuration")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
     cfg_sub.required = True
@@ -73,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
+    if getattr(args, "without_config", False):  # `strata service`: whatever config.toml says
+        return args.run(None, args)
     try:
         loaded = _load_config(args)
     except ConfigError as e:

@@ -28,6 +28,7 @@ from strata.daemon.config import LoadedConfig, StrataConfig
 from strata.daemon.control import ControlConfig, VramController
 from strata.daemon.leases import Lease
 from strata.daemon.policy import PolicyConfig
+from strata.daemon.sdnotify import Notifier, http_status, watchdog_loop
 from strata.daemon.worker import EngineWorker, State
 from strata.engine.errors import EngineError
 
@@ -37,6 +38,8 @@ MiB = 2**20
 EXIT_RUNTIME = 1
 EXIT_CONFIG = 2
 STOP_TIMEOUT_S = 4.0  # SIGTERM to exit: well inside systemd's and the tests' 5 s
+LOAD_STEP_TIMEOUT_S = 300.0  # each load step gives systemd's start timeout this much more time
+READY_PROBE_TIMEOUT_S = 10.0  # model loaded to /health answering 200 on our own socket
 
 
 class ServiceError(Exception):
@@ -125,11 +128,11 @@ class Daemon:
                 "healthy": monitor.healthy,
                 "problem": monitor.problem,
             },
-            "cache_mib": cache.size_bytes // MiB if cache else 0,
+            "cache_mib": cache.arena.mapped_bytes // MiB if cache else 0,
             "core_mib": cache.core_bytes // MiB if cache else 0,
             "tail_mib": (cache.size_bytes - cache.core_bytes) // MiB if cache else 0,
             "max_cache_mib": cache.max_slots * cache.slot_bytes // MiB if cache else 0,
-            "cache_experts": cache.n_slots if cache else 0,
+            "cache_experts": cache.cached_experts if cache else 0,
             "total_experts": cache.max_slots if cache else None,
             "total_mib": sample.total_bytes // MiB if sample else None,
             "free_mib": sample.free_bytes // MiB if sample else None,
@@ -204,7 +207,9 @@ def _monitor_kind(config: StrataConfig, device: str) -> str:
     return "nvml" if device.startswith("cuda") else "none"
 
 
-def build(config: StrataConfig) -> tuple[Daemon, Callable[[], None]]:
+def build(
+    config: StrataConfig, progress: Callable[[int, int, str], None] | None = None
+) -> tuple[Daemon, Callable[[], None]]:
     """The daemon's objects, not started yet: worker, monitor, controller, API."""
     from strata.daemon.generate_cmd import engine_options, model_path, resolve_device_name
     from strata.engine.generate import Engine
@@ -230,7 +235,11 @@ def build(config: StrataConfig) -> tuple[Daemon, Callable[[], None]]:
         options = _with_start_budget(options, config, monitor)
         factory = _arena_factory(monitor)
         return Engine.load(
-            path, options, state_dir=paths.state_dir(), arena_factory=factory, progress=_progress
+            path,
+            options,
+            state_dir=paths.state_dir(),
+            arena_factory=factory,
+            progress=progress or _progress,
         )
 
     worker = EngineWorker(load)
@@ -251,6 +260,48 @@ def build(config: StrataConfig) -> tuple[Daemon, Callable[[], None]]:
 
 def _progress(done: int, total: int, what: str) -> None:
     log.info("loading (%d/%d): %s", done, total, what)
+
+
+# -- telling systemd (sd_notify) ----------------------------------------------------------------
+
+
+def _progress_to(notifier: Notifier) -> Callable[[int, int, str], None]:
+    """Load progress, logged and sent as ``STATUS=`` with more start time for each step (engine
+    thread): a large model may load for longer than ``TimeoutStartSec=``, a hung step may not."""
+
+    def progress(done: int, total: int, what: str) -> None:
+        _progress(done, total, what)
+        notifier.status(f"loading ({done}/{total}): {what}")
+        notifier.extend_timeout(LOAD_STEP_TIMEOUT_S)
+
+    return progress
+
+
+def _status_text(daemon: Daemon, cache_mib: int | None = None, free_mib: int | None = None) -> str:
+    status = daemon.status()
+    cache_mib = status["cache_mib"] if cache_mib is None else cache_mib
+    free_mib = status["free_mib"] if free_mib is None else free_mib
+    free = f", {free_mib} MiB VRAM free" if free_mib is not None else ""
+    return f"serving {daemon.model_id} on {daemon.device}: expert cache {cache_mib} MiB{free}"
+
+
+async def _announce_ready(daemon: Daemon, notifier: Notifier, host: str, port: int) -> None:
+    """``READY=1`` once a real ``GET /health`` on our own socket answers 200."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + READY_PROBE_TIMEOUT_S
+    while (code := await http_status(host, port, "/health")) != 200:
+        if loop.time() > deadline:
+            log.error("GET /health does not answer 200 (last: %s): not telling systemd", code)
+            notifier.status(f"the HTTP endpoint does not answer (GET /health: {code})")
+            return
+        await asyncio.sleep(0.05)
+    notifier.ready(_status_text(daemon))
+
+    def on_event(name: str, fields: dict[str, Any]) -> None:
+        if name == "cache_resized":
+            notifier.status(_status_text(daemon, fields["cache_mib"], fields["free_mib"]))
+
+    daemon.controller.listeners.append(on_event)
 
 
 def _with_start_budget(options: Any, config: StrataConfig, monitor: Any) -> Any:
@@ -298,12 +349,20 @@ async def serve_async(
     ``started(daemon, stop)`` is called once everything is wired (tests run the daemon in-process
     through it)."""
     from strata.daemon.http import create_app
+    from strata.ipc.dbus import start_dbus
+    from strata.ipc.gamemode import start_gamemode
     from strata.vmm.errors import MonitorError
 
+    notifier = Notifier.from_env()
     lock_fd = acquire_instance_lock()
     try:
         sock = bind_socket(config.host, config.port)
-        daemon, close_monitor = build(config)
+        daemon, close_monitor = build(config, _progress_to(notifier))
+        # D-Bus: the name is owned while the model loads (State says "loading")
+        edge = await start_dbus(daemon)
+        gamemode = None
+        if config.gamemode_reserve_mib is not None:
+            gamemode = await start_gamemode(daemon, edge, config.gamemode_reserve_mib)
     except MonitorError as e:
         os.close(lock_fd)
         raise ServiceError(str(e), EXIT_CONFIG) from None
@@ -313,6 +372,8 @@ async def serve_async(
     host, port = sock.getsockname()[:2]
     daemon.listen_url = f"http://{host}:{port}"
     log.info("listening on %s", daemon.listen_url)
+    watchdog = asyncio.create_task(watchdog_loop(notifier), name="sd-watchdog")
+    notifier.status(f"loading the model; listening on {daemon.listen_url}")
 
     import uvicorn
 
@@ -333,28 +394,40 @@ async def serve_async(
         started(daemon, stop)
     code = 0
     control_task: asyncio.Task[None] | None = None
+    announce: asyncio.Task[None] | None = None
     ready = asyncio.wrap_future(daemon.worker.ready)
     stopped = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if ready in done and ready.exception() is not None:
         err = ready.exception()
         log.error("cannot load the model: %s", err)
+        notifier.status(f"cannot load the model: {err}")
         code = EXIT_CONFIG if isinstance(err, EngineError) else EXIT_RUNTIME
     elif ready in done:
         log.info("ready: %s on %s", daemon.model_id, daemon.device)
         control_task = asyncio.create_task(daemon.controller.run(), name="vram-control")
+        # READY=1 last: the D-Bus name is owned (above) and GET /health answers 200 (below).
+        if notifier.enabled:
+            announce = asyncio.create_task(_announce_ready(daemon, notifier, host, port))
         await stopped
     log.info("stopping")
+    notifier.stopping()
     daemon.stopping = True
-    for task in (control_task, stopped):
+    for task in (control_task, announce, stopped):
         if task is not None:
             task.cancel()
+    if gamemode is not None:
+        await gamemode.close()
+    if edge is not None:
+        await edge.close()  # State "stopping", then the name goes (leases end with the daemon)
     server.should_exit = True
     await asyncio.to_thread(daemon.worker.stop, STOP_TIMEOUT_S)
     with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
         await asyncio.wait_for(server_task, 1.0)
     close_monitor()
     os.close(lock_fd)
+    watchdog.cancel()
+    notifier.close()
     log.info("stopped")
     return code
 

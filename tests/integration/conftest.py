@@ -38,3 +38,30 @@ def bus(tmp_path: Path) -> Iterator[PrivateBus]:
     b = PrivateBus(tmp_path / "bus")
     yield b
     b.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_user_session_bus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test talks to the user's own session bus: a daemon run in-process would otherwise take
+    ``org.strata.Strata1`` there (or fail because the user's Strata has it). An address that
+    leads nowhere also stops the fallback to ``$XDG_RUNTIME_DIR/bus``. Tests that want a bus
+    start a ``PrivateBus`` and pass its address explicitly."""
+    monkeypatch.setenv("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent/strata-test-no-bus")
+
+
+@pytest.fixture
+def logs_on_failure(request: pytest.FixtureRequest) -> Iterator[list[StrataDaemon]]:
+    """Daemons of a wider scope (a module's shared daemon) whose log a failing test prints."""
+    shown: list[StrataDaemon] = []
+    yield shown
+    if request.node.stash.get(_FAILED, False):
+        for d in shown:
+            print(f"\n----- daemon log {d.log_path} -----\n{d.log}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synthetic tiny-qwen3moe GGUF: 32 experts of 1.5 MiB (48 MiB of routed experts)."""
+    from strata.engine.synth import ensure_synthetic
+
+    return ensure_synthetic("tiny-qwen3moe", tmp_path_factory.mktemp("models"))

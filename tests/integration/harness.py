@@ -4,15 +4,24 @@
 an optional activation directory). ``StrataDaemon`` starts ``python -m strata serve --port 0`` with
 private XDG directories, waits until ``/health`` says ready (or only until it listens), and keeps
 the daemon's log; the ``daemon_log_on_failure`` fixture prints it when a test fails.
+
+For the D-Bus tests: ``bus_env`` puts a daemon or client on a ``PrivateBus``,
+``simulated_device_args`` makes the daemon's simulated-device options, ``strata_ctl`` runs the
+console script, ``ClientProcess`` runs a program of ``dbus_clients.py`` (a borrower, a GameMode
+stand-in) with its output read line by line, and ``BusClient`` is an in-test dbus-fast connection
+that calls ``org.strata.Strata1`` and records its signals with their arrival times.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -20,7 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from dbus_fast import Message, MessageType
+from dbus_fast.aio import MessageBus
 
+from strata.ipc.dbus import BUS_NAME, INTERFACE, OBJECT_PATH, bus_call, from_variant
 from tests.helpers import require_tool
 
 READY_TIMEOUT_S = 90.0
@@ -99,7 +111,8 @@ def daemon_env(tmp: Path, extra: Mapping[str, str] = {}) -> dict[str, str]:
 
 
 class StrataDaemon:
-    """``strata serve`` as a subprocess. ``args`` are extra command-line options."""
+    """``strata serve`` as a subprocess. ``args`` are extra command-line options. ``command``
+    replaces ``python -m strata serve --port 0 --log-level debug`` (e.g. a unit's ExecStart=)."""
 
     def __init__(
         self,
@@ -107,14 +120,18 @@ class StrataDaemon:
         args: Sequence[str] = (),
         env: Mapping[str, str] = {},
         wait: str = "ready",
+        command: Sequence[str] | None = None,
     ) -> None:
         self.tmp = tmp
         self.log_path = tmp / f"daemon-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("w")
         self.env = daemon_env(tmp, env)
+        if command is None:
+            command = [sys.executable, "-m", "strata", "serve", "--port", "0", "--log-level",
+                       "debug"]  # fmt: skip
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "strata", "serve", "--port", "0", "--log-level", "debug",
-             *args],
+            [*command, *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self.env,
@@ -190,3 +207,187 @@ def running(tmp: Path, *args: str, **kw: Any) -> Iterator[StrataDaemon]:
         yield d
     finally:
         d.stop()
+
+
+# -- D-Bus: helpers for test_dbus, test_ctl and test_gamemode -----------------------------------
+
+CLIENTS = Path(__file__).with_name("dbus_clients.py")
+
+
+def bus_env(bus: PrivateBus) -> dict[str, str]:
+    """The environment entry that puts a daemon or a client on ``bus``."""
+    return {"DBUS_SESSION_BUS_ADDRESS": bus.address}
+
+
+def simulated_device_args(
+    vram_file: Path,
+    model: Path,
+    *,
+    cache_mib: int = 48,
+    reserve_mib: int = 0,
+    stable_ms: int = 500,
+    period_ms: int = 100,
+) -> list[str]:
+    """``strata serve`` options for ``model`` on the simulated device described by ``vram_file``:
+    2 MiB chunks, a fast control loop."""
+    return [
+        "--model", str(model), "--device", "cpu", "--vram-monitor", "simulated",
+        "--simulated-vram-file", str(vram_file), "--cache-mib", str(cache_mib),
+        "--elastic-reserve-mib", str(reserve_mib), "--arena-chunk-mib", "2",
+        "--elastic-stable-ms", str(stable_ms), "--elastic-period-ms", str(period_ms),
+    ]  # fmt: skip
+
+
+def strata_ctl_command() -> list[str]:
+    """The installed ``strata-ctl`` console script beside this Python, else the module."""
+    script = Path(sys.executable).with_name("strata-ctl")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "strata.ipc.ctl"]
+
+
+def strata_ctl(
+    *argv: str, env: Mapping[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*strata_ctl_command(), *argv],
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+class ClientProcess:
+    """A program of ``dbus_clients.py`` (or any command) as a subprocess whose stdout lines are
+    read with a timeout."""
+
+    def __init__(
+        self, argv: Sequence[str], env: Mapping[str, str], *, new_session: bool = False
+    ) -> None:
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,  # never the terminal: strata-ctl treats that differently
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(env),
+            start_new_session=new_session,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    @classmethod
+    def program(cls, bus: PrivateBus, tmp: Path, *argv: str) -> ClientProcess:
+        return cls([sys.executable, str(CLIENTS), *argv], daemon_env(tmp, bus_env(bus)))
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def line(self, timeout: float = 15) -> str:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no output in {timeout} s; so far {self.seen}") from None
+        self.seen.append(line)
+        return line
+
+    def wait_line(self, predicate: Any, timeout: float = 15) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.line(max(0.01, deadline - time.monotonic()))
+            if predicate(line):
+                return line
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+class BusClient:
+    """A dbus-fast connection inside the test: calls ``org.strata.Strata1`` and records its
+    signals, each with its arrival time (``time.perf_counter()``)."""
+
+    def __init__(self, bus: Any) -> None:
+        self.bus = bus
+        self.signals: list[tuple[float, str, list[Any]]] = []
+        self._new = asyncio.Event()
+
+    @classmethod
+    async def connect(cls, address: str) -> BusClient:
+        client = cls(await MessageBus(bus_address=address).connect())
+        client.bus.add_message_handler(client._on_message)
+        await client.dbus("AddMatch", "s", [f"type='signal',sender='{BUS_NAME}'"])
+        return client
+
+    def _on_message(self, msg: Any) -> None:
+        if msg.message_type == MessageType.SIGNAL and msg.path == OBJECT_PATH:
+            self.signals.append((time.perf_counter(), msg.member, from_variant(msg.body)))
+            self._new.set()
+
+    async def dbus(self, member: str, signature: str = "", body: list[Any] | None = None) -> Any:
+        return await bus_call(self.bus, member, signature, body)
+
+    async def call(self, member: str, signature: str = "", body: list[Any] | None = None) -> Any:
+        """The raw reply (a method return or an error) of an org.strata.Vram1 method."""
+        return await self.bus.call(
+            Message(destination=BUS_NAME, path=OBJECT_PATH, interface=INTERFACE, member=member,
+                    signature=signature, body=body or [])
+        )  # fmt: skip
+
+    async def strata(self, member: str, signature: str = "", body: list[Any] | None = None) -> Any:
+        """An org.strata.Vram1 method's reply body; an error reply raises ``DBusError``."""
+        return await bus_call(self.bus, member, signature, body, destination=BUS_NAME,
+                              path=OBJECT_PATH, interface=INTERFACE)  # fmt: skip
+
+    async def status(self) -> dict[str, Any]:
+        (status,) = await self.strata("GetStatus")
+        return from_variant(status)
+
+    async def prop(self, name: str) -> Any:
+        (value,) = await bus_call(
+            self.bus, "Get", "ss", [INTERFACE, name], destination=BUS_NAME, path=OBJECT_PATH,
+            interface="org.freedesktop.DBus.Properties",
+        )  # fmt: skip
+        return from_variant(value)
+
+    async def wait_signal(
+        self, member: str, predicate: Any = lambda body: True, timeout: float = 5, start: int = 0
+    ) -> tuple[float, list[Any]]:
+        """The first signal ``member`` (from index ``start`` of ``signals``) whose body passes."""
+        deadline = time.perf_counter() + timeout
+        seen = start
+        while True:
+            for t, name, body in self.signals[seen:]:
+                if name == member and predicate(body):
+                    return t, body
+            seen = len(self.signals)
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise AssertionError(f"no {member} in {timeout} s; signals: {self.signals}")
+            self._new.clear()
+            try:
+                await asyncio.wait_for(self._new.wait(), left)
+            except TimeoutError:
+                pass
+
+    async def wait_status(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
+        deadline = time.perf_counter() + timeout
+        status = await self.status()
+        while not predicate(status):
+            if time.perf_counter() > deadline:
+                raise AssertionError(f"{what} not reached in {timeout} s; last status {status}")
+            await asyncio.sleep(0.02)
+            status = await self.status()
+        return status
+
+    def close(self) -> None:
+        self.bus.disconnect()

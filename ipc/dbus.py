@@ -1,0 +1,605 @@
+"""The D-Bus edge: ``org.strata.Strata1`` on the session bus (contract: ``org.strata.Strata1.xml``).
+
+A thin translation onto the daemon API (``strata.daemon.service.Daemon``): each method parses its
+arguments, calls one daemon method and maps the daemon's errors to their D-Bus names. The lease
+book, the reserve and the policy live in the daemon; what this module keeps is connection
+bookkeeping only: which callers' disappearance it watches, the Borrows still waiting per caller,
+and the property values it last signalled (to send one batched ``PropertiesChanged`` per change).
+
+Leases end with their owner's bus connection: the first Borrow of a connection adds a match on
+``NameOwnerChanged`` for its unique name, and its disappearance returns every lease it holds
+(``Daemon.owner_vanished``). A caller that leaves while its Borrow waits has that Borrow cancelled,
+so no lease is left behind.
+
+The caller's unique name reaches the method through a context variable: dbus-fast gives its
+method handlers no message, but it runs user message handlers first and creates each coroutine
+method's task right after, in the same context, so the task sees the value the handler set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from contextvars import ContextVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+from dbus_fast import (
+    BusType,
+    DBusError,
+    Message,
+    MessageFlag,
+    MessageType,
+    NameFlag,
+    RequestNameReply,
+    Variant,
+)
+from dbus_fast.aio import MessageBus
+from dbus_fast.annotations import DBusDict, DBusSignature, DBusStr, DBusUInt32, DBusUInt64
+from dbus_fast.constants import PropertyAccess
+from dbus_fast.service import ServiceInterface, dbus_method, dbus_property, dbus_signal
+
+from strata.daemon.leases import LeaseError
+
+if TYPE_CHECKING:
+    from strata.daemon.service import Daemon
+
+log = logging.getLogger(__name__)
+
+BUS_NAME = "org.strata.Strata1"
+OBJECT_PATH = "/org/strata/Strata1"
+INTERFACE = "org.strata.Vram1"
+CONTRACT = Path(__file__).with_name("org.strata.Strata1.xml")
+
+ERROR_INVALID_ARGUMENT = "org.strata.Error.InvalidArgument"
+ERROR_FAILED = "org.strata.Error.Failed"
+
+DBUS_NAME = "org.freedesktop.DBus"
+DBUS_PATH = "/org/freedesktop/DBus"
+CONNECT_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 1.0
+
+DBusLeases = Annotated[list[list[Any]], DBusSignature("a(usstt)")]
+DBusCacheResized = Annotated[list[int], DBusSignature("tt")]
+DBusLeaseReturned = Annotated[list[Any], DBusSignature("us")]
+
+# The unique bus name of the connection whose method call is being handled (see the module doc).
+_caller: ContextVar[str | None] = ContextVar("strata_dbus_caller", default=None)
+
+
+class NoSessionBus(Exception):
+    """There is no session bus to talk to; the message says why."""
+
+
+# -- the session bus, for the daemon and for clients --------------------------------------------
+
+
+def session_bus_address(environ: dict[str, str] | None = None) -> str | None:
+    """``DBUS_SESSION_BUS_ADDRESS``, else the systemd user bus ``$XDG_RUNTIME_DIR/bus`` when that
+    socket exists (what sd-bus falls back to), else None."""
+    env = os.environ if environ is None else environ
+    address = env.get("DBUS_SESSION_BUS_ADDRESS", "").strip()
+    if address:
+        return address
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime, "bus").is_socket():
+        return f"unix:path={Path(runtime, 'bus')}"
+    return None
+
+
+async def connect_session_bus(timeout: float = CONNECT_TIMEOUT_S) -> MessageBus:
+    """A connection to the session bus, or :class:`NoSessionBus` naming the reason."""
+    address = session_bus_address()
+    if address is None:
+        raise NoSessionBus(
+            "no session bus: DBUS_SESSION_BUS_ADDRESS is unset and $XDG_RUNTIME_DIR/bus does not "
+            "exist"
+        )
+    try:
+        bus = MessageBus(bus_address=address, bus_type=BusType.SESSION)
+        return await asyncio.wait_for(bus.connect(), timeout)
+    except TimeoutError:
+        raise NoSessionBus(
+            f"the session bus at {address} did not answer in {timeout:g} s"
+        ) from None
+    except Exception as e:  # OSError, AuthError, InvalidAddressError: all mean "no bus"
+        raise NoSessionBus(f"cannot connect to the session bus at {address}: {e}") from None
+
+
+async def bus_call(
+    bus: MessageBus,
+    member: str,
+    signature: str = "",
+    body: list[Any] | None = None,
+    *,
+    destination: str = DBUS_NAME,
+    path: str = DBUS_PATH,
+    interface: str = DBUS_NAME,
+) -> list[Any]:
+    """Call a method and return the reply's body; a D-Bus error reply raises ``DBusError``."""
+    reply = await bus.call(
+        Message(
+            destination=destination,
+            path=path,
+            interface=interface,
+            member=member,
+            signature=signature,
+            body=body or [],
+        )
+    )
+    assert reply is not None
+    if reply.message_type == MessageType.ERROR:
+        raise DBusError._from_message(reply)
+    return reply.body
+
+
+def name_owner_match(name: str) -> str:
+    """The match rule for ``NameOwnerChanged`` of one name."""
+    return (
+        f"type='signal',sender='{DBUS_NAME}',path='{DBUS_PATH}',interface='{DBUS_NAME}',"
+        f"member='NameOwnerChanged',arg0='{name}'"
+    )
+
+
+# -- values on the wire -------------------------------------------------------------------------
+
+
+def to_variant(value: Any) -> Variant:
+    """A status value as a variant: ints are int64 ('x'), dicts a{sv}, lists of dicts aa{sv}."""
+    if isinstance(value, bool):
+        return Variant("b", value)
+    if isinstance(value, int):
+        return Variant("x", value)
+    if isinstance(value, float):
+        return Variant("d", value)
+    if isinstance(value, str):
+        return Variant("s", value)
+    if isinstance(value, dict):
+        return Variant("a{sv}", to_vardict(value))
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, dict) for v in value):
+            return Variant("aa{sv}", [to_vardict(v) for v in value])
+        if all(isinstance(v, str) for v in value):
+            return Variant("as", list(value))
+        return Variant("av", [to_variant(v) for v in value if v is not None])
+    raise TypeError(f"no D-Bus type for {value!r}")
+
+
+def to_vardict(values: dict[str, Any]) -> dict[str, Variant]:
+    """A dict as a{sv}; None (unknown) values are left out: D-Bus has no null."""
+    return {str(k): to_variant(v) for k, v in values.items() if v is not None}
+
+
+def from_variant(value: Any) -> Any:
+    """Variants (nested) back to plain Python values."""
+    if isinstance(value, Variant):
+        return from_variant(value.value)
+    if isinstance(value, dict):
+        return {k: from_variant(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):  # arrays and structs alike: JSON has lists only
+        return [from_variant(v) for v in value]
+    return value
+
+
+def property_values(status: dict[str, Any]) -> dict[str, Any]:
+    """The interface's properties, from the daemon's status schema."""
+    return {
+        "CacheMiB": max(0, status["cache_mib"]),
+        "CoreMiB": max(0, status["core_mib"]),
+        "FreeMiB": max(0, status["free_mib"] or 0),
+        "ReserveMiB": max(0, status["reserve_mib"]),
+        "BorrowedMiB": max(0, status["borrowed_mib"]),
+        "Leases": [
+            [lease["cookie"], lease["app_id"], lease["reason"], lease["mib"], lease["since_us"]]
+            for lease in status["leases"]
+        ],
+        "Device": status["device"] or "",
+        "Model": status["model"] or "",
+        "State": status["state"],
+    }
+
+
+def _dbus_error(e: Exception) -> DBusError:
+    """A daemon error as the D-Bus error its class names (its message already names values);
+    anything unexpected is logged with its traceback and answered as Failed."""
+    if not isinstance(e, LeaseError):
+        log.error("unexpected error in a D-Bus call", exc_info=e)
+    return DBusError(getattr(e, "dbus_name", ERROR_FAILED), str(e) or type(e).__name__)
+
+
+# -- the interface ------------------------------------------------------------------------------
+
+
+class Vram1(ServiceInterface):
+    """``org.strata.Vram1``: each member is documented in ``org.strata.Strata1.xml``."""
+
+    def __init__(self, edge: DbusEdge) -> None:
+        super().__init__(INTERFACE)
+        self._edge = edge
+
+    @dbus_method()
+    async def Borrow(self, mib: DBusUInt64, app_id: DBusStr, reason: DBusStr) -> DBusUInt32:
+        return await self._edge.borrow(_caller.get(), mib, app_id, reason)
+
+    # Methods without a reply have no return annotation: dbus-fast reads one as the reply's type.
+    @dbus_method()
+    def Return(self, cookie: DBusUInt32):
+        self._edge.return_lease(cookie, _caller.get())
+
+    @dbus_method()
+    def Revoke(self, cookie: DBusUInt32):
+        self._edge.revoke(cookie)
+
+    @dbus_method()
+    async def SetReserve(self, mib: DBusUInt64):
+        await self._edge.set_reserve(mib)
+
+    @dbus_method()
+    def GetStatus(self) -> DBusDict:
+        return to_vardict(self._edge.daemon.status())
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CacheMiB(self) -> DBusUInt64:
+        return self._edge.value("CacheMiB")
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CoreMiB(self) -> DBusUInt64:
+        return self._edge.value("CoreMiB")
+
+    @dbus_property(access=PropertyAccess.READ)
+    def FreeMiB(self) -> DBusUInt64:
+        return self._edge.value("FreeMiB")
+
+    @dbus_property(access=PropertyAccess.READ)
+    def ReserveMiB(self) -> DBusUInt64:
+        return self._edge.value("ReserveMiB")
+
+    @dbus_property(access=PropertyAccess.READ)
+    def BorrowedMiB(self) -> DBusUInt64:
+        return self._edge.value("BorrowedMiB")
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Leases(self) -> DBusLeases:
+        return self._edge.value("Leases")
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Device(self) -> DBusStr:
+        return self._edge.value("Device")
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Model(self) -> DBusStr:
+        return self._edge.value("Model")
+
+    @dbus_property(access=PropertyAccess.READ)
+    def State(self) -> DBusStr:
+        return self._edge.value("State")
+
+    @dbus_signal()
+    def CacheResized(self, cache_mib: int, free_mib: int) -> DBusCacheResized:
+        return [cache_mib, free_mib]
+
+    @dbus_signal()
+    def LeaseReturned(self, cookie: int, why: str) -> DBusLeaseReturned:
+        return [cookie, why]
+
+
+def _in_signatures(iface: ServiceInterface) -> dict[str, str]:
+    return {m.name: m.in_signature for m in ServiceInterface._get_methods(iface)}
+
+
+# dbus-fast names reply and signal arguments arg_N; introspection shows the contract's names.
+_ARG_NAMES = {
+    "Borrow": ["cookie"],
+    "GetStatus": ["status"],
+    "CacheResized": ["cache_mib", "free_mib"],
+    "LeaseReturned": ["cookie", "why"],
+}
+
+
+def _name_args(iface: ServiceInterface) -> None:
+    outs = [(m.name, m.introspection.out_args) for m in ServiceInterface._get_methods(iface)]
+    outs += [(s.name, s.introspection.args) for s in ServiceInterface._get_signals(iface)]
+    for member, args in outs:
+        for arg, name in zip(args, _ARG_NAMES.get(member, []), strict=False):
+            arg.name = name
+
+
+# -- the edge -----------------------------------------------------------------------------------
+
+
+class DbusEdge:
+    """The daemon on the session bus. Made by :func:`start_dbus`; ``await close()`` at shutdown."""
+
+    def __init__(self, daemon: Daemon, bus: MessageBus) -> None:
+        self.daemon = daemon
+        self.bus = bus
+        self.iface = Vram1(self)
+        _name_args(self.iface)
+        self._signatures = _in_signatures(self.iface)
+        self._watched: set[str] = set()  # callers whose NameOwnerChanged we match
+        self._pending: dict[str, set[asyncio.Task[int]]] = {}  # Borrows waiting, by caller
+        self._signalled: dict[str, Any] = {}  # property values last sent
+        self._flush_queued = False
+        self._closed = False
+        self._loop = asyncio.get_running_loop()
+        self._lost: asyncio.Task[None] | None = None
+
+    # -- start and stop -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from strata.daemon.service import EXIT_RUNTIME, ServiceError
+
+        self.bus.add_message_handler(self._on_message)
+        self._signalled = property_values(self.daemon.status())
+        self.bus.export(OBJECT_PATH, self.iface)
+        self.daemon.controller.listeners.append(self._on_event)
+        self.daemon.worker.ready.add_done_callback(self._ready_changed)  # engine thread
+        reply = await self.bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
+        if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
+            holder = await self._describe_owner(BUS_NAME)
+            await self.close()
+            raise ServiceError(
+                f"the D-Bus name {BUS_NAME} is already owned on the session bus by {holder}; "
+                "is another strata serve running in this session?",
+                EXIT_RUNTIME,
+            )
+        self._lost = asyncio.create_task(self._watch_disconnect(), name="dbus-disconnect")
+        log.info("on the session bus as %s (%s)", BUS_NAME, self.bus.unique_name)
+
+    async def close(self) -> None:
+        """Say "stopping", release the name and disconnect. Waiting Borrows are cancelled; the
+        leases end with the daemon (clients watch the name and borrow again)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(ValueError):
+            self.daemon.controller.listeners.remove(self._on_event)
+        for tasks in self._pending.values():
+            for task in tasks:
+                task.cancel()
+        if self._lost is not None:
+            self._lost.cancel()
+        if self.bus.connected:
+            self._flush()  # State: "stopping"
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.bus.release_name(BUS_NAME), CLOSE_TIMEOUT_S)
+            self.bus.disconnect()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    asyncio.shield(self.bus.wait_for_disconnect()), CLOSE_TIMEOUT_S
+                )
+
+    def _ready_changed(self, _: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            self._loop.call_soon_threadsafe(self._queue_flush)
+
+    async def _watch_disconnect(self) -> None:
+        try:
+            # shielded: cancelling this task must not cancel dbus-fast's own disconnect future
+            await asyncio.shield(self.bus.wait_for_disconnect())
+        except Exception as e:
+            log.warning("lost the session bus (%s): D-Bus is off, HTTP still serves", e)
+        else:
+            if not self._closed:
+                log.warning("lost the session bus: D-Bus is off, HTTP still serves")
+
+    async def _describe_owner(self, name: str) -> str:
+        try:
+            (owner,) = await bus_call(self.bus, "GetNameOwner", "s", [name])
+        except DBusError:
+            return "another connection"
+        try:
+            (pid,) = await bus_call(self.bus, "GetConnectionUnixProcessID", "s", [owner])
+        except DBusError:
+            return owner
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            cmd = ""
+        return f"{owner} (pid {pid}{': ' + cmd if cmd else ''})"
+
+    # -- methods --------------------------------------------------------------------------------
+
+    async def borrow(self, owner: str | None, mib: int, app_id: str, reason: str) -> int:
+        if not owner:
+            raise DBusError(ERROR_FAILED, "Borrow: the caller has no bus name")
+        started = time.perf_counter()
+        task = asyncio.ensure_future(self._borrow(owner, mib, app_id, reason))
+        self._pending.setdefault(owner, set()).add(task)
+        try:
+            cookie = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            why = "Strata is stopping" if self._closed else f"its caller {owner} left the bus"
+            raise DBusError(ERROR_FAILED, f"Borrow of {mib} MiB cancelled: {why}") from None
+        except DBusError:
+            raise
+        except Exception as e:
+            raise _dbus_error(e) from None
+        finally:
+            tasks = self._pending.get(owner)
+            if tasks is not None:
+                tasks.discard(task)
+                if not tasks:
+                    del self._pending[owner]
+        log.info(
+            "Borrow(%d MiB) from %s: cookie %d in %.1f ms",
+            mib, owner, cookie, (time.perf_counter() - started) * 1000,
+        )  # fmt: skip
+        return cookie
+
+    async def _borrow(self, owner: str, mib: int, app_id: str, reason: str) -> int:
+        pid = await self._watch(owner)
+        lease = await self.daemon.borrow(mib, owner, pid, app_id, reason)
+        return lease.cookie
+
+    def return_lease(self, cookie: int, owner: str | None) -> None:
+        try:
+            self.daemon.return_lease(cookie, owner or "")
+        except Exception as e:
+            raise _dbus_error(e) from None
+
+    def revoke(self, cookie: int) -> None:
+        try:
+            self.daemon.revoke(cookie)
+        except Exception as e:
+            raise _dbus_error(e) from None
+
+    async def set_reserve(self, mib: int) -> None:
+        try:
+            await self.daemon.reserve(mib)
+        except Exception as e:
+            raise _dbus_error(e) from None
+
+    def value(self, name: str) -> Any:
+        return property_values(self.daemon.status())[name]
+
+    # -- callers coming and going ---------------------------------------------------------------
+
+    async def _watch(self, owner: str) -> int | None:
+        """Match the caller's disappearance (once per caller) and return its PID. The bus handles
+        our messages in order, so a caller still there when the PID is asked for is one whose
+        disappearance the match will report."""
+        if owner not in self._watched:
+            self._watched.add(owner)
+            self.bus.send(self._match("AddMatch", owner))
+        try:
+            (pid,) = await bus_call(self.bus, "GetConnectionUnixProcessID", "s", [owner])
+        except DBusError as e:
+            if e.type == "org.freedesktop.DBus.Error.NameHasNoOwner":
+                self._loop.call_soon(self._name_lost, owner)
+                raise DBusError(ERROR_FAILED, f"the caller {owner} left the bus") from None
+            log.debug("no PID for %s: %s", owner, e.text)
+            return None
+        return int(pid) if pid else None
+
+    def _match(self, member: str, owner: str) -> Message:
+        return Message(
+            destination=DBUS_NAME,
+            path=DBUS_PATH,
+            interface=DBUS_NAME,
+            member=member,
+            signature="s",
+            body=[name_owner_match(owner)],
+        )
+
+    def _name_lost(self, owner: str) -> None:
+        if owner in self._watched:
+            self._watched.discard(owner)
+            if self.bus.connected:
+                self.bus.send(self._match("RemoveMatch", owner))
+        waiting = self._pending.pop(owner, set())
+        for task in waiting:
+            task.cancel()
+        if waiting:
+            # let the cancelled Borrows drop their pending leases first, then end granted ones
+            self._loop.create_task(self._vanished_after(waiting, owner))
+        else:
+            self._vanished(owner)
+
+    async def _vanished_after(self, waiting: set[asyncio.Task[int]], owner: str) -> None:
+        await asyncio.wait(waiting)
+        self._vanished(owner)
+
+    def _vanished(self, owner: str) -> None:
+        gone = self.daemon.owner_vanished(owner)
+        if gone:
+            log.info("%s left the bus: returned leases %s", owner, [g.cookie for g in gone])
+
+    # -- messages -------------------------------------------------------------------------------
+
+    def _on_message(self, msg: Message) -> Message | bool | None:
+        if msg.message_type == MessageType.METHOD_CALL:
+            _caller.set(msg.sender)
+            if (
+                msg.path == OBJECT_PATH
+                and msg.interface in (INTERFACE, None)
+                and msg.member in self._signatures
+                and msg.signature != self._signatures[msg.member]
+            ):
+                want = self._signatures[msg.member]
+                error = Message.new_error(
+                    msg,
+                    ERROR_INVALID_ARGUMENT,
+                    f"{msg.member} takes arguments of D-Bus type ({want}), got "
+                    f"({msg.signature}): {msg.body!r}",
+                )
+                return True if msg.flags & MessageFlag.NO_REPLY_EXPECTED else error
+            return None
+        if (
+            msg.message_type == MessageType.SIGNAL
+            and msg.member == "NameOwnerChanged"
+            and msg.sender == DBUS_NAME
+            and msg.body
+            and msg.body[0] in self._watched
+            and not msg.body[2]
+        ):
+            self._name_lost(msg.body[0])
+        return None
+
+    # -- events from the control plane ----------------------------------------------------------
+
+    def _on_event(self, name: str, fields: dict[str, Any]) -> None:
+        if self._closed or not self.bus.connected:
+            return
+        if name == "cache_resized":
+            self.iface.CacheResized(max(0, fields["cache_mib"]), max(0, fields["free_mib"]))
+        elif name == "lease_returned":
+            self.iface.LeaseReturned(fields["cookie"], fields["why"])
+        self._queue_flush()
+
+    def _queue_flush(self) -> None:
+        """One PropertiesChanged for everything that changed in this loop iteration."""
+        if not self._flush_queued and not self._closed:
+            self._flush_queued = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_queued = False
+        if not self.bus.connected:
+            return
+        now = property_values(self.daemon.status())
+        changed = {k: v for k, v in now.items() if self._signalled.get(k) != v}
+        self._signalled = now
+        if changed:
+            self.iface.emit_properties_changed(changed)
+
+
+async def start_dbus(daemon: Daemon) -> DbusEdge | None:
+    """Export the interface and own ``org.strata.Strata1``; None (after one warning) when there
+    is no session bus. The name already owned by another process raises the service's
+    ``ServiceError`` (exit 1) naming that process."""
+    try:
+        bus = await connect_session_bus()
+    except NoSessionBus as e:
+        log.warning("%s: D-Bus is off, HTTP only", e)
+        return None
+    edge = DbusEdge(daemon, bus)
+    try:
+        await edge.start()
+    except BaseException:
+        await edge.close()
+        raise
+    return edge
+
+
+__all__ = [
+    "BUS_NAME",
+    "CONTRACT",
+    "INTERFACE",
+    "OBJECT_PATH",
+    "DbusEdge",
+    "NoSessionBus",
+    "Vram1",
+    "connect_session_bus",
+    "from_variant",
+    "property_values",
+    "session_bus_address",
+    "start_dbus",
+    "to_vardict",
+]

@@ -1,0 +1,512 @@
+"""The D-Bus edge: the real daemon as a subprocess on a private bus and the simulated device.
+
+Sizes: the tiny model's 32 experts of 1.5 MiB make a 48 MiB cache (core 24 MiB, tail 24 MiB, in
+2 MiB chunks) on a 600 MiB device where another program holds 64 MiB and no automatic reserve is
+kept: 488 MiB are free at start. A Borrow of 512 MiB therefore needs the tail back (the cache
+shrinks to its 24 MiB core, 512 MiB free); 576 MiB is the most Strata could ever free; a Borrow of
+560 MiB is admitted but can never be satisfied while the other program keeps its 64 MiB.
+
+The times this file measures (Borrow to its reply, a borrower's death to LeaseReturned) are
+printed: run with ``-s`` to see them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import re
+import signal
+import statistics
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from dbus_fast import MessageType
+from dbus_fast import introspection as intr
+
+from strata.daemon import leases
+from strata.engine import synth
+from strata.ipc.dbus import BUS_NAME, CONTRACT, INTERFACE, OBJECT_PATH
+from tests.helpers import require_tool
+from tests.integration.harness import (
+    BusClient,
+    ClientProcess,
+    PrivateBus,
+    StrataDaemon,
+    bus_env,
+    daemon_env,
+    simulated_device_args,
+    write_simulated,
+)
+
+TOTAL_MIB = 600
+TENANT = (4242, 64)
+FULL, CORE = 48, 24
+MAX_FREEABLE = TOTAL_MIB - CORE  # 576
+UNSATISFIABLE = 560  # > 600 - 24 - 64 = 512 free at the core, <= 576
+
+
+def start(
+    tmp: Path,
+    bus: PrivateBus | None,
+    model: Path,
+    daemons: list[StrataDaemon],
+    *extra: str,
+    wait: str = "ready",
+    env: dict[str, str] | None = None,
+) -> StrataDaemon:
+    device = tmp / "device.json"
+    write_simulated(device, TOTAL_MIB, [TENANT])
+    environ = bus_env(bus) if bus is not None else {}
+    d = StrataDaemon(
+        tmp, [*simulated_device_args(device, model), *extra], env={**environ, **(env or {})},
+        wait=wait,
+    )  # fmt: skip
+    daemons.append(d)
+    return d
+
+
+def error_of(reply: Any) -> tuple[str, str]:
+    assert reply.message_type == MessageType.ERROR, f"expected an error, got {reply.body}"
+    return reply.error_name, reply.body[0]
+
+
+# -- the contract -------------------------------------------------------------------------------
+
+
+def _describe(iface: intr.Interface) -> dict[str, Any]:
+    return {
+        "methods": {
+            m.name: (
+                [(a.name, a.signature) for a in m.in_args],
+                [(a.name, a.signature) for a in m.out_args],
+            )
+            for m in iface.methods
+        },
+        "properties": {p.name: (p.signature, p.access.value) for p in iface.properties},
+        "signals": {s.name: [(a.name, a.signature) for a in s.args] for s in iface.signals},
+    }
+
+
+def test_contract_documents_every_member_and_matches_the_exported_interface(
+    tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    parser = ET.XMLParser(target=ET.TreeBuilder(insert_comments=True))
+    root = ET.parse(CONTRACT, parser).getroot()
+    (iface,) = root.findall(f"interface[@name='{INTERFACE}']")
+    children = list(iface)
+    members = [el for el in children if el.tag in ("method", "property", "signal")]
+    assert len(members) == 5 + 9 + 2
+    for el in members:
+        before = children[children.index(el) - 1]
+        assert before.tag is ET.Comment and el.get("name") in (before.text or ""), (
+            f"{el.tag} {el.get('name')} has no comment of its own"
+        )
+    text = CONTRACT.read_text()
+    for error in (leases.InvalidArgument, leases.NotEnoughVram, leases.Timeout, leases.NotOwner,
+                  leases.LeaseNotFound, leases.LeaseError):  # fmt: skip
+        assert error.dbus_name in text, f"{error.dbus_name} is not documented in the contract"
+    contract = intr.Node.parse(text).interfaces[0]
+
+    d = start(tmp_path, bus, tiny_model, daemons)
+
+    async def scenario() -> None:
+        c = await BusClient.connect(bus.address)
+        node = await c.bus.introspect(BUS_NAME, OBJECT_PATH)
+        (live,) = [i for i in node.interfaces if i.name == INTERFACE]
+        assert _describe(live) == _describe(contract)
+        # every property reads with its type
+        for p in contract.properties:
+            value = await c.prop(p.name)
+            assert isinstance(value, list if p.signature.startswith("a") else (int, str)), p.name
+        assert await c.prop("State") == "ready"
+        assert await c.prop("Device") == "simulated"
+        assert await c.prop("Model") == tiny_model.stem
+        # GetStatus is the status schema of GET /v1/vram; unknown (null) values are absent
+        over_dbus = await c.status()
+        over_http = await asyncio.to_thread(d.status)
+        assert set(over_dbus) == {k for k, v in over_http.items() if v is not None}
+        for key in ("state", "model", "device", "cache_mib", "core_mib", "reserve_mib",
+                    "total_mib", "leases", "holds"):  # fmt: skip
+            assert over_dbus[key] == over_http[key], key
+        c.close()
+
+    asyncio.run(scenario())
+
+
+# -- Borrow and Return ---------------------------------------------------------------------------
+
+
+def test_borrow_shrinks_the_cache_before_replying_and_return_gives_it_back(
+    tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    start(tmp_path, bus, tiny_model, daemons)
+
+    async def scenario() -> None:
+        c = await BusClient.connect(bus.address)
+        assert (await c.prop("CacheMiB"), await c.prop("FreeMiB")) == (FULL, 488)
+        t0 = time.perf_counter()
+        (cookie,) = await c.strata("Borrow", "tss", [512, "org.example.Render", "rendering"])
+        shrink_ms = (time.perf_counter() - t0) * 1000
+        status = await c.status()
+        assert status["free_mib"] >= 512 and status["cache_mib"] == CORE  # free at the reply
+        (lease,) = status["leases"]
+        assert lease["cookie"] == cookie and lease["mib"] == 512
+        assert lease["owner"] == c.bus.unique_name and lease["pid"] == os.getpid()
+        assert await c.prop("Leases") == [
+            [cookie, "org.example.Render", "rendering", 512, lease["since_us"]]
+        ]
+        # signals sent before the reply arrived before it: one resize, one batched change
+        assert [b for _, m, b in c.signals if m == "CacheResized"] == [[CORE, 512]]
+        changes = [b[1] for _, m, b in c.signals if m == "PropertiesChanged"]
+        assert len(changes) == 1, changes
+        assert changes[0]["CacheMiB"] == CORE and changes[0]["BorrowedMiB"] == 512
+        assert changes[0]["FreeMiB"] == 512 and changes[0]["Leases"][0][0] == cookie
+
+        n = len(c.signals)
+        await c.strata("Return", "u", [cookie])
+        t_returned, body = await c.wait_signal("LeaseReturned", start=n)
+        assert body == [cookie, "returned"]
+        _, change = await c.wait_signal("PropertiesChanged", start=n)
+        assert change[1] == {"BorrowedMiB": 0, "Leases": []}
+        t_grown, body = await c.wait_signal("CacheResized", lambda b: b[0] == FULL, start=n)
+        assert t_grown - t_returned >= 0.45  # elastic_stable_ms = 500
+        assert await c.prop("CacheMiB") == FULL
+
+        # a Borrow that fits in free memory: the reply's own latency, without a resize
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            (small,) = await c.strata("Borrow", "tss", [100, "org.example.Small", "bench"])
+            times.append((time.perf_counter() - t0) * 1000)
+            await c.strata("Return", "u", [small])
+        print(
+            f"\nBorrow to reply: {shrink_ms:.1f} ms for 512 MiB with the cache shrinking "
+            f"48 -> 24 MiB; {statistics.median(times):.2f} ms median (max {max(times):.2f}) for "
+            f"100 MiB already free; grow back {t_grown - t_returned:.2f} s after the Return"
+        )
+        c.close()
+
+    asyncio.run(scenario())
+
+
+def test_gdbus_and_busctl_borrow_return_and_revoke(
+    tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    gdbus, busctl = require_tool("gdbus"), require_tool("busctl")
+    start(tmp_path, bus, tiny_model, daemons)
+    env = daemon_env(tmp_path, bus_env(bus))
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+
+    def gdbus_call(method: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return run(gdbus, "call", "--session", "--dest", BUS_NAME, "--object-path", OBJECT_PATH,
+                   "--method", f"{INTERFACE}.{method}", *args)  # fmt: skip
+
+    def busctl_call(method: str, signature: str, *args: str) -> subprocess.CompletedProcess[str]:
+        # `busctl --user` finds the private bus through DBUS_SESSION_BUS_ADDRESS
+        return run(busctl, "--user", "call", BUS_NAME, OBJECT_PATH, INTERFACE, method, signature,
+                   *args)  # fmt: skip
+
+    async def scenario() -> None:
+        c = await BusClient.connect(bus.address)
+        # a tool that exits after the call ends its lease with its connection
+        r = await asyncio.to_thread(gdbus_call, "Borrow", "100", "org.gnome.Tool", "gdbus")
+        assert r.returncode == 0, r.stderr
+        cookie = int(re.fullmatch(r"\(uint32 (\d+),\)", r.stdout.strip()).group(1))
+        await c.wait_signal("LeaseReturned", lambda b: b == [cookie, "vanished"], timeout=2)
+        r = await asyncio.to_thread(busctl_call, "Borrow", "tss", "100", "busctl.app", "busctl")
+        assert r.returncode == 0, r.stderr
+        cookie = int(re.fullmatch(r"u (\d+)", r.stdout.strip()).group(1))
+        await c.wait_signal("LeaseReturned", lambda b: b == [cookie, "vanished"], timeout=2)
+
+        # Return and Revoke of a lease this test holds
+        (held,) = await c.strata("Borrow", "tss", [100, "org.example.Held", "held"])
+        r = await asyncio.to_thread(gdbus_call, "Return", str(held))
+        assert r.returncode != 0 and "org.strata.Error.NotOwner" in r.stderr, r.stderr
+        r = await asyncio.to_thread(busctl_call, "Return", "u", str(held))
+        assert r.returncode != 0 and f"lease {held} belongs to" in r.stderr, r.stderr
+        assert [lease["cookie"] for lease in (await c.status())["leases"]] == [held]
+        r = await asyncio.to_thread(gdbus_call, "Revoke", str(held))
+        assert r.returncode == 0, r.stderr
+        await c.wait_signal("LeaseReturned", lambda b: b == [held, "revoked"])
+        (held,) = await c.strata("Borrow", "tss", [100, "org.example.Held", "held again"])
+        r = await asyncio.to_thread(busctl_call, "Revoke", "u", str(held))
+        assert r.returncode == 0, r.stderr
+        await c.wait_signal("LeaseReturned", lambda b: b == [held, "revoked"])
+        # wrong types from a tool get the named error
+        r = await asyncio.to_thread(busctl_call, "Borrow", "sss", "100", "a", "b")
+        assert r.returncode != 0 and "takes arguments of D-Bus type (tss)" in r.stderr, r.stderr
+        r = await asyncio.to_thread(gdbus_call, "GetStatus")
+        assert r.returncode == 0 and "'leases': <@aa{sv} []>" in r.stdout, r.stdout
+        c.close()
+
+    asyncio.run(scenario())
+
+
+def test_killed_borrower_returns_its_lease_within_1_s_and_the_cache_grows_back(
+    tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    start(tmp_path, bus, tiny_model, daemons)
+
+    async def kill_and_time(c: BusClient, mib: int) -> tuple[float, float, int]:
+        borrower = ClientProcess.program(bus, tmp_path, "borrower", str(mib))
+        try:
+            assert borrower.line() == "calling"
+            words = (await asyncio.to_thread(borrower.line)).split()
+            assert words[0] == "cookie", borrower.seen
+            cookie = int(words[1])
+            (lease,) = (await c.status())["leases"]
+            assert lease["pid"] == borrower.proc.pid
+            n = len(c.signals)
+            killed = time.perf_counter()
+            borrower.proc.send_signal(signal.SIGKILL)
+            returned, body = await c.wait_signal("LeaseReturned", start=n, timeout=2)
+            assert body == [cookie, "vanished"]
+            return killed, returned, n
+        finally:
+            borrower.close()
+
+    async def scenario() -> None:
+        c = await BusClient.connect(bus.address)
+        killed, returned, n = await kill_and_time(c, 512)
+        assert returned - killed < 1.0
+        deaths = [returned - killed]
+        assert (await c.status())["leases"] == []
+        grown, _ = await c.wait_signal("CacheResized", lambda b: b[0] == FULL, start=n)
+        grow_after = grown - returned
+        assert grow_after >= 0.45  # elastic_stable_ms = 500
+        for _ in range(4):
+            killed, returned, _ = await kill_and_time(c, 100)
+            assert returned - killed < 1.0
+            deaths.append(returned - killed)
+        print(
+            "\nborrower SIGKILL to LeaseReturned: "
+            + ", ".join(f"{t * 1000:.1f}" for t in deaths)
+            + f" ms; cache grown back {grow_after:.2f} s after the return"
+        )
+        c.close()
+
+    asyncio.run(scenario())
+
+
+def test_borrower_that_vanishes_while_its_borrow_waits_leaves_nothing(
+    tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    d = start(tmp_path, bus, tiny_model, daemons)
+
+    async def scenario() -> None:
+        c = await BusClient.connect(bus.address)
+        borrower = ClientProcess.program(bus, tmp_path, "borrower", str(UNSATISFIABLE))
+        try:
+            assert await asyncio.to_thread(borrower.line) == "calling"
+            waiting = await c.wait_status(
+                lambda s: (
+                    [lease["mib"] for lease in s["leases"]] == [UNSATISFIABLE]
+                    and s["cache_mib"] == CORE
+                ),
+                5,
+                "the Borrow waiting, the cache at its core",
+            )
+            cookie = waiting["leases"][0]["cookie"]
+            n = len(c.signals)
+            killed = time.perf_counter()
+            borrower.proc.send_signal(signal.SIGKILL)
+            _, body = await c.wait_signal("LeaseReturned", start=n, timeout=2)
+            assert body == [cookie, "failed"]
+            await c.wait_status(
+                lambda s: s["leases"] == [] and s["borrowed_mib"] == 0, 1, "no lease left"
+            )
+            gone = time.perf_counter() - killed
+            await c.wait_signal("CacheResized", lambda b: b[0] == FULL, start=n, timeout=5)
+            assert (await c.status())["leases"] == []
+        finally:
+            borrower.close()
+        assert f"Borrow({UNSATISFIABLE} MiB) from" not in d.log  # never granted
+        print(f"\nwaiting borrower SIGKILL to its pending lease gone: {gone * 1000:.1f} ms")
+        c.close()
+
+    asyncio.run(scenario())
+
+
+def test_borrow_that_times_out_leaves_nothing_and_a_reserve_stays_set(
+    tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    start(tmp_path, bus, tiny_model, daemons, "--borrow-timeout-ms", "1000")
+
+    async def scenario() -> None:
+        c = await BusClient.connect(bus.address)
+        t0 = time.perf_counter()
+        name, text = error_of(await c.call("Borrow", "tss", [UNSATISFIABLE, "a", "b"]))
+        took = time.perf_counter() - t0
+        assert name == "org.strata.Error.Timeout" and 0.9 < took < 3, (name, took)
+        assert f"{UNSATISFIABLE} MiB" in text and "1000 ms" in text, text
+        status = await c.status()
+        assert status["leases"] == [] and status["borrowed_mib"] == 0
+        name, _ = error_of(await c.call("SetReserve", "t", [UNSATISFIABLE]))
+        assert name == "org.strata.Error.Timeout"
+        assert await c.prop("ReserveMiB") == UNSATISFIABLE  # documented: the reserve stays set
+        await c.strata("SetReserve", "t", [0])
+        assert await c.prop("ReserveMiB") == 0
+        c.close()
+
+    asyncio.run(scenario())
+
+
+def test_returning_someone_elses_cookie_fails_and_revoke_ends_any_lease(
+    tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    start(tmp_path, bus, tiny_model, daemons)
+
+    async def scenario() -> None:
+        a = await BusClient.connect(bus.address)
+        b = await BusClient.connect(bus.address)
+        (cookie,) = await a.strata("Borrow", "tss", [100, "org.example.A", "mine"])
+        name, text = error_of(await b.call("Return", "u", [cookie]))
+        assert name == "org.strata.Error.NotOwner"
+        assert str(cookie) in text and a.bus.unique_name in text and b.bus.unique_name in text
+        assert [lease["cookie"] for lease in (await b.status())["leases"]] == [cookie]
+        await b.strata("Revoke", "u", [cookie])
+        _, body = await a.wait_signal("LeaseReturned")
+        assert body == [cookie, "revoked"]
+        assert (await a.status())["leases"] == []
+        name, text = error_of(await a.call("Return", "u", [cookie]))
+        assert name == "org.strata.Error.LeaseNotFound" and str(cookie) in text
+        name, _ = error_of(await a.call("Revoke", "u", [cookie]))
+        assert name == "org.strata.Error.LeaseNotFound"
+        a.close()
+        b.close()
+
+    asyncio.run(scenario())
+
+
+def test_bad_arguments_give_named_errors_and_change_nothing(
+    tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    start(tmp_path, bus, tiny_model, daemons)
+    stable = ("leases", "borrowed_mib", "reserve_mib", "cache_mib", "resizes", "holds")
+
+    async def scenario() -> None:
+        c = await BusClient.connect(bus.address)
+        before = {k: v for k, v in (await c.status()).items() if k in stable}
+        cases = [
+            ("Borrow", "tss", [0, "a", "b"], "InvalidArgument", ["0"]),
+            ("Borrow", "tss", [MAX_FREEABLE + 1, "a", "b"], "NotEnoughVram",
+             [str(MAX_FREEABLE + 1), str(MAX_FREEABLE)]),
+            ("Borrow", "tss", [2**64 - 1, "a", "b"], "NotEnoughVram", [str(2**64 - 1)]),
+            ("Borrow", "sss", ["512", "a", "b"], "InvalidArgument", ["(tss)", "(sss)", "'512'"]),
+            ("Borrow", "iss", [512, "a", "b"], "InvalidArgument", ["(tss)", "(iss)"]),
+            ("Borrow", "", [], "InvalidArgument", ["(tss)", "()"]),
+            ("Return", "s", ["1"], "InvalidArgument", ["(u)", "(s)"]),
+            ("Return", "u", [77], "LeaseNotFound", ["77"]),
+            ("Revoke", "t", [1], "InvalidArgument", ["(u)", "(t)"]),
+            ("SetReserve", "t", [MAX_FREEABLE + 1], "NotEnoughVram", [str(MAX_FREEABLE + 1)]),
+            ("SetReserve", "i", [-5], "InvalidArgument", ["(t)", "(i)", "-5"]),
+        ]  # fmt: skip
+        for member, signature, body, error, named in cases:
+            name, text = error_of(await c.call(member, signature, body))
+            assert name == f"org.strata.Error.{error}", (member, body, name, text)
+            for value in named:
+                assert value in text, (member, body, text)
+        await asyncio.sleep(0.3)  # anything a request started would show by now
+        after = {k: v for k, v in (await c.status()).items() if k in stable}
+        assert after == before
+        assert [m for _, m, _ in c.signals] == []
+        c.close()
+
+    asyncio.run(scenario())
+
+
+def test_set_reserve_replies_once_the_room_exists_and_signals_each_change_once(
+    tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    start(tmp_path, bus, tiny_model, daemons)
+
+    async def scenario() -> None:
+        c = await BusClient.connect(bus.address)
+        await c.strata("SetReserve", "t", [512])
+        assert await c.prop("FreeMiB") >= 512 and await c.prop("CacheMiB") == CORE
+        # two changes, one signal each: the reserve at once, then the resize it caused
+        changes = [b[1] for _, m, b in c.signals if m == "PropertiesChanged"]
+        assert len(changes) == 2, changes
+        assert changes[0]["ReserveMiB"] == 512 and "CacheMiB" not in changes[0]
+        assert changes[1]["CacheMiB"] == CORE and changes[1]["FreeMiB"] == 512
+        assert (await c.status())["reserve_mib"] == 512
+        n = len(c.signals)
+        await c.strata("SetReserve", "t", [0])
+        await c.wait_signal("CacheResized", lambda b: b[0] == FULL, start=n)
+        assert await c.prop("ReserveMiB") == 0
+        c.close()
+
+    asyncio.run(scenario())
+
+
+# -- the name ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_loading_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 151,936-token vocabulary: seconds of loading."""
+    spec = dataclasses.replace(synth.PRESETS["tiny-qwen3moe"], vocab_size=151_936)
+    path = tmp_path_factory.mktemp("models") / "big-vocab.gguf"
+    types = synth.TypePlan.uniform(synth.Q.F16)
+    return synth.write_model(path, spec, synth.vocab_for("qwen3moe"), types, seed=3)
+
+
+@pytest.mark.slow
+def test_the_name_is_owned_while_loading_and_state_says_so(
+    tmp_path: Path, bus: PrivateBus, slow_loading_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    d = start(tmp_path, bus, slow_loading_model, daemons, wait="listening")
+
+    async def scenario() -> None:
+        c = await BusClient.connect(bus.address)
+        assert await c.prop("State") == "loading"
+        assert await asyncio.to_thread(lambda: httpx.get(d.url + "/health").status_code) == 503
+        _, body = await c.wait_signal(
+            "PropertiesChanged", lambda b: b[1].get("State") == "ready", timeout=60
+        )
+        assert body[1]["CacheMiB"] > 0  # the cache filled while loading: one change for both
+        assert await c.prop("State") == "ready"
+        n = len(c.signals)
+        await asyncio.to_thread(d.stop)
+        _, body = await c.wait_signal("PropertiesChanged", start=n)
+        assert body[1]["State"] == "stopping"
+        owner = await c.dbus("NameHasOwner", "s", [BUS_NAME])
+        assert owner == [False]
+        c.close()
+
+    asyncio.run(scenario())
+
+
+def test_name_owned_by_another_process_exits_1_naming_it(
+    tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    squatter = ClientProcess.program(bus, tmp_path, "own", BUS_NAME)
+    try:
+        assert squatter.line() == "ready"
+        d = start(tmp_path, bus, tiny_model, daemons, wait="none")
+        assert d.proc.wait(60) == 1, d.log
+        assert f"{BUS_NAME} is already owned" in d.log and f"pid {squatter.proc.pid}" in d.log
+        assert "Traceback" not in d.log
+    finally:
+        squatter.close()
+
+
+@pytest.mark.parametrize("why", ["unset", "unreachable"])
+def test_no_session_bus_logs_one_warning_and_http_serves(
+    why: str, tmp_path: Path, tiny_model: Path, daemons: list[StrataDaemon]
+) -> None:
+    env = {"DBUS_SESSION_BUS_ADDRESS": f"unix:path={tmp_path}/nothing"} if why != "unset" else {}
+    d = start(tmp_path, None, tiny_model, daemons, env=env)
+    assert d.status()["state"] == "ready"
+    assert httpx.get(d.url + "/health", timeout=5).status_code == 200
+    warnings = [line for line in d.log.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "session bus" in warnings[0], warnings
+    assert "D-Bus is off, HTTP only" in warnings[0]

@@ -1,0 +1,106 @@
+"""The D-Bus edge's pure pieces: the status as a{sv} and back, the properties, strata-ctl's
+command line and tables."""
+
+from __future__ import annotations
+
+import io
+import socket
+from pathlib import Path
+
+import pytest
+from dbus_fast import Message, MessageType
+from dbus_fast._private.unmarshaller import Unmarshaller
+
+from strata.ipc.ctl import format_leases, format_status, parse_args
+from strata.ipc.dbus import from_variant, property_values, session_bus_address, to_vardict
+
+STATUS = {
+    "state": "ready",
+    "model": "tiny",
+    "model_path": None,
+    "device": "simulated",
+    "monitor": {"kind": "simulated", "healthy": True, "problem": None},
+    "cache_mib": 48,
+    "core_mib": 24,
+    "tail_mib": 24,
+    "max_cache_mib": 48,
+    "cache_experts": 32,
+    "total_experts": 32,
+    "total_mib": 600,
+    "free_mib": 488,
+    "ours_mib": 48,
+    "tenants_mib": 64,
+    "reserve_mib": 0,
+    "elastic_reserve_mib": 0,
+    "holds": {"gamemode": 512},
+    "room_kept_mib": None,
+    "borrowed_mib": 512,
+    "leases": [
+        {
+            "cookie": 3,
+            "app_id": "org.example.A",
+            "reason": "render",
+            "mib": 512,
+            "since_us": 1_796_000_000_000_000,
+            "owner": ":1.5",
+            "pid": None,
+        },
+    ],
+    "hit_rate": 0.75,
+    "busy": False,
+}
+
+
+def _over_the_wire(body: dict) -> dict:
+    """Marshal as a{sv} in a real message and read it back."""
+    msg = Message(
+        message_type=MessageType.METHOD_RETURN, reply_serial=1, signature="a{sv}", body=[body]
+    )
+    unmarshaller = Unmarshaller(io.BytesIO(msg._marshall(False)))
+    return from_variant(unmarshaller.unmarshall().body[0])
+
+
+def test_status_as_a_dict_of_variants_leaves_unknown_values_out_and_reads_back() -> None:
+    back = _over_the_wire(to_vardict(STATUS))
+    expected = {k: v for k, v in STATUS.items() if v is not None}
+    expected["monitor"] = {"kind": "simulated", "healthy": True}
+    expected["leases"] = [{k: v for k, v in STATUS["leases"][0].items() if v is not None}]
+    assert back == expected
+
+
+def test_properties_come_from_the_status_schema() -> None:
+    values = property_values({**STATUS, "free_mib": None, "device": None})
+    assert values["FreeMiB"] == 0 and values["Device"] == ""  # unknown: 0 and ""
+    assert values["Leases"] == [[3, "org.example.A", "render", 512, 1_796_000_000_000_000]]
+    assert (values["CacheMiB"], values["BorrowedMiB"], values["State"]) == (48, 512, "ready")
+
+
+def test_session_bus_address_falls_back_to_the_user_bus(tmp_path: Path) -> None:
+    assert session_bus_address({"DBUS_SESSION_BUS_ADDRESS": "unix:path=/x"}) == "unix:path=/x"
+    assert session_bus_address({"XDG_RUNTIME_DIR": str(tmp_path)}) is None
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tmp_path / "bus"))
+        assert session_bus_address({"XDG_RUNTIME_DIR": str(tmp_path)}) == (
+            f"unix:path={tmp_path}/bus"
+        )
+
+
+def test_borrow_takes_the_command_after_the_first_double_dash_verbatim() -> None:
+    args = parse_args(["borrow", "512", "--app-id", "x", "--", "sh", "-c", "echo --", "--", "1"])
+    assert (args.mib, args.app_id) == (512, "x")
+    assert args.command == ["sh", "-c", "echo --", "--", "1"]
+
+
+@pytest.mark.parametrize("argv", [["borrow", "512"], ["status", "--", "x"], ["reserve", "1e3"]])
+def test_bad_command_lines_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+
+
+def test_status_table_says_unknown_for_absent_values() -> None:
+    text = format_status({"state": "loading", "leases": []})
+    assert "state" in text and "loading" in text and "unknown" in text
+    table = format_leases(STATUS["leases"]).splitlines()
+    assert table[0].split() == ["COOKIE", "MIB", "APP", "ID", "REASON", "PID", "SINCE", "OWNER"]
+    assert table[1].split()[:5] == ["3", "512", "org.example.A", "render", "-"]
