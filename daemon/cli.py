@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_option_flags(gen)
     gen.set_defaults(run=generate_cmd.run)
 
+    from strata.daemon import bench_cmd
+
+    bench = sub.add_parser("bench", help="measure speed and memory, optionally against llama.cpp")
+    bench_cmd.add_arguments(bench)
+
     from strata.daemon import service
 
     srv = sub.add_parser("serve", help="run the daemon (HTTP endpoint, VRAM control plane)")

@@ -1,5 +1,5 @@
 """``strata service install | uninstall | status``: the systemd user unit and the D-Bus activation
-file, written from the templates in ``strata.packaging`` (the ``packaging/`` folder).
+file, written from the templates in ``packaging/`` (shipped as ``strata/units``, a link to it).
 
 Each generated file starts with a marker line holding the SHA-256 of the text below it, so the
 command can tell its own untouched files from files the user edited (or wrote): those it neither
@@ -134,7 +134,7 @@ def targets(
 
 
 def _template(folder: str, name: str) -> str:
-    return resources.files("strata.packaging").joinpath(folder, name).read_text()
+    return resources.files("strata").joinpath("units", folder, name).read_text()
 
 
 def _digest(text: str) -> str:

@@ -1,0 +1,234 @@
+"""One bench run from settings to the result (a JSON-ready dict): the bandwidths, Strata at each
+cache budget, the resize test, llama.cpp at each ``--n-cpu-moe``, and the pairs.
+
+Order matters for the numbers: NVML's baseline is read before Strata allocates anything, the
+bandwidths are measured before the model is loaded, and llama.cpp runs after Strata's engine is
+closed (its VRAM is measured as the device's used memory above what it was just before it ran).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from strata.engine.bench import llama, probes, stats
+from strata.engine.bench.settings import DECODE_PROMPT_TOKENS, BenchSettings
+from strata.engine.bench.strata_run import StrataBench, dense_bytes_per_token, slots_for
+from strata.engine.experts.cache import slot_bytes_for
+from strata.engine.generate import Engine, resolve_device
+from strata.engine.gguf_index import GGUFIndex
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
+Result = dict[str, Any]
+Progress = Callable[[int, int, str], None]  # (done, total, what comes next)
+
+
+class _Steps:
+    """Counts finished units of work for a progress bar whose total is known up front."""
+
+    def __init__(self, total: int, callback: Progress | None) -> None:
+        self.total, self.done, self.callback = total, 0, callback
+
+    def __call__(self, what: str) -> None:
+        self.done = min(self.total, self.done + 1)
+        if self.callback is not None:
+            self.callback(self.done, self.total, what)
+
+    def skip(self, units: int, what: str) -> None:
+        self.done = min(self.total, self.done + units - 1)
+        self(what)
+
+
+def bench_context(settings: BenchSettings, model_ctx: int) -> int:
+    """The context the engine gets: as configured, else just what the longest run needs (as
+    llama-bench sizes its own per test), at most the model's."""
+    if settings.engine.context_length is not None:
+        return settings.engine.context_length
+    need = max(max(settings.prefill), DECODE_PROMPT_TOKENS + settings.decode_tokens)
+    return min(need, model_ctx) if model_ctx > 0 else need
+
+
+def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Result:
+    """Measure everything ``settings`` asks for. Ctrl-C ends the run early: what was measured
+    is returned, with ``interrupted`` saying where it stopped."""
+    t_start = time.monotonic()
+    deadline = None if settings.time_limit_s is None else t_start + settings.time_limit_s
+    device = resolve_device(settings.engine.device)
+    index = GGUFIndex(settings.model)
+    n_experts = len(index.experts)
+    slot_bytes = slot_bytes_for(index)
+    chunk = settings.engine.arena_chunk_mib * MiB
+    slots = [slots_for(b, n_experts, slot_bytes, chunk) for b in settings.budgets]
+    n_ctx = bench_context(settings, int(index.key("context_length", 0)))
+    resize_at = slots.index(max(slots))
+    steps = _Steps(
+        1
+        + sum(settings.reps + 1 for _ in slots)
+        + 2
+        + len(settings.n_cpu_moe) * bool(settings.llama_bench),
+        progress,
+    )
+    result: Result = {
+        "model": {
+            "path": str(settings.model),
+            "name": settings.synthetic or settings.model.name,
+            "synthetic": settings.synthetic,
+            "arch": index.arch,
+            "file_bytes": settings.model.stat().st_size,
+            "n_experts": n_experts,
+            "slot_bytes": slot_bytes,
+            "expert_bytes": sum(b.nbytes for b in index.experts.values()),
+            "dense_bytes_per_token": dense_bytes_per_token(index),
+        },
+        "settings": {
+            "reps": settings.reps,
+            "decode_tokens": settings.decode_tokens,
+            "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
+            "prefill": list(settings.prefill),
+            "context_length": n_ctx,
+            "budgets": [b.label for b in settings.budgets],
+            "budget_slots": slots,
+            "prefill_chunk_tokens": settings.engine.prefill_chunk_tokens,
+            "kv_cache_type": settings.engine.kv_cache_type,
+            "arena_chunk_mib": settings.engine.arena_chunk_mib,
+            "time_limit_s": settings.time_limit_s,
+            "seed": settings.seed,
+        },
+        "interrupted": None,
+    }
+    del index
+    monitor, vram_reason = probes.open_nvml(device)
+    vram = probes.VramPeak(monitor) if monitor is not None else None
+    nvml: Result = {"reason": vram_reason, "base_used_bytes": vram.used() if vram else None}
+    result["nvml"] = nvml
+    try:
+        result["bandwidth"] = probes.measure_bandwidths(device)
+        nvml["after_cuda_init_used_bytes"] = vram.used() if vram else None
+        steps("loading the model")
+        _strata_phase(settings, device, n_ctx, slots, resize_at, result, vram, vram_reason, steps,
+                      deadline)  # fmt: skip
+        if settings.llama_bench is not None and not result["interrupted"]:
+            _llama_phase(settings, result, vram, vram_reason, steps)
+    finally:
+        if vram is not None:
+            vram.close()
+            vram.monitor.close()
+    ok = [r for r in result.get("strata", []) if not r.get("skipped")]
+    rows = [r for r in (result.get("llama_cpp") or {}).get("rows", []) if not r["error"]]
+    result["pairs"] = stats.pair_rows(ok, rows) if settings.llama_bench else []
+    if settings.llama_bench and not result["pairs"]:
+        result["pairs_reason"] = (
+            "no llama.cpp run succeeded" if not rows
+            else "no peak VRAM on one side (CPU run or no NVML)"
+        )  # fmt: skip
+    result["wall_s"] = time.monotonic() - t_start
+    return result
+
+
+def _strata_phase(
+    settings: BenchSettings,
+    device: torch.device,
+    n_ctx: int,
+    slots: list[int],
+    resize_at: int,
+    result: Result,
+    vram: probes.VramPeak | None,
+    vram_reason: str | None,
+    steps: _Steps,
+    deadline: float | None,
+) -> None:
+    largest = max(slots)
+    cache_mib = math.ceil(largest * result["model"]["slot_bytes"] / MiB)
+    options = dataclasses.replace(
+        settings.engine,
+        context_length=n_ctx,
+        cache_mib=cache_mib,
+        elastic_tail_mib=cache_mib,  # all of it elastic: the bench shrinks it down to nothing
+    )
+    t0 = time.monotonic()
+    engine = Engine.load(settings.model, options)
+    result["load_s"] = time.monotonic() - t0
+    result["device"] = {
+        "name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "type": device.type,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    rows: list[Any] = []
+    result["strata"] = rows
+    result["resize"] = None
+    bench = StrataBench(
+        engine, settings, result["bandwidth"], vram, vram_reason,
+        result["nvml"]["base_used_bytes"], steps, deadline,
+    )  # fmt: skip
+    try:
+        for i, budget in enumerate(settings.budgets):
+            if bench.over_time():
+                why = f"time limit of {settings.time_limit_s:g} s reached before this budget"
+                rows.append({"budget": budget.label, "skipped": why})
+                steps.skip(settings.reps + 1, "next")
+                continue
+            rows.append(bench.measure(budget, slots[i]))
+            if i == resize_at:
+                if bench.over_time():
+                    result["resize"] = {"reason": f"time limit of {settings.time_limit_s:g} s"}
+                else:
+                    result["resize"] = bench.resize_test()
+                steps.skip(2, "next")
+    except KeyboardInterrupt:
+        result["interrupted"] = "during the Strata measurements (Ctrl-C)"
+        log.warning("interrupted: reporting what was measured so far")
+    finally:
+        engine.close()
+        del engine, bench
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+
+
+def _llama_phase(
+    settings: BenchSettings,
+    result: Result,
+    vram: probes.VramPeak | None,
+    vram_reason: str | None,
+    steps: _Steps,
+) -> None:
+    assert settings.llama_bench is not None
+    out: Result = {"binary": str(settings.llama_bench), "rows": []}
+    result["llama_cpp"] = out
+    try:
+        llama.run_all(
+            settings.llama_bench,
+            settings.model,
+            settings.prefill,
+            settings.decode_tokens,
+            settings.reps,
+            settings.n_cpu_moe,
+            vram,
+            vram_reason,
+            settings.llama_timeout_s,
+            steps,
+            out["rows"],
+        )
+    except KeyboardInterrupt:
+        result["interrupted"] = "during the llama.cpp runs (Ctrl-C)"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"

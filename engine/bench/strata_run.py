@@ -1,0 +1,366 @@
+"""Strata's side of the bench: one loaded engine, its expert cache resized to each budget, and at
+each budget a warm-up and ``reps`` repetitions of every prefill size and of one decode.
+
+Every run records raw counts and times (tokens, steps, seconds, expert hits and misses and their
+bytes); the rates in a row are computed from those by ``stats`` and nothing else. Decode runs
+generate exactly ``decode_tokens`` tokens (end-of-generation tokens are not honoured, as in
+llama-bench's ``tg`` test), greedily, from the same seeded random prompt each time; every run
+starts from an empty K/V cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from strata.engine.bench import probes, stats
+from strata.engine.bench.settings import (
+    DECODE_PROMPT_TOKENS,
+    RESIZE_BYTES,
+    RESIZE_DECODE_TOKENS,
+    BenchSettings,
+    Budget,
+)
+from strata.engine.experts.provider import ProviderStats
+from strata.engine.generate import Engine
+from strata.engine.gguf_index import GGUFIndex
+from strata.engine.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
+Row = dict[str, Any]
+Progress = Callable[[str], None]  # called once per finished unit of work, with what comes next
+NVML_SLACK = 64 * MiB  # NVML's free memory may lag or lead a resize by a little
+NVML_WAIT_S = 10.0
+
+
+def dense_bytes_per_token(index: GGUFIndex) -> int:
+    """Bytes of non-expert weights one decode step reads: every dense matrix once, one row of
+    the token embedding (all of it where the output matrix is tied to it)."""
+    total = 0
+    for name, t in index.tensors.items():
+        if name.endswith("_exps.weight"):
+            continue
+        if name == "token_embd.weight" and "output.weight" in index.tensors:
+            total += t.nbytes // t.shape[0]
+        else:
+            total += t.nbytes
+    return total
+
+
+def slots_for(budget: Budget, n_experts: int, slot_bytes: int, chunk_bytes: int) -> int:
+    """The slots a budget gets: a share of the experts, or the whole slots whose mapping (whole
+    arena chunks) fits its MiB, at most one per expert (as ``ExpertCache.slots_for_bytes``)."""
+    usable = (budget.mib or 0) * MiB // chunk_bytes * chunk_bytes
+    return budget.slots(n_experts, min(usable // slot_bytes, n_experts))
+
+
+def _counts(s: ProviderStats) -> dict[str, int]:
+    return {
+        "hits": s.hits,
+        "misses": s.misses,
+        "hit_bytes": s.bytes_from_cache,
+        "miss_bytes": s.bytes_from_ram + s.bytes_from_file,
+    }
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in before}
+
+
+class StrataBench:
+    """Measures one engine at each budget. ``deadline`` (monotonic seconds) stops new work."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: BenchSettings,
+        bandwidth: dict[str, Any],
+        vram: probes.VramPeak | None,
+        vram_reason: str | None,
+        nvml_base: int | None,
+        progress: Progress,
+        deadline: float | None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.bandwidth = bandwidth
+        self.vram = vram
+        self.vram_reason = vram_reason
+        self.nvml_base = nvml_base
+        self.progress = progress
+        self.deadline = deadline
+        self.device = engine.runner.model.device
+        self.cuda = self.device.type == "cuda"
+        self.dense_bytes = dense_bytes_per_token(engine.index)
+        self.vocab = engine.runner.model.args.vocab_size
+        # exactly decode_tokens tokens per run, as llama-bench's tg test
+        engine.tokenizer.eog_ids = frozenset()
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def over_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _prompt(self, n: int) -> list[int]:
+        rng = np.random.default_rng([self.settings.seed, n])
+        return rng.integers(0, self.vocab, size=n).tolist()
+
+    def _counts(self) -> dict[str, int]:
+        return _counts(self.engine.provider.stats)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    # -- single runs ----------------------------------------------------------------------------
+
+    def prefill_run(self, n: int) -> Row:
+        ids = self._prompt(n)
+        self.engine.runner.rewind(0)
+        self._sync()
+        before = self._counts()
+        t0 = time.perf_counter()
+        self.engine.runner.feed(ids)  # returns the logits on the host: synchronised
+        seconds = time.perf_counter() - t0
+        return {"tokens": n, "seconds": seconds, **_delta(before, self._counts())}
+
+    def decode_run(
+        self, n_tokens: int, at_step: int | None = None, action: Callable[[], Any] | None = None
+    ) -> Row:
+        """One generation of ``n_tokens``; its counts cover the decode steps only. ``action``
+        runs at the safe point after decode step ``at_step`` (the resize test's shrink)."""
+        prompt = self._prompt(DECODE_PROMPT_TOKENS)
+        runner = self.engine.runner
+        runner.rewind(0)
+        chunks = math.ceil(len(prompt) / runner.prefill_chunk)
+        calls = 0
+        marks: dict[str, Any] = {}
+
+        def safe_point() -> None:
+            nonlocal calls
+            calls += 1
+            if calls == chunks:
+                marks["decode"] = self._counts()
+            if action is not None and at_step is not None and calls == chunks + at_step:
+                marks["action"] = action()
+
+        self._sync()
+        params = SamplingParams(max_tokens=n_tokens, temperature=0.0, seed=self.settings.seed)
+        r = self.engine.generate(prompt, params, safe_point=safe_point)
+        gaps = np.diff(r.token_times).tolist()
+        run = {
+            "prompt_tokens": len(prompt),
+            "tokens": len(r.tokens),
+            "steps": max(0, len(r.tokens) - 1),
+            "first_token_s": r.first_token_s,
+            "decode_s": r.decode_s,
+            "max_gap_s": max(gaps) if gaps else None,
+            **_delta(marks.get("decode", self._counts()), self._counts()),
+        }
+        if action is not None:
+            run["gaps_s"] = gaps
+            run["action"] = marks.get("action")
+        return run
+
+    # -- one budget -----------------------------------------------------------------------------
+
+    def resize_to(self, slots: int) -> float | None:
+        cache = self.engine.cache
+        if cache is None:
+            return None
+        t0 = time.perf_counter()
+        cache.resize(slots)
+        return time.perf_counter() - t0
+
+    def measure(self, budget: Budget, slots: int) -> Row:
+        s = self.settings
+        cache = self.engine.cache
+        n_experts = len(self.engine.index.experts)
+        row: Row = {"budget": budget.label, "total_experts": n_experts}
+        row["resize_s"] = self.resize_to(slots)
+        # what the cache holds after the resize (a grow that finds too little memory stops short)
+        row["cache_experts"] = cache.n_slots if cache is not None else 0
+        row["cache_bytes"] = cache.arena.mapped_bytes if cache is not None else 0
+        self._memory_begin()
+        n_ctx = self.engine.n_ctx
+        sizes = [p for p in s.prefill if p <= n_ctx]
+        decode_fits = DECODE_PROMPT_TOKENS + s.decode_tokens <= n_ctx
+        warm_tokens = min(16, s.decode_tokens)
+        row["warmup"] = {
+            "prefill": self.prefill_run(min(sizes)) if sizes else None,
+            "decode": self.decode_run(warm_tokens) if decode_fits else None,
+        }
+        self.progress(f"{budget.label}: rep 1/{s.reps}")
+        prefill: dict[int, list[Row]] = {p: [] for p in sizes}
+        decode: list[Row] = []
+        row["reps_run"], row["reps_reason"] = 0, None
+        for rep in range(s.reps):
+            if rep > 0 and self.over_time():
+                row["reps_reason"] = f"time limit of {s.time_limit_s:g} s reached"
+                break
+            for p in sizes:
+                prefill[p].append(self.prefill_run(p))
+            if decode_fits:
+                decode.append(self.decode_run(s.decode_tokens))
+            row["reps_run"] = rep + 1
+            nxt = f"{budget.label}: rep {rep + 2}/{s.reps}" if rep + 1 < s.reps else "next"
+            self.progress(nxt)
+        row["prefill"] = [self._prefill_row(p, prefill.get(p), n_ctx) for p in s.prefill]
+        row["decode"] = (
+            self._decode_row(decode)
+            if decode_fits
+            else {
+                "tokens": s.decode_tokens,
+                "skipped": f"{DECODE_PROMPT_TOKENS} + {s.decode_tokens} tokens do not fit the "
+                f"context of {n_ctx} tokens",
+            }
+        )
+        row["memory"] = self._memory_end()
+        return row
+
+    def _prefill_row(self, p: int, runs: list[Row] | None, n_ctx: int) -> Row:
+        if runs is None:
+            return {"tokens": p, "skipped": f"beyond the context of {n_ctx} tokens"}
+        return {
+            "tokens": p,
+            "runs": runs,
+            "tok_s": stats.summary(stats.prefill_rates(runs)),
+            "hit_rate": stats.hit_rate(runs),
+        }
+
+    def _decode_row(self, runs: list[Row]) -> Row:
+        out: Row = {
+            "tokens": self.settings.decode_tokens,
+            "runs": runs,
+            "tok_s": stats.summary(stats.decode_rates(runs)),
+            "ttft_s": stats.summary([r["first_token_s"] for r in runs if r["first_token_s"]]),
+            "hit_rate": stats.hit_rate(runs),
+        }
+        if self.cuda:
+            out["pcie_bytes_per_token"] = stats.per_step(runs, "miss_bytes")
+            out["pcie_reason"] = None
+        else:
+            out["pcie_bytes_per_token"] = None
+            out["pcie_reason"] = "CPU run: misses are read from host memory, not over PCIe"
+        bw = self.bandwidth
+        if "device_bytes_per_s" in bw:
+            out["roofline"] = stats.roofline(
+                runs, self.dense_bytes, bw["device_bytes_per_s"], bw["pcie_bytes_per_s"]
+            )
+            out["roofline_reason"] = None
+        else:
+            out["roofline"] = None
+            out["roofline_reason"] = bw.get("reason", "bandwidths not measured")
+        return out
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def _memory_begin(self) -> None:
+        if self.cuda:
+            self._sync()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._rss_reset = probes.reset_peak_rss()
+        if self.vram is not None:
+            self.vram.reset()
+
+    def _memory_end(self) -> Row:
+        cache = self.engine.cache
+        m: Row = {"peak_rss_bytes": probes.peak_rss_bytes()}
+        m["peak_rss_scope"] = "this budget" if self._rss_reset else "the whole process"
+        m.update(probes.rss_parts())
+        if not self.cuda:
+            m.update(peak_vram_bytes=None, peak_vram_source=None, vram_reason="CPU run: no VRAM")
+            return m
+        arena = cache.arena.mapped_bytes if cache is not None else 0
+        m["torch_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        m["arena_mapped_bytes"] = arena
+        m["strata_peak_bytes"] = m["torch_peak_allocated_bytes"] + arena
+        peak = self.vram.peak() if self.vram is not None else None
+        if peak is not None and self.nvml_base is not None:
+            m["nvml_peak_bytes"] = peak - self.nvml_base
+            m["nvml_reason"] = None
+            m["peak_vram_bytes"], m["peak_vram_source"] = m["nvml_peak_bytes"], "nvml"
+        else:
+            m["nvml_peak_bytes"] = None
+            m["nvml_reason"] = self.vram_reason or "NVML stopped answering"
+            m["peak_vram_bytes"], m["peak_vram_source"] = m["strata_peak_bytes"], "torch+arena"
+        return m
+
+    # -- resizing under load --------------------------------------------------------------------
+
+    def resize_test(self) -> Row:
+        """Shrink by 4 GiB (request -> NVML shows the memory free), grow back (-> refilled),
+        then shrink by 4 GiB at a safe point of a decode and record the longest token gap."""
+        cache = self.engine.cache
+        if not self.cuda:
+            return {"reason": "CPU run: resizes are timed on a GPU, against NVML"}
+        if cache is None or cache.arena.mapped_bytes < RESIZE_BYTES:
+            size = 0 if cache is None else cache.arena.mapped_bytes
+            return {"reason": f"the cache ({size / MiB:.0f} MiB) is smaller than 4 GiB"}
+        n0, mapped0 = cache.n_slots, cache.arena.mapped_bytes
+        target = cache.slots_for_bytes(mapped0 - RESIZE_BYTES)
+        out: Row = {"from_slots": n0, "to_slots": target, "nvml_reason": self.vram_reason}
+        free0 = self.vram.free() if self.vram is not None else None
+        t0 = time.perf_counter()
+        cache.resize(target)
+        out["shrink_call_s"] = time.perf_counter() - t0
+        out["shrink_bytes"] = freed = mapped0 - cache.arena.mapped_bytes
+        out["shrink_to_nvml_free_s"] = self._wait_free(
+            lambda f: f + NVML_SLACK >= free0 + freed, t0, free0
+        )
+        free1 = self.vram.free() if self.vram is not None else None
+        t0 = time.perf_counter()
+        cache.resize(n0)
+        out["grow_to_refilled_s"] = time.perf_counter() - t0
+        out["refilled"] = cache.cached_experts == n0
+        out["grow_bytes"] = cache.arena.mapped_bytes - (mapped0 - freed)
+        free2 = self.vram.free() if self.vram is not None else None
+        # the arena maps before it fills, so NVML shows the memory taken before the call returns
+        out["grow_nvml_taken_bytes"] = None if free1 is None or free2 is None else free1 - free2
+        self.progress("shrink during decode")
+        n_tokens = min(RESIZE_DECODE_TOKENS, self.settings.decode_tokens)
+        at_step = max(1, n_tokens // 3)
+
+        def shrink() -> float:
+            t = time.perf_counter()
+            cache.resize(target)
+            return time.perf_counter() - t
+
+        run = self.decode_run(n_tokens, at_step, shrink)
+        gaps = run["gaps_s"]
+        out["during_decode"] = {
+            "tokens": run["tokens"],
+            "shrink_after_step": at_step,
+            "shrink_s": run["action"],
+            "max_gap_s": max(gaps) if gaps else None,
+            "median_gap_s": stats.summary(gaps)["median"] if gaps else None,
+            # the shrink runs after the forward pass of step at_step, before its token is
+            # sampled: the gap from token at_step - 1 to token at_step holds it
+            "gap_at_shrink_s": gaps[at_step - 1] if len(gaps) >= at_step else None,
+            "gaps_s": gaps,
+        }
+        cache.resize(n0)
+        return out
+
+    def _wait_free(self, done: Callable[[int], bool], t0: float, base: int | None) -> float | None:
+        """Seconds from ``t0`` until NVML's free memory satisfies ``done`` (within the slack)."""
+        if self.vram is None or base is None:
+            return None
+        deadline = time.perf_counter() + NVML_WAIT_S
+        while time.perf_counter() < deadline:
+            free = self.vram.free()
+            if free is None:
+                return None
+            if done(free):
+                return time.perf_counter() - t0
+            time.sleep(0.001)
+        return None

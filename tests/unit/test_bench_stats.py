@@ -1,0 +1,116 @@
+"""The bench's plain-Python parts: flag parsers, summaries, the roofline, llama-bench's JSON, the
+pairing by nearest peak VRAM, and the plot's missing-package error. No torch."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from strata.engine.bench import llama, report, stats
+from strata.engine.bench.settings import BenchError, parse_budgets, parse_int_list
+
+MiB = 2**20
+
+
+def test_budgets_parse_shares_and_mib() -> None:
+    budgets = parse_budgets("all, half,quarter,none,8192")
+    assert [b.label for b in budgets] == ["all", "half", "quarter", "none", "8192 MiB"]
+    assert [b.slots(100, 7) for b in budgets] == [100, 50, 25, 7, 7]
+    assert budgets[3].mib == 0 and budgets[4].mib == 8192
+
+
+@pytest.mark.parametrize("text", ["", "all,,none", "lots", "-1", "1.5", "half,half"])
+def test_bad_budget_lists_name_the_value(text: str) -> None:
+    with pytest.raises(BenchError, match="--cache-mib: invalid value"):
+        parse_budgets(text)
+
+
+def test_int_lists_reject_values_below_the_minimum_naming_them() -> None:
+    assert parse_int_list("0,12,24", "--n-cpu-moe", 0) == (0, 12, 24)
+    with pytest.raises(BenchError, match=r"--prefill: invalid value '0' in '512,0'"):
+        parse_int_list("512,0", "--prefill", 1)
+
+
+def test_summary_is_median_min_max_and_relative_spread() -> None:
+    assert stats.summary([]) is None
+    s = stats.summary([2.0, 4.0, 3.0])
+    assert s == {"median": 3.0, "min": 2.0, "max": 4.0, "spread": pytest.approx(2 / 3), "n": 3}
+
+
+def test_roofline_is_the_time_the_bytes_need_over_the_time_taken() -> None:
+    runs = [
+        {"steps": 10, "decode_s": 1.0, "hit_bytes": 1000, "miss_bytes": 500},
+        {"steps": 10, "decode_s": 3.0, "hit_bytes": 1000, "miss_bytes": 500},
+    ]
+    r = stats.roofline(runs, dense_bytes=100, device_bytes_per_s=200.0, pcie_bytes_per_s=25.0)
+    assert r is not None
+    assert r["hit_bytes_per_token"] == 100 and r["miss_bytes_per_token"] == 50
+    assert r["bound_s_per_token"] == pytest.approx((100 + 100) / 200 + 50 / 25)
+    assert r["measured_s_per_token"] == pytest.approx(0.2)
+    assert r["fraction"] == pytest.approx(3.0 / 0.2)
+
+
+LLAMA_JSON = json.dumps(
+    [
+        {"build_commit": "abc", "gpu_info": "H200", "n_prompt": 512, "n_gen": 0,
+         "avg_ts": 10340.5, "stddev_ts": 12.0, "samples_ns": [49515000, 49500000],
+         "samples_ts": [10340.0, 10341.0]},
+        {"build_commit": "abc", "n_prompt": 0, "n_gen": 128, "avg_ts": 308.5, "stddev_ts": 0.5,
+         "samples_ns": [414000000], "samples_ts": [308.5]},
+    ]
+)  # fmt: skip
+
+
+def test_llama_bench_json_becomes_tests_by_name_with_raw_samples() -> None:
+    tests, info = llama.parse_output(LLAMA_JSON)
+    assert set(tests) == {"pp512", "tg128"}
+    assert tests["pp512"]["samples_ts"] == [10340.0, 10341.0]
+    assert tests["pp512"]["tok_s"]["median"] == 10340.5
+    assert tests["tg128"]["samples_ns"] == [414000000]
+    assert info["build_commit"] == "abc" and info["gpu_info"] == "H200"
+    with pytest.raises(ValueError):
+        llama.parse_output("{}")
+
+
+def _strata(budget: str, peak_mib: int, pp: float, tg: float) -> dict:
+    return {
+        "budget": budget,
+        "memory": {"peak_vram_bytes": peak_mib * MiB},
+        "prefill": [{"tokens": 512, "tok_s": {"median": pp}}, {"tokens": 4096, "skipped": "x"}],
+        "decode": {"tokens": 128, "tok_s": {"median": tg}},
+    }
+
+
+def _llama(n: int, peak_mib: int | None, pp: float, tg: float) -> dict:
+    tests = {
+        "pp512": {"tok_s": {"median": pp}},
+        "pp4096": {"tok_s": {"median": pp * 1.1}},
+        "tg128": {"tok_s": {"median": tg}},
+    }
+    return {"n_cpu_moe": n, "peak_vram_bytes": None if peak_mib is None else peak_mib * MiB,
+            "tests": tests}  # fmt: skip
+
+
+def test_each_strata_row_pairs_with_the_nearest_peak_and_the_ratios() -> None:
+    llama_rows = [_llama(0, 17779, 10000, 300), _llama(24, 10007, 4000, 72),
+                  _llama(48, 2199, 2400, 40), _llama(99, None, 1, 1)]  # fmt: skip
+    pairs = stats.pair_rows(
+        [_strata("all", 17000, 50, 1.0), _strata("none", 2500, 20, 0.5),
+         {"budget": "half", "memory": {"peak_vram_bytes": None}}],
+        llama_rows,
+    )  # fmt: skip
+    assert [(p["budget"], p["n_cpu_moe"]) for p in pairs] == [("all", 0), ("none", 48)]
+    all_ = pairs[0]["tests"]
+    assert all_["pp512"] == {"strata": 50, "llama": 10000, "ratio": 0.005}
+    assert all_["tg128"]["ratio"] == pytest.approx(1 / 300)
+    assert all_["pp4096"] == {"strata": None, "llama": pytest.approx(11000), "ratio": None}
+    assert list(all_) == ["pp512", "pp4096", "tg128"]
+    assert pairs[1]["llama_peak_vram_bytes"] == 2199 * MiB
+
+
+def test_plot_without_matplotlib_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    with pytest.raises(report.PlotUnavailable, match="matplotlib"):
+        report.require_matplotlib()
