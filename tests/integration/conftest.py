@@ -65,3 +65,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from strata.engine.synth import ensure_synthetic
 
     return ensure_synthetic("tiny-qwen3moe", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def slow_loading_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 151,936-token vocabulary (Qwen3's): seconds of loading, so that the
+    "loading" state (503 from /health, State on D-Bus, no READY=1) can be observed."""
+    import dataclasses
+
+    from strata.engine import synth
+
+    spec = dataclasses.replace(synth.PRESETS["tiny-qwen3moe"], vocab_size=151_936)
+    path = tmp_path_factory.mktemp("models") / "big-vocab.gguf"
+    types = synth.TypePlan.uniform(synth.Q.F16)
+    return synth.write_model(path, spec, synth.vocab_for("qwen3moe"), types, seed=3)

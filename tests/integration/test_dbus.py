@@ -13,7 +13,6 @@ printed: run with ``-s`` to see them.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import re
 import signal
@@ -30,7 +29,6 @@ from dbus_fast import MessageType
 from dbus_fast import introspection as intr
 
 from strata.daemon import leases
-from strata.engine import synth
 from strata.ipc.dbus import BUS_NAME, CONTRACT, INTERFACE, OBJECT_PATH
 from tests.helpers import require_tool
 from tests.integration.harness import (
@@ -448,15 +446,6 @@ def test_set_reserve_replies_once_the_room_exists_and_signals_each_change_once(
 
 
 # -- the name ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def slow_loading_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a 151,936-token vocabulary: seconds of loading."""
-    spec = dataclasses.replace(synth.PRESETS["tiny-qwen3moe"], vocab_size=151_936)
-    path = tmp_path_factory.mktemp("models") / "big-vocab.gguf"
-    types = synth.TypePlan.uniform(synth.Q.F16)
-    return synth.write_model(path, spec, synth.vocab_for("qwen3moe"), types, seed=3)
 
 
 @pytest.mark.slow

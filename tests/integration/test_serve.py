@@ -7,7 +7,6 @@ has 64 MiB and the automatic reserve is 8 MiB, so with no tenant the whole set f
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import socket
 import time
@@ -29,15 +28,6 @@ SCALE = 3  # CI allows 3x the stated times
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synth.ensure_synthetic("tiny-qwen3moe", tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def slow_loading_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a 151,936-token vocabulary: seconds of loading, for the 503 window."""
-    spec = dataclasses.replace(synth.PRESETS["tiny-qwen3moe"], vocab_size=151_936)
-    path = tmp_path_factory.mktemp("models") / "big-vocab.gguf"
-    types = synth.TypePlan.uniform(synth.Q.F16)
-    return synth.write_model(path, spec, synth.vocab_for("qwen3moe"), types, seed=3)
 
 
 def simulated(tmp_path: Path, *tenants: tuple[int, int]) -> tuple[Path, list[str]]:

@@ -8,7 +8,6 @@ file, as a session bus without systemd would.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import re
@@ -38,15 +37,6 @@ READY_TIMEOUT_S = 90.0
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synth.ensure_synthetic("tiny-qwen3moe", tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def slow_loading_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a 151,936-token vocabulary: seconds of loading, a long 503 window."""
-    spec = dataclasses.replace(synth.PRESETS["tiny-qwen3moe"], vocab_size=151_936)
-    path = tmp_path_factory.mktemp("models") / "big-vocab.gguf"
-    types = synth.TypePlan.uniform(synth.Q.F16)
-    return synth.write_model(path, spec, synth.vocab_for("qwen3moe"), types, seed=3)
 
 
 # -- helpers --------------------------------------------------------------------------------------
