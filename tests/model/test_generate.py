@@ -102,3 +102,12 @@ def test_a_second_prompt_sharing_a_prefix_gives_the_same_answer(
     engine.generate(prompt[:3], SamplingParams(max_tokens=3, temperature=0.0))
     again = engine.generate(prompt, GREEDY).tokens  # reuses the cached prefix
     assert again == first
+
+
+def test_demo_model_answers_at_least_32_tokens_before_any_end_token(tmp_path) -> None:
+    from strata.engine.demo import ensure_demo_model
+
+    e = Engine.load(ensure_demo_model(tmp_path), EngineOptions())
+    prompt = e.encode_chat([{"role": "user", "content": "Hello! Who are you?"}])
+    result = e.generate(prompt, SamplingParams(max_tokens=48, temperature=0.0))
+    assert result.finish_reason == "length" and result.completion_tokens == 48
