@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from strata.daemon import paths
 from strata.daemon.config import LoadedConfig, Origin, add_option_flags
-from strata.daemon.generate_cmd import ProgressBar, engine_options
+from strata.daemon.engine_setup import engine_options
+from strata.daemon.generate_cmd import ProgressBar
 from strata.engine.bench import settings as bs
 from strata.engine.errors import EngineError, ModelLoadError
 

@@ -211,7 +211,7 @@ def build(
     config: StrataConfig, progress: Callable[[int, int, str], None] | None = None
 ) -> tuple[Daemon, Callable[[], None]]:
     """The daemon's objects, not started yet: worker, monitor, controller, API."""
-    from strata.daemon.generate_cmd import engine_options, model_path, resolve_device_name
+    from strata.daemon.engine_setup import engine_options, model_path, resolve_device_name
     from strata.engine.generate import Engine
     from strata.vmm.monitor import create_monitor
 

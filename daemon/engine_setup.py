@@ -1,0 +1,55 @@
+"""From the configuration to the engine's options and model: shared by ``strata generate``,
+``strata bench`` and ``strata serve`` (the one place that turns config options into engine ones)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from strata.daemon import paths
+from strata.daemon.config import StrataConfig
+
+if TYPE_CHECKING:
+    from strata.engine.generate import EngineOptions
+
+log = logging.getLogger(__name__)
+
+
+def model_path(config: StrataConfig) -> Path:
+    """The configured model, or the built-in demo model (written on first use)."""
+    if config.model is not None:
+        return config.model
+    from strata.engine.demo import ensure_demo_model
+
+    path = ensure_demo_model(paths.cache_dir())
+    log.info("no model configured: using the built-in demo model %s (random weights)", path)
+    return path
+
+
+def engine_options(config: StrataConfig, device: str | None = None) -> EngineOptions:
+    from strata.engine.generate import EngineOptions
+
+    return EngineOptions(
+        context_length=config.context_length,
+        threads=config.threads,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
+        kv_cache_type=config.kv_cache_type,
+        device=device or resolve_device_name(config.device),
+        cache_mib=config.cache_mib,
+        elastic_tail_mib=config.elastic_tail_mib,
+        arena_chunk_mib=config.arena_chunk_mib,
+        reserve_mib=config.elastic_reserve_mib,
+    )
+
+
+def resolve_device_name(name: str) -> str:
+    """``auto`` becomes the first CUDA device when there is one, else the CPU (logged)."""
+    if name != "auto":
+        return name
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda:0"
+    log.info("no CUDA device: computing on the CPU with the host arena")
+    return "cpu"
