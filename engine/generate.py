@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 
+from strata.engine import quant
 from strata.engine.chat_template import ChatTemplate
 from strata.engine.errors import ContextOverflow, EngineError, ModelLoadError
 from strata.engine.experts.cache import ExpertCache, model_key
@@ -167,10 +168,12 @@ class Engine:
         return provider if isinstance(provider, ExpertCache) else None
 
     def close(self) -> None:
-        """Give the cache's memory back (the arena is unmapped and released)."""
-        if self.cache is not None:
-            self.cache.close()
-            self.runner.model.provider = self.cache.file
+        """Give the cache's memory back (the arena is unmapped and released), and the pinned
+        staging buffers of expert misses."""
+        cache = self.cache
+        self.provider.close()
+        if cache is not None:
+            self.runner.model.provider = cache.file
 
     @property
     def model_id(self) -> str:
@@ -244,6 +247,8 @@ class Engine:
             options.kv_cache_type,
             device,
         )
+        if device.type == "cuda":
+            log.info("GPU weights dequantised by %s", quant.gpu_dequant_path())
         return cls(index, tokenizer, template, runner, profile_file)
 
     # -- prompts --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.engine.experts.layout import align, packed_bytes, run_offsets, slot_bytes_for
 from strata.engine.experts.profile import UsageProfile
 from strata.engine.experts.provider import ExpertWeights, FileExpertProvider
 from strata.engine.experts.slots import (
@@ -38,25 +39,6 @@ from strata.vmm.arena import ElasticArena, create_arena
 log = logging.getLogger(__name__)
 
 MiB = 2**20
-RUN_ALIGN = 256  # each run starts 256-byte aligned in its slot (fp16 fields, vector loads)
-
-
-def _align(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def run_offsets(blob: ExpertBlob) -> tuple[int, int, int]:
-    """Where gate, up and down start inside a slot."""
-    gate = 0
-    up = _align(blob.gate.nbytes, RUN_ALIGN)
-    down = up + _align(blob.up.nbytes, RUN_ALIGN)
-    return gate, up, down
-
-
-def slot_bytes_for(index: GGUFIndex) -> int:
-    """One slot fits the largest expert (files mix types per layer, e.g. Q4_K_M's Q6_K downs)."""
-    largest = max(run_offsets(b)[2] + b.down.nbytes for b in index.iter_experts())
-    return _align(largest, RUN_ALIGN)
 
 
 def model_key(index: GGUFIndex) -> str:
@@ -124,7 +106,7 @@ class ExpertCache:
         later grow to the whole set without its addresses moving."""
         slot_bytes = slot_bytes_for(index)
         sizes = plan_sizes(budget_bytes, slot_bytes, len(index.experts), tail_bytes)
-        reserved = max(_align(len(index.experts) * slot_bytes, chunk_bytes), chunk_bytes)
+        reserved = max(align(len(index.experts) * slot_bytes, chunk_bytes), chunk_bytes)
         backend = "cuda" if device.type == "cuda" else "host"
         if arena_factory is not None:  # e.g. a host arena guarded by a simulated device
             arena = arena_factory(reserved, chunk_bytes)
@@ -200,7 +182,7 @@ class ExpertCache:
 
     def mapped_bytes_for(self, n_slots: int) -> int:
         """What the arena maps to hold ``n_slots`` slots (whole chunks)."""
-        return _align(n_slots * self.slot_bytes, self.arena.chunk_bytes) if n_slots else 0
+        return align(n_slots * self.slot_bytes, self.arena.chunk_bytes) if n_slots else 0
 
     def resize(self, n_slots: int, max_shrink: int | None = None) -> ResizeResult:
         """Grow or shrink to ``n_slots`` (call at a safe point only). A shrink removes at most
@@ -247,7 +229,7 @@ class ExpertCache:
         moves = self.table.plan_shrink(n_slots, self.usage.hotness)
         for move in moves:
             blob = self.index.expert(*move.key)
-            n = run_offsets(blob)[2] + blob.down.nbytes
+            n = packed_bytes(blob)
             src = self.arena.view(move.src * self.slot_bytes, n)
             self.arena.view(move.dst * self.slot_bytes, n).copy_(src)
         self._sync()  # every copy lands before a chunk goes away
@@ -265,4 +247,5 @@ class ExpertCache:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
+        self.file.close()
         self.arena.close()

@@ -8,15 +8,20 @@ memory-mapped GGUF (uploaded to the compute device when that is a GPU); the expe
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from strata.engine.experts.layout import slot_bytes_for
 from strata.engine.experts.slots import ExpertKey, UsageCounts
+from strata.engine.experts.staging import PinnedStager
 from strata.engine.gguf_index import ExpertBlob, GGUFIndex
 from strata.engine.layers.weights import QWeight
+
+log = logging.getLogger(__name__)
 
 # Decayed usage halves every this many forward steps: recent routing dominates what the cache
 # keeps, without forgetting a whole conversation's worth of history at once.
@@ -56,6 +61,8 @@ class ExpertProvider(Protocol):
 
     def step(self) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class FileExpertProvider:
     """Every expert from the mapped file (no cache): each fetch is a miss served by the file."""
@@ -66,6 +73,8 @@ class FileExpertProvider:
         self.stats = ProviderStats(cached=False)
         self.usage = UsageCounts(USAGE_HALF_LIFE_STEPS)
         self.totals: Counter[ExpertKey] = Counter()
+        self._stager: PinnedStager | None = None
+        self._staging_off = self.device.type != "cuda"  # on the CPU a miss is a view, no copy
 
     def record(self, key: ExpertKey) -> None:
         self.usage.record((key,))
@@ -82,7 +91,35 @@ class FileExpertProvider:
         """The expert's runs from the mapped file (uploaded when computing on a GPU): a miss."""
         self.stats.misses += 1
         self.stats.bytes_from_file += blob.nbytes
-        gate, up, down = (
-            QWeight.of_run(self.index.raw(r.offset, r.nbytes), r).to(self.device) for r in blob.runs
-        )
+        stager = self._staging()
+        if stager is not None:
+            raw = stager.upload(blob)
+        else:
+            raw = tuple(self.index.raw(r.offset, r.nbytes).to(self.device) for r in blob.runs)
+        gate, up, down = (QWeight.of_run(b, r) for b, r in zip(raw, blob.runs, strict=True))
         return ExpertWeights(gate, up, down)
+
+    def _staging(self) -> PinnedStager | None:
+        if self._stager is None and not self._staging_off:
+            try:
+                self._stager = PinnedStager(self.index, self.device, slot_bytes_for(self.index))
+            except RuntimeError as e:  # pinned memory refused (locked-memory limits, say)
+                self._staging_off = True
+                log.warning(
+                    "no pinned staging buffers (%s): expert misses are copied from "
+                    "pageable memory, synchronously",
+                    e,
+                )
+            else:
+                log.debug(
+                    "expert misses staged through %d pinned buffers of %d bytes",
+                    self._stager.depth,
+                    self._stager.buffer_bytes,
+                )
+        return self._stager
+
+    def close(self) -> None:
+        """Finish the copies in flight and free the pinned buffers (a later miss makes new ones)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None

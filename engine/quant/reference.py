@@ -20,7 +20,7 @@ import torch
 
 from strata.engine.errors import UnsupportedQuantType
 
-__all__ = ["SUPPORTED_TYPES", "dequantize", "tensor_nbytes"]
+__all__ = ["SUPPORTED_TYPES", "check_args", "dequantize", "tensor_nbytes"]
 
 # Fields wider than a byte are read by viewing the bytes as wider integers, which is only right on
 # a little-endian host (GGUF is little-endian; so are x86-64, arm64 and every CUDA device).
@@ -269,15 +269,10 @@ def tensor_nbytes(qtype: gguf.GGMLQuantizationType, shape: Sequence[int]) -> int
     return math.prod(dims) // block_size * type_size
 
 
-def dequantize(
-    data: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: Sequence[int]
-) -> torch.Tensor:
-    """Dequantise the raw bytes of one GGUF tensor (or a byte run of one, e.g. one expert).
-
-    data: [nbytes] uint8 on any device. shape: the logical shape in torch order (reversed GGUF
-    ``ne``); quant blocks run along the last dim. Returns a new float32 tensor of ``shape`` on
-    ``data``'s device; it never aliases ``data``.
-    """
+def check_args(
+    data: torch.Tensor, qtype: gguf.GGMLQuantizationType | int, shape: Sequence[int]
+) -> tuple[gguf.GGMLQuantizationType, tuple[int, ...]]:
+    """The type and dimensions of a ``dequantize`` call, or the error that names what is wrong."""
     qtype = _known_type(qtype)
     if qtype not in SUPPORTED_TYPES:
         raise UnsupportedQuantType(
@@ -294,7 +289,20 @@ def dequantize(
         raise ValueError(
             f"shape {dims} of {qtype.name} takes {nbytes} bytes, but data holds {data.numel()}"
         )
-    if nbytes == 0:
+    return qtype, dims
+
+
+def dequantize(
+    data: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: Sequence[int]
+) -> torch.Tensor:
+    """Dequantise the raw bytes of one GGUF tensor (or a byte run of one, e.g. one expert).
+
+    data: [nbytes] uint8 on any device. shape: the logical shape in torch order (reversed GGUF
+    ``ne``); quant blocks run along the last dim. Returns a new float32 tensor of ``shape`` on
+    ``data``'s device; it never aliases ``data``.
+    """
+    qtype, dims = check_args(data, qtype, shape)
+    if data.numel() == 0:
         return torch.empty(dims, dtype=torch.float32, device=data.device)
     if qtype in _PLAIN:
         return _PLAIN[qtype](data).reshape(dims)

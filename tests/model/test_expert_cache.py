@@ -10,7 +10,8 @@ import pytest
 import torch
 from reference import RefModel
 
-from strata.engine.experts.cache import ExpertCache, run_offsets
+from strata.engine.experts.cache import ExpertCache
+from strata.engine.experts.layout import run_offsets
 from strata.engine.experts.slots import SlotTagMismatch, Tag
 from strata.engine.generate import Engine, EngineOptions
 

@@ -12,64 +12,15 @@ import gguf.quants
 import numpy as np
 import pytest
 import torch
+from quantdata import assert_bit_identical, gguf_reference, random_bytes
 
 from strata.engine.errors import UnsupportedQuantType
 from strata.engine.quant import SUPPORTED_TYPES, dequantize, tensor_nbytes
 
 Q = gguf.GGMLQuantizationType
 QK_K = gguf.QK_K
-
-# Byte offsets of the f16 fields in each block (the rest of a block is any bytes at all).
-F16_FIELDS: dict[Q, tuple[int, ...]] = {
-    Q.Q8_0: (0,),
-    Q.Q4_0: (0,),
-    Q.Q4_K: (0, 2),  # d, dmin
-    Q.Q5_K: (0, 2),  # d, dmin
-    Q.Q6_K: (gguf.GGML_QUANT_SIZES[Q.Q6_K][1] - 2,),  # d sits at the end
-    Q.IQ4_XS: (0,),
-}
 ALL_TYPES = sorted(SUPPORTED_TYPES)
 EXPERT_SHAPE = (4, 512, 256)  # 4 experts, 512 rows, ne0 256
-
-
-def random_bytes(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Valid random data of ``shape``: [nbytes] uint8 with every float field finite and small."""
-    n = int(np.prod(shape))
-    if qtype == Q.F32:
-        return rng.uniform(-4, 4, n).astype(np.float32).view(np.uint8)
-    if qtype == Q.F16:
-        return rng.uniform(-4, 4, n).astype(np.float16).view(np.uint8)
-    if qtype == Q.BF16:
-        # random bf16 bit patterns whose exponent is in 2**-63 .. 2**63 (finite, normal or zero)
-        bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
-        exp = rng.integers(64, 191, n, dtype=np.uint16)
-        bits = (bits & np.uint16(0x807F)) | (exp << np.uint16(7))
-        return bits.view(np.uint8)
-    nbytes = tensor_nbytes(qtype, shape)
-    type_size = gguf.GGML_QUANT_SIZES[qtype][1]
-    blocks = rng.integers(0, 256, nbytes, dtype=np.uint8).reshape(-1, type_size)
-    for at in F16_FIELDS[qtype]:
-        scale = rng.uniform(-0.01, 0.01, len(blocks)).astype(np.float16)
-        blocks[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(-1)
-
-
-def gguf_reference(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
-    """gguf-py's dequantisation of ``raw`` as a float32 array of ``shape``."""
-    byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
-    return gguf.quants.dequantize(raw.reshape(byte_shape), qtype).reshape(shape)
-
-
-def assert_bit_identical(got: torch.Tensor, want: np.ndarray) -> None:
-    assert got.dtype == torch.float32
-    assert tuple(got.shape) == want.shape
-    want_bits = torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32).view(np.int32))
-    got_bits = got.cpu().contiguous().view(torch.int32)
-    differ = (got_bits != want_bits).nonzero()
-    assert differ.numel() == 0, (
-        f"{len(differ)} values differ, first at {differ[0].tolist()}: "
-        f"{got.cpu()[tuple(differ[0])].item()!r} vs {want[tuple(differ[0].tolist())]!r}"
-    )
 
 
 @pytest.fixture
