@@ -2,7 +2,8 @@
 
 Parses and validates the flags into one ``BenchSettings`` (a bad value is one line naming it, exit
 2), runs the bench with a progress bar on stderr, and prints the table, or the JSON with
-``--json``, on stdout; ``--plot FILE.png`` draws tok/s against peak VRAM.
+``--json``, on stdout; ``--plot FILE.png`` draws tok/s against peak VRAM. ``--merge`` measures
+nothing: it combines the JSON of earlier runs (a bench split to fit a time limit) into one result.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from strata.daemon import paths
 from strata.daemon.config import LoadedConfig, Origin, add_option_flags
@@ -30,6 +31,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+# Flags that choose what is measured, by argparse dest; ``--merge`` measures nothing. The defaults
+# of the bench's own are applied in ``build_settings``, so that a flag given is told from one not.
+MEASURING_FLAGS = {
+    "synthetic": "--synthetic",
+    "opt_model": "--model",
+    "bench_cache_mib": "--cache-mib",
+    "reps": "--reps",
+    "decode_tokens": "--decode-tokens",
+    "prefill": "--prefill",
+    "vs_llama_cpp": "--vs-llama-cpp",
+    "n_cpu_moe": "--n-cpu-moe",
+    "time_limit": "--time-limit",
+    "opt_device": "--device",
+    "only_llama_cpp": "--only-llama-cpp",
+}
+DEFAULT_REPS, DEFAULT_DECODE_TOKENS = "3", "128"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,14 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="expert cache budgets to measure: MiB or all, half, quarter, none, comma-separated "
         f"(default on a GPU: {bs.DEFAULT_GPU_BUDGETS}; on the CPU: {bs.DEFAULT_CPU_BUDGETS})",
     )
-    g.add_argument("--reps", metavar="N", default="3", help="repetitions per measurement (3)")
+    g.add_argument("--reps", metavar="N", help=f"repetitions per measurement ({DEFAULT_REPS})")
     g.add_argument(
-        "--decode-tokens", metavar="N", default="128", help="tokens per decode run (128)"
+        "--decode-tokens", metavar="N", help=f"tokens per decode run ({DEFAULT_DECODE_TOKENS})"
     )
     g.add_argument(
         "--prefill",
         metavar="LIST",
-        default=",".join(map(str, bs.DEFAULT_PREFILL)),
         help="prompt sizes whose prefill is timed (512,4096); sizes beyond the context are "
         "skipped with the reason",
     )
@@ -71,14 +88,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--n-cpu-moe",
         metavar="LIST",
-        default=",".join(map(str, bs.DEFAULT_N_CPU_MOE)),
         help="llama-bench --n-cpu-moe values, one process each (0,12,24,36,48)",
+    )
+    g.add_argument(
+        "--only-llama-cpp",
+        action="store_const",
+        const=True,
+        help="run llama-bench alone (needs --vs-llama-cpp), no Strata budget; --merge pairs its "
+        "rows with a Strata run's",
     )
     g.add_argument(
         "--time-limit",
         metavar="SECONDS",
         help="start no new Strata measurement after this long; the rest are skipped with the "
         "reason (unset: no limit)",
+    )
+    g.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="FILE.json",
+        help="measure nothing: combine the --json results of earlier runs of the same model, "
+        "settings and device (each with other budgets, one of them with llama.cpp) into one "
+        "table, JSON and plot",
     )
     parser.set_defaults(run=run)
 
@@ -88,10 +119,10 @@ def build_settings(loaded: LoadedConfig, args: argparse.Namespace) -> BenchSetti
     flags are checked before anything slow (torch, the device, writing a synthetic model)."""
     given = args.bench_cache_mib
     budgets = bs.parse_budgets(given) if given is not None else None
-    reps = bs.parse_int(args.reps, "--reps", 1)
-    decode = bs.parse_int(args.decode_tokens, "--decode-tokens", 2)
-    prefill = bs.parse_int_list(args.prefill, "--prefill", 1)
-    n_cpu_moe = bs.parse_int_list(args.n_cpu_moe, "--n-cpu-moe", 0)
+    reps = bs.parse_int(_or(args.reps, DEFAULT_REPS), "--reps", 1)
+    decode = bs.parse_int(_or(args.decode_tokens, DEFAULT_DECODE_TOKENS), "--decode-tokens", 2)
+    prefill = bs.parse_int_list(_or(args.prefill, _csv(bs.DEFAULT_PREFILL)), "--prefill", 1)
+    n_cpu_moe = bs.parse_int_list(_or(args.n_cpu_moe, _csv(bs.DEFAULT_N_CPU_MOE)), "--n-cpu-moe", 0)
     limit = None if args.time_limit is None else bs.parse_seconds(args.time_limit, "--time-limit")
     llama = None
     if args.vs_llama_cpp is not None:
@@ -101,13 +132,13 @@ def build_settings(loaded: LoadedConfig, args: argparse.Namespace) -> BenchSetti
                 f"--vs-llama-cpp: {str(llama)!r} is not an executable file (llama.cpp's "
                 "llama-bench)"
             )
-    if args.plot is not None:
-        from strata.engine.bench.report import PlotUnavailable, require_matplotlib
-
-        try:
-            require_matplotlib()
-        except PlotUnavailable as e:
-            raise bs.BenchError(str(e)) from None
+    if args.only_llama_cpp:
+        if llama is None:
+            raise bs.BenchError("--only-llama-cpp needs --vs-llama-cpp LLAMA_BENCH")
+        if budgets is not None:
+            raise bs.BenchError("--only-llama-cpp measures no cache budget: drop --cache-mib")
+        budgets = ()
+    _check_plot(args)
     preset = None if args.synthetic is None else bs.synthetic_preset(args.synthetic)
     if preset is not None and loaded.sources["model"].origin is Origin.FLAG:
         raise bs.BenchError("--synthetic and --model exclude each other: give one")
@@ -132,6 +163,50 @@ def build_settings(loaded: LoadedConfig, args: argparse.Namespace) -> BenchSetti
     )
 
 
+def merged_result(args: argparse.Namespace) -> dict[str, Any]:
+    """``--merge``: the files read and combined; raises ``BenchError`` naming a measuring flag
+    given with it, a file that cannot be read or parsed, or what keeps the results apart."""
+    for dest, flag in MEASURING_FLAGS.items():
+        if getattr(args, dest, None) is not None:
+            raise bs.BenchError(
+                f"--merge combines earlier results and measures nothing: drop {flag}"
+            )
+    _check_plot(args)
+    from strata.engine.bench.merge import merge_results
+
+    results = []
+    for name in args.merge:
+        try:
+            text = Path(name).expanduser().read_bytes()
+        except OSError as e:
+            raise bs.BenchError(f"--merge: cannot read {name}: {e.strerror or e}") from None
+        try:
+            results.append((name, json.loads(text)))
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise bs.BenchError(f"--merge: {name} is not valid JSON: {e}") from None
+    return merge_results(results)
+
+
+def _check_plot(args: argparse.Namespace) -> None:
+    """Fail before a long run, or before reading anything, when the plot cannot be drawn."""
+    if args.plot is None:
+        return
+    from strata.engine.bench.report import PlotUnavailable, require_matplotlib
+
+    try:
+        require_matplotlib()
+    except PlotUnavailable as e:
+        raise bs.BenchError(str(e)) from None
+
+
+def _or(given: str | None, default: str) -> str:
+    return default if given is None else given
+
+
+def _csv(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
+
+
 def _model(loaded: LoadedConfig, name: str | None, preset: str | None) -> Path:
     """``--synthetic NAME`` (written on first use) or the model file; never the demo model."""
     if name is None or preset is None:
@@ -144,12 +219,19 @@ def _model(loaded: LoadedConfig, name: str | None, preset: str | None) -> Path:
 
 
 def run(loaded: LoadedConfig, args: argparse.Namespace) -> int:
+    if args.merge is not None:
+        try:
+            merged = merged_result(args)
+        except bs.BenchError as e:
+            print(f"strata bench: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        _output(merged, args)
+        return 0  # an interrupted input is named in the result; this command was not
     try:
         settings = build_settings(loaded, args)
     except bs.BenchError as e:
         print(f"strata bench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    from strata.engine.bench import report
     from strata.engine.bench.session import run_bench
 
     bar = ProgressBar("bench")
@@ -161,7 +243,16 @@ def run(loaded: LoadedConfig, args: argparse.Namespace) -> int:
     except EngineError as e:  # a CUDA device that is not there, a run that failed
         print(f"strata bench: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
-    result["command"] = sys.argv
+    _output(result, args)
+    return EXIT_INTERRUPTED if result.get("interrupted") else 0
+
+
+def _output(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """The table, or the JSON with ``--json``, on stdout; the plot with ``--plot``."""
+    from strata.engine.bench import report
+
+    # the arguments as typed after the program name (whose path says only where it was installed)
+    result["command"] = ["strata", *sys.argv[1:]]
     if args.json:
         sys.stdout.write(json.dumps(_finite(result), indent=1) + "\n")
     else:
@@ -170,7 +261,6 @@ def run(loaded: LoadedConfig, args: argparse.Namespace) -> int:
     if args.plot is not None:
         report.plot(result, Path(args.plot))
         log.info("wrote the plot %s", args.plot)
-    return EXIT_INTERRUPTED if result.get("interrupted") else 0
 
 
 def _finite(x: object) -> object:

@@ -181,10 +181,11 @@ def _skipped_lines(rows: Sequence[Row]) -> list[str]:
 def text_report(result: Mapping[str, Any]) -> str:
     s, m = result["settings"], result["model"]
     dev = result["device"]
+    dequant = f"dequantised by {dev['dequant']}, " if dev.get("dequant") else ""
     lines = [
         f"strata bench: {m['name']} ({m['file_bytes'] / GiB:.2f} GiB, {m['n_experts']} experts "
         f"of {m['slot_bytes'] / MiB:.2f} MiB), {dev['name']}, threads {dev['threads']}, "
-        f"context {s['context_length']}, median of {s['reps']} reps "
+        f"{dequant}context {s['context_length']}, median of {s['reps']} reps "
         "(± is (max - min) / median)",
     ]
     bw = result["bandwidth"]
@@ -196,7 +197,10 @@ def text_report(result: Mapping[str, Any]) -> str:
         )
     else:
         lines.append(f"bandwidth: not measured ({bw.get('reason')})")
-    lines += ["", *strata_table(result), ""]
+    if result["strata"]:
+        lines += ["", *strata_table(result), ""]
+    else:
+        lines += ["", "Strata: not measured (--only-llama-cpp)"]
     lines += _skipped_lines(result["strata"])
     lines += resize_lines(result.get("resize"))
     llama = result.get("llama_cpp")

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from strata.engine import quant
 from strata.engine.bench import llama, probes, stats
 from strata.engine.bench.settings import DECODE_PROMPT_TOKENS, BenchSettings
 from strata.engine.bench.strata_run import StrataBench, dense_bytes_per_token, slots_for
-from strata.engine.experts.cache import slot_bytes_for
+from strata.engine.experts.layout import slot_bytes_for
 from strata.engine.generate import Engine, resolve_device
 from strata.engine.gguf_index import GGUFIndex
 
@@ -69,11 +70,11 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Resu
     chunk = settings.engine.arena_chunk_mib * MiB
     slots = [slots_for(b, n_experts, slot_bytes, chunk) for b in settings.budgets]
     n_ctx = bench_context(settings, int(index.key("context_length", 0)))
-    resize_at = slots.index(max(slots))
+    resize_at = slots.index(max(slots)) if slots else -1
     steps = _Steps(
         1
         + sum(settings.reps + 1 for _ in slots)
-        + 2
+        + 2 * bool(slots)
         + len(settings.n_cpu_moe) * bool(settings.llama_bench),
         progress,
     )
@@ -113,9 +114,20 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Resu
     try:
         result["bandwidth"] = probes.measure_bandwidths(device)
         nvml["after_cuda_init_used_bytes"] = vram.used() if vram else None
-        steps("loading the model")
-        _strata_phase(settings, device, n_ctx, slots, resize_at, result, vram, vram_reason, steps,
-                      deadline)  # fmt: skip
+        result["device"] = {
+            "name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+            "type": device.type,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        }
+        if slots:
+            steps("loading the model")
+            _strata_phase(settings, device, n_ctx, slots, resize_at, result, vram, vram_reason,
+                          steps, deadline)  # fmt: skip
+        else:  # --only-llama-cpp
+            steps("llama.cpp")
+            result["strata"], result["resize"] = [], None
+            result["device"]["dequant"] = None
         if settings.llama_bench is not None and not result["interrupted"]:
             _llama_phase(settings, result, vram, vram_reason, steps)
     finally:
@@ -157,12 +169,8 @@ def _strata_phase(
     t0 = time.monotonic()
     engine = Engine.load(settings.model, options)
     result["load_s"] = time.monotonic() - t0
-    result["device"] = {
-        "name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
-        "type": device.type,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
+    result["device"]["threads"] = torch.get_num_threads()  # as the engine set them
+    result["device"]["dequant"] = _dequant_path(device)
     rows: list[Any] = []
     result["strata"] = rows
     result["resize"] = None
@@ -188,6 +196,7 @@ def _strata_phase(
         result["interrupted"] = "during the Strata measurements (Ctrl-C)"
         log.warning("interrupted: reporting what was measured so far")
     finally:
+        result["device"]["dequant"] = _dequant_path(device)  # a kernel may have failed meanwhile
         engine.close()
         del engine, bench
         if device.type == "cuda":
@@ -221,6 +230,10 @@ def _llama_phase(
         )
     except KeyboardInterrupt:
         result["interrupted"] = "during the llama.cpp runs (Ctrl-C)"
+
+
+def _dequant_path(device: torch.device) -> str:
+    return quant.gpu_dequant_path() if device.type == "cuda" else "torch reference (CPU)"
 
 
 def _cpu_name() -> str:

@@ -138,7 +138,7 @@ class BenchSettings:
 
     model: Path
     engine: EngineOptions
-    budgets: tuple[Budget, ...]
+    budgets: tuple[Budget, ...]  # empty: llama.cpp only (--only-llama-cpp)
     synthetic: str | None = None
     reps: int = 3
     decode_tokens: int = 128
@@ -157,7 +157,7 @@ class BenchSettings:
             raise BenchError(
                 f"--decode-tokens: invalid value {self.decode_tokens} (expected an integer >= 2)"
             )
-        if not self.budgets:
+        if not self.budgets and self.llama_bench is None:
             raise BenchError("--cache-mib: no budget given")
         if not self.prefill or min(self.prefill) < 1:
             raise BenchError(f"--prefill: invalid value {self.prefill} (expected sizes >= 1)")

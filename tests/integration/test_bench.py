@@ -1,9 +1,10 @@
 """``strata bench`` as a user runs it: the CI smoke test on the tiny model, every rate recomputed
 from the raw counts and times in the JSON, several budgets, llama-bench's JSON read (a stand-in
-script plays llama-bench), and bad arguments as one-line errors."""
+script plays llama-bench), runs split and merged again, and bad arguments as one-line errors."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -92,6 +93,8 @@ def test_smoke_tiny_json_recomputes_every_rate(tmp_path: Path) -> None:
     result = json.loads(proc.stdout)  # stdout holds the JSON and nothing else
     assert took < SMOKE_SECONDS, f"the tiny bench took {took:.1f} s"
     assert result["model"]["synthetic"] == "tiny" and result["device"]["type"] == "cpu"
+    assert result["device"]["dequant"] == "torch reference (CPU)"
+    assert result["command"] == ["strata", "bench", "--synthetic", "tiny", "--json"]
     s = result["settings"]
     assert (s["reps"], s["decode_tokens"], s["prefill"]) == (3, 128, [512, 4096])
     assert s["budgets"] == ["none"], "the CPU default is one budget"
@@ -156,6 +159,19 @@ def test_budgets_skipped_sizes_and_llama_bench_side_by_side(tmp_path: Path) -> N
         (["--synthetic", "tiny", "--prefill", "512,x"], "--prefill: invalid value 'x'"),
         (["--synthetic", "tiny", "--vs-llama-cpp", "/nonexistent/llama-bench"], "/nonexistent"),
         ([], "--synthetic NAME or --model PATH"),
+        (["--synthetic", "tiny", "--only-llama-cpp"], "--only-llama-cpp needs --vs-llama-cpp"),
+        (
+            [
+                "--synthetic",
+                "tiny",
+                "--only-llama-cpp",
+                "--cache-mib",
+                "all",
+                "--vs-llama-cpp",
+                sys.executable,
+            ],
+            "--only-llama-cpp measures no cache budget: drop --cache-mib",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_naming_the_value(
@@ -167,3 +183,76 @@ def test_bad_arguments_are_one_line_naming_the_value(
     assert len(lines) == 1, proc.stderr
     assert named in lines[0] and "Traceback" not in proc.stderr
     assert not (tmp_path / "cache").exists(), "nothing is written for a bad command line"
+
+
+def test_merge_combines_split_runs_into_one_result_table_and_plot(tmp_path: Path) -> None:
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, log=str(tmp_path / "argv")))
+    fake.chmod(0o755)
+    quick = ("--synthetic", "tiny", "--json", "--prefill", "64", "--decode-tokens", "8")
+    a, b, c = (str(tmp_path / f"{n}.json") for n in "abc")
+    split = {  # as on a machine that limits one command's time: budgets apart, llama.cpp alone
+        a: ["--cache-mib", "all,half"],
+        b: ["--cache-mib", "none"],
+        c: ["--only-llama-cpp", "--vs-llama-cpp", str(fake), "--n-cpu-moe", "0"],
+    }
+    for path, argv in split.items():
+        proc = strata_bench(*quick, "--reps", "1", *argv, tmp=tmp_path, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        Path(path).write_text(proc.stdout)
+    alone = json.loads(Path(c).read_text())
+    assert alone["strata"] == [] and alone["settings"]["budgets"] == []
+    assert [r["n_cpu_moe"] for r in alone["llama_cpp"]["rows"]] == [0]
+
+    proc = strata_bench("--merge", a, b, c, "--json", tmp=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    merged = json.loads(proc.stdout)
+    assert [(r["budget"], r["source"]) for r in merged["strata"]] == [
+        ("all", a), ("half", a), ("none", b),
+    ]  # fmt: skip
+    for row in merged["strata"]:
+        check_rates(row, reps=1)
+    n = merged["model"]["n_experts"]
+    assert merged["settings"]["budgets"] == ["all", "half", "none"]
+    assert merged["settings"]["budget_slots"] == [n, n // 2, 0]
+    assert [m["source"] for m in merged["merged_from"]] == [a, b, c]
+    assert all(m["wall_s"] > 0 and m["command"] for m in merged["merged_from"])
+    assert merged["wall_s"] is None and "merged from 3 runs" in merged["wall_s_reason"]
+    assert merged["llama_cpp"]["source"] == c
+    assert [r["n_cpu_moe"] for r in merged["llama_cpp"]["rows"]] == [0]
+    assert merged["pairs"] == [] and "VRAM" in merged["pairs_reason"]  # a CPU run
+    assert "--merge" in merged["command"] and merged["interrupted"] is None
+
+    png = tmp_path / "merged.png"
+    proc = strata_bench("--merge", a, b, c, "--plot", str(png), tmp=tmp_path, timeout=60)
+    if importlib.util.find_spec("matplotlib") is None:  # the plot's own error, before any work
+        assert proc.returncode == 2 and "matplotlib" in proc.stderr and not png.exists()
+        proc = strata_bench("--merge", a, b, c, tmp=tmp_path, timeout=60)
+    else:
+        assert png.stat().st_size > 0
+    assert proc.returncode == 0, proc.stderr
+    for budget in ("| all (", "| half (", "| none ("):
+        assert budget in proc.stdout
+    assert "llama.cpp" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--reps", "2"], "--merge combines earlier results and measures nothing: drop --reps"),
+        (["--device", "cpu"], "measures nothing: drop --device"),
+        (["{tmp}/missing.json"], "--merge: cannot read {tmp}/missing.json: No such file"),
+        (["{tmp}/bad.json"], "--merge: {tmp}/bad.json is not valid JSON: Expecting"),
+        (["{tmp}/list.json"], "--merge: {tmp}/list.json is not a strata bench result"),
+    ],
+)
+def test_merge_bad_arguments_are_one_line_naming_the_option_or_file(
+    argv: list[str], named: str, tmp_path: Path
+) -> None:
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "list.json").write_text("[]")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    proc = strata_bench("--merge", str(tmp_path / "list.json"), *argv, tmp=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and named.format(tmp=tmp_path) in lines[0], proc.stderr
