@@ -219,32 +219,28 @@ def _model(loaded: LoadedConfig, name: str | None, preset: str | None) -> Path:
 
 
 def run(loaded: LoadedConfig, args: argparse.Namespace) -> int:
-    if args.merge is not None:
-        try:
-            merged = merged_result(args)
-        except bs.BenchError as e:
-            print(f"strata bench: error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        _output(merged, args)
-        return 0  # an interrupted input is named in the result; this command was not
     try:
-        settings = build_settings(loaded, args)
-    except bs.BenchError as e:
-        print(f"strata bench: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    from strata.engine.bench.session import run_bench
+        if args.merge is not None:
+            _output(merged_result(args), args)
+            return 0  # an interrupted input is named in the result; this command was not
+        settings = build_settings(loaded, args)  # before torch is imported: bad flags fail fast
+        from strata.engine.bench.session import run_bench
 
-    bar = ProgressBar("bench")
-    try:
-        result = run_bench(settings, progress=bar)
+        result = run_bench(settings, progress=ProgressBar("bench"))
+    except bs.BenchError as e:
+        return _error(str(e), EXIT_USAGE)
     except ModelLoadError as e:
-        print(f"strata bench: error: cannot load the model: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(f"cannot load the model: {e}", EXIT_USAGE)
     except EngineError as e:  # a CUDA device that is not there, a run that failed
-        print(f"strata bench: error: {e}", file=sys.stderr)
-        return EXIT_FAILURE
+        return _error(str(e), EXIT_FAILURE)
     _output(result, args)
     return EXIT_INTERRUPTED if result.get("interrupted") else 0
+
+
+def _error(message: str, code: int) -> int:
+    """One line on stderr for the user of the command; the exit code to return."""
+    print(f"strata bench: error: {message}", file=sys.stderr)
+    return code
 
 
 def _output(result: dict[str, Any], args: argparse.Namespace) -> None:

@@ -61,7 +61,7 @@ def merge_results(results: Sequence[Named]) -> Result:
     llama = _at_most_one(results, "llama_cpp", "llama.cpp was run")
     if llama is not None:
         merged["llama_cpp"] = llama
-    _pairs(merged, rows, llama)
+    stats.add_pairs(merged)
     merged["wall_s"] = None
     merged["wall_s_reason"] = (
         f"merged from {len(results)} runs; each run's own wall_s is under merged_from"
@@ -186,18 +186,6 @@ def _at_most_one(results: Sequence[Named], key: str, what: str) -> Result | None
         return None
     source, value = carried[0]
     return {**value, "source": source}
-
-
-def _pairs(merged: Result, rows: Sequence[Result], llama: Mapping[str, Any] | None) -> None:
-    """As ``run_bench`` pairs them: measured Strata rows with the llama.cpp rows that ran."""
-    ok = [r for r in rows if not r.get("skipped")]
-    ran = [r for r in (llama or {}).get("rows", []) if not r.get("error")]
-    merged["pairs"] = stats.pair_rows(ok, ran) if llama is not None else []
-    if llama is not None and not merged["pairs"]:
-        merged["pairs_reason"] = (
-            "no llama.cpp run succeeded" if not ran
-            else "no peak VRAM on one side (CPU run or no NVML)"
-        )  # fmt: skip
 
 
 def _interrupted(results: Sequence[Named]) -> str | None:

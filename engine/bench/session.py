@@ -134,14 +134,7 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Resu
         if vram is not None:
             vram.close()
             vram.monitor.close()
-    ok = [r for r in result.get("strata", []) if not r.get("skipped")]
-    rows = [r for r in (result.get("llama_cpp") or {}).get("rows", []) if not r["error"]]
-    result["pairs"] = stats.pair_rows(ok, rows) if settings.llama_bench else []
-    if settings.llama_bench and not result["pairs"]:
-        result["pairs_reason"] = (
-            "no llama.cpp run succeeded" if not rows
-            else "no peak VRAM on one side (CPU run or no NVML)"
-        )  # fmt: skip
+    stats.add_pairs(result)
     result["wall_s"] = time.monotonic() - t_start
     return result
 

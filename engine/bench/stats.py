@@ -125,3 +125,17 @@ def pair_rows(strata_rows: Sequence[Row], llama_rows: Sequence[Row]) -> list[Row
 def _test_order(name: str) -> tuple[int, int]:
     # pp before tg, then by size
     return (0 if name.startswith("pp") else 1, int(name[2:]))
+
+
+def add_pairs(result: dict[str, Any]) -> None:
+    """Set ``result["pairs"]`` from its measured Strata rows and the llama.cpp rows that ran,
+    with ``pairs_reason`` when llama.cpp was run but nothing could be paired."""
+    llama = result.get("llama_cpp")
+    ok = [r for r in result.get("strata", []) if not r.get("skipped")]
+    ran = [r for r in (llama or {}).get("rows", []) if not r.get("error")]
+    result["pairs"] = pair_rows(ok, ran) if llama is not None else []
+    if llama is not None and not result["pairs"]:
+        result["pairs_reason"] = (
+            "no llama.cpp run succeeded" if not ran
+            else "no peak VRAM on one side (CPU run or no NVML)"
+        )  # fmt: skip

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import run_strata
 
 SMOKE_SECONDS = 30  # the bound for the tiny bench on 2 CPU cores
 
@@ -42,19 +43,7 @@ FAKE_LLAMA_BENCH = textwrap.dedent(
 
 
 def strata_bench(*argv: str, tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
-    env.update(
-        XDG_CACHE_HOME=str(tmp / "cache"),
-        XDG_CONFIG_HOME=str(tmp / "config"),
-        XDG_STATE_HOME=str(tmp / "state"),
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "strata", "bench", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_strata("bench", *argv, tmp=tmp, timeout=timeout)
 
 
 def check_rates(row: dict[str, Any], reps: int) -> None:

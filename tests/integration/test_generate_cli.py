@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import pytest
 
 from strata.engine.synth import ensure_synthetic
+from tests.helpers import run_strata
 
 
 @pytest.fixture(scope="module")
@@ -20,20 +19,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def strata(*argv: str, tmp: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
-    env.update(
-        XDG_CACHE_HOME=str(tmp / "cache"),
-        XDG_CONFIG_HOME=str(tmp / "config"),
-        XDG_STATE_HOME=str(tmp / "state"),
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "strata", "generate", *argv],
-        env=env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_strata("generate", *argv, tmp=tmp, stdin=stdin)
 
 
 def test_only_generated_text_goes_to_stdout(tiny: Path, tmp_path: Path) -> None:
