@@ -1,4 +1,8 @@
-"""Quantised weights that stay quantised: a byte view plus the type and shape to read it with."""
+"""Quantised weights that stay quantised: a byte view plus the type and shape to read it with.
+
+``QWeight`` holds the file's own encoding; ``RepackedWeight`` the kernel layout of
+``strata.engine.quant.repack`` (what the GPU decode kernels read). Both dequantise to the same
+float32 values, bit for bit, so the reference path computes with either."""
 
 from __future__ import annotations
 
@@ -8,7 +12,14 @@ import gguf
 import torch
 
 from strata.engine.gguf_index import ExpertRun, GGUFIndex, TensorInfo
-from strata.engine.quant import dequantize, tensor_nbytes
+from strata.engine.quant import (
+    RepackedLayout,
+    dequantize,
+    dequantize_repacked,
+    repack_into,
+    repacked_layout,
+    tensor_nbytes,
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,9 @@ class QWeight:
         rb = self.row_bytes
         return QWeight(self.raw[start * rb : stop * rb], self.qtype, (stop - start, self.shape[1]))
 
+    def dequant_rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.row_block(start, stop).dequant()
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantise only the rows ``ids`` of a 2-D weight (an embedding lookup)."""
         # ids: [T] -> out: [T, ne0]
@@ -54,12 +68,58 @@ class QWeight:
         return dequantize(picked, self.qtype, (len(ids), ne0))
 
 
+@dataclass(frozen=True)
+class RepackedWeight:
+    """A matrix in the kernel layout: ``data`` holds ``layout.nbytes`` bytes (its own buffer, or
+    a view of an expert's slot)."""
+
+    data: torch.Tensor  # [>= layout.nbytes] uint8
+    layout: RepackedLayout
+
+    @classmethod
+    def repack(
+        cls,
+        raw: torch.Tensor,
+        qtype: gguf.GGMLQuantizationType,
+        shape: tuple[int, ...],
+        out: torch.Tensor | None = None,
+    ) -> RepackedWeight:
+        """Repack the GGUF bytes ``raw`` (on the device the weight is to live on) into ``out``
+        or a new buffer."""
+        lay = repacked_layout(qtype, shape)
+        if out is None:
+            out = torch.empty(lay.nbytes, dtype=torch.uint8, device=raw.device)
+        repack_into(out, raw, lay)
+        return cls(out, lay)
+
+    @property
+    def qtype(self) -> gguf.GGMLQuantizationType:
+        return self.layout.qtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.layout.rows, self.layout.cols)
+
+    def dequant(self) -> torch.Tensor:
+        return dequantize_repacked(self.data, self.layout)
+
+    def dequant_rows(self, start: int, stop: int) -> torch.Tensor:
+        return dequantize_repacked(self.data, self.layout, start, stop - start)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> out: [T, cols]
+        return dequantize_repacked(self.data, self.layout, ids=ids.to(self.data.device))
+
+
+Weight = QWeight | RepackedWeight
+
+
 # A weight larger than this many elements is dequantised in blocks of rows, so that a 150k-token
 # output matrix never exists in float32 all at once (its temporaries would take gigabytes).
 BLOCK_ELEMENTS = 1 << 24
 
 
-def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     # x: [T, in], w: [out, in] -> [T, out]
     n_out, n_in = w.shape
     if n_out * n_in <= BLOCK_ELEMENTS:
@@ -68,5 +128,5 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
     for r in range(0, n_out, step):
         stop = min(r + step, n_out)
-        out[:, r:stop] = x @ w.row_block(r, stop).dequant().T
+        out[:, r:stop] = x @ w.dequant_rows(r, stop).T
     return out

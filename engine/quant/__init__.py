@@ -17,10 +17,21 @@ from types import ModuleType
 import gguf
 import torch
 
-from strata.engine.quant import reference
+from strata.engine.quant import reference, repack
 from strata.engine.quant.reference import SUPPORTED_TYPES, check_args, tensor_nbytes
+from strata.engine.quant.repack import REPACKED_TYPES, RepackedLayout, repacked_layout
 
-__all__ = ["SUPPORTED_TYPES", "dequantize", "gpu_dequant_path", "tensor_nbytes"]
+__all__ = [
+    "REPACKED_TYPES",
+    "SUPPORTED_TYPES",
+    "RepackedLayout",
+    "dequantize",
+    "dequantize_repacked",
+    "gpu_dequant_path",
+    "repack_into",
+    "repacked_layout",
+    "tensor_nbytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,3 +97,46 @@ def dequantize(
                 _proven.add(qtype)
                 return out
     return reference.dequantize(data, qtype, shape)
+
+
+@functools.cache
+def _repack_kernels() -> ModuleType | None:
+    if _kernels() is None:
+        return None
+    from strata.engine.quant import repack_kernels
+
+    return repack_kernels
+
+
+def repack_into(dst: torch.Tensor, raw: torch.Tensor, lay: RepackedLayout) -> None:
+    """Write the kernel layout of ``raw`` (one matrix's GGUF bytes) into ``dst`` [>= lay.nbytes]
+    uint8 on the same device: one Triton launch on a GPU, the torch twin elsewhere. Bit-exact
+    either way."""
+    check_args(raw, lay.qtype, (lay.rows, lay.cols))
+    if dst.dtype != torch.uint8 or dst.numel() < lay.nbytes or dst.device != raw.device:
+        raise ValueError(
+            f"a repacked {lay.qtype.name} {lay.rows}x{lay.cols} needs {lay.nbytes} uint8 bytes "
+            f"on {raw.device}, got {dst.dtype} [{dst.numel()}] on {dst.device}"
+        )
+    if raw.is_cuda and (k := _repack_kernels()) is not None:
+        k.repack_into(dst, raw.contiguous(), lay)
+        return
+    dst[: lay.nbytes].copy_(repack.repack(raw, lay.qtype, (lay.rows, lay.cols)))
+
+
+def dequantize_repacked(
+    data: torch.Tensor,
+    lay: RepackedLayout,
+    row0: int = 0,
+    n_rows: int | None = None,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows ``[row0, row0 + n_rows)`` (or the rows ``ids``) of a repacked matrix as float32
+    [n, cols]: bit-identical to the reference dequantisation of the bytes it was made from."""
+    if data.is_cuda and (k := _repack_kernels()) is not None:
+        return k.dequantize(data, lay, row0, n_rows, ids)
+    shape = (lay.rows, lay.cols)
+    if ids is not None:
+        return repack.dequantize_repacked(data, lay.qtype, shape, rows=ids)
+    stop = lay.rows if n_rows is None else row0 + n_rows
+    return repack.dequantize_repacked(data, lay.qtype, shape, rows=slice(row0, stop))
