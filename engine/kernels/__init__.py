@@ -1,0 +1,24 @@
+"""Triton kernels of the GPU decode path, one module each beside its torch twin: ``dot`` (the
+shared inner loop over repacked rows), ``matvec``, ``rope``, ``attention``, ``moe`` and ``step``.
+
+The modules import Triton at the top; import them only after ``unavailable()`` returned None.
+With ``TRITON_INTERPRET=1`` in the environment before the first import they run on CPU tensors
+(how CI checks them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why the decode kernels cannot be used here (Triton missing or broken), or None."""
+    try:
+        import triton  # noqa: F401
+
+        from strata.engine.kernels import attention, matvec, moe, rope, step  # noqa: F401
+        from strata.engine.quant import repack_kernels  # noqa: F401
+    except Exception as e:  # ImportError, or Triton finding no usable backend at import
+        return f"Triton is unavailable ({type(e).__name__}: {e})".splitlines()[0]
+    return None

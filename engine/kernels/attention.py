@@ -1,0 +1,116 @@
+"""Decode attention for one query token over the paged K/V cache, split along the keys.
+
+Grouped-query attention: program (query head, split) reads its share of the positions, keeping
+a running max, sum and weighted value sum (the online softmax). The length is read from device
+memory (position + 1), so the same launch — and a CUDA graph holding it — serves every step;
+splits beyond the length write an empty partial. A second launch combines the splits of each
+head.
+
+K/V rows are found through the block table: position p lives in page ``block_table[p // page]``
+at row ``p % page`` (one conversation uses the identity table today).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attn_partial(
+    q, kc, vc, bt, pos_p, acc_out, ml_out, sm_scale, HKV,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr,
+    NSPLIT: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)  # the query head; its K/V head is h // G
+    s = tl.program_id(1)
+    hk = h // G
+    n = tl.load(pos_p) + 1  # keys 0..pos
+    per = tl.cdiv(tl.cdiv(n, NSPLIT), BS) * BS
+    start = s * per
+    end = tl.minimum(start + per, n)
+    d = tl.arange(0, D)
+    qv = tl.load(q + h * D + d)
+    m = tl.full([1], float("-inf"), tl.float32)
+    tot = tl.zeros([1], tl.float32)  # the softmax's running sum
+    acc = tl.zeros([D], tl.float32)
+    for t0 in range(start, end, BS):
+        p = t0 + tl.arange(0, BS)
+        pm = p < end
+        row = tl.load(bt + p // PAGE, mask=pm, other=0).to(tl.int64) * PAGE + p % PAGE
+        off = ((row * HKV + hk) * D)[:, None] + d[None, :]
+        k = tl.load(kc + off, mask=pm[:, None], other=0.0).to(tl.float32)  # [BS, D]
+        v = tl.load(vc + off, mask=pm[:, None], other=0.0).to(tl.float32)  # [BS, D]
+        sc = tl.sum(k * qv[None, :], 1) / sm_scale  # [BS]
+        sc = tl.where(pm, sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 0))  # [1]
+        alpha = tl.exp(m - m_new)
+        pr = tl.exp(sc - m_new)  # [BS]
+        tot = tot * alpha + tl.sum(pr, 0)
+        acc = acc * alpha + tl.sum(pr[:, None] * v, 0)
+        m = m_new
+    part = h * NSPLIT + s
+    tl.store(acc_out + part * D + d, acc)
+    one = tl.arange(0, 1)
+    tl.store(ml_out + part * 2 + one, m)
+    tl.store(ml_out + part * 2 + 1 + one, tot)
+
+
+@triton.jit
+def _attn_combine(acc_in, ml_in, out, D: tl.constexpr, NSPLIT: tl.constexpr):
+    h = tl.program_id(0)
+    part = h * NSPLIT + tl.arange(0, NSPLIT)
+    m = tl.load(ml_in + part * 2)  # [NSPLIT]; -inf where a split was empty
+    tot = tl.load(ml_in + part * 2 + 1)
+    w = tl.exp(m - tl.max(m, 0))
+    d = tl.arange(0, D)
+    acc = tl.load(acc_in + (part * D)[:, None] + d[None, :])  # [NSPLIT, D]
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(tot * w, 0)
+    tl.store(out + h * D + d, o)
+
+
+class DecodeAttention:
+    """The scratch of split attention, sized once for the model (a CUDA graph keeps it). One
+    program per (query head, split): the K/V rows of a group are read once per query head, from
+    the L2 after the first."""
+
+    BS = 16  # keys per inner step
+
+    def __init__(
+        self, n_head: int, n_head_kv: int, head_dim: int, page: int, n_split: int,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        if n_head % n_head_kv:
+            raise ValueError(f"{n_head} query heads do not share {n_head_kv} K/V heads evenly")
+        for name, v in (("head_dim", head_dim), ("n_split", n_split)):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} {v} is not a power of two")
+        self.H, self.HKV, self.D = n_head, n_head_kv, head_dim
+        self.page, self.n_split = page, n_split
+        self.G = n_head // n_head_kv
+        parts = n_head * n_split
+        self.acc = torch.empty(parts * head_dim, dtype=torch.float32, device=device)
+        self.ml = torch.empty(parts * 2, dtype=torch.float32, device=device)
+
+    def __call__(
+        self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        block_table: torch.Tensor, pos: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """out: [H * d] float32 <- softmax(q k^T / sqrt(d)) v over positions 0..pos."""
+        _attn_partial[(self.H, self.n_split)](
+            q, k_cache, v_cache, block_table, pos, self.acc, self.ml, math.sqrt(self.D), self.HKV,
+            G=self.G, D=self.D, PAGE=self.page, BS=self.BS, NSPLIT=self.n_split, num_warps=2,
+        )  # fmt: skip
+        _attn_combine[(self.H,)](self.acc, self.ml, out, D=self.D, NSPLIT=self.n_split, num_warps=1)
+
+
+def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """q: [H, d]; keys, values: [S, Hkv, d] -> [H * d] float32 (as ``layers.attention``)."""
+    H, d = q.shape
+    Hkv = keys.shape[1]
+    qg = q.view(Hkv, H // Hkv, d)
+    scores = qg @ keys.float().permute(1, 2, 0) / math.sqrt(d)  # [Hkv, G, S]
+    return (torch.softmax(scores, -1) @ values.float().permute(1, 0, 2)).reshape(H * d)

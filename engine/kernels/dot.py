@@ -1,0 +1,273 @@
+"""The inner loop every decode kernel shares: dot products of some rows of a repacked matrix with
+one float32 vector, dequantising in registers.
+
+``dot_rows`` reads BN rows of a matrix in the kernel layout of ``strata.engine.quant.repack``
+(its planes at byte offsets o1..o4 after ``w``, as ``repacked_layout`` gives them) and returns
+their products with the input, [BN] float32. The input is ``x`` itself, or ``x * rms * nw`` (an
+RMSNorm folded in: ``HAS_NORM``), so a kernel need not write the normalised vector first.
+``dot_rows2`` does two matrices of one type against the same input (an expert's gate and up) in
+one pass, loading each input tile once.
+
+How it stays near the memory bandwidth. A step's tile is [BN rows, T units, 16 bytes]: the
+threads of a program run along the row (one 32-element unit each, T up to 256, so a whole row of
+the model's matrices in one step), reading 16 contiguous bytes each, and every thread holds all
+BN rows of its unit, so each input value it loads serves BN rows. K is a compile-time constant and
+the steps are unrolled; each thread reduces its own unit in registers and the rows are summed
+across threads once, at the end. The K-quants use the factored form (per sub-block: scale times
+the integer dot minus min times the input's sum), and integers become floats by an OR and an
+exact subtraction rather than conversion instructions, which run at a quarter of the rate.
+That is the same function as "dequantise, then multiply" up to float rounding; the callers'
+tests bound the difference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import triton
+import triton.language as tl
+
+from strata.engine.quant.repack import PLANES
+
+Q = gguf.GGMLQuantizationType
+# GGML type ids the kernels dispatch on (constexpr), from gguf's table.
+F32: tl.constexpr = tl.constexpr(int(Q.F32))
+F16: tl.constexpr = tl.constexpr(int(Q.F16))
+BF16: tl.constexpr = tl.constexpr(int(Q.BF16))
+Q8_0: tl.constexpr = tl.constexpr(int(Q.Q8_0))
+Q4_K: tl.constexpr = tl.constexpr(int(Q.Q4_K))
+Q6_K: tl.constexpr = tl.constexpr(int(Q.Q6_K))
+
+# Triton's interpreter (CI, on the CPU) runs a program at a time in Python: there, fewer and wider
+# programs test the same code in a fraction of the time. On a GPU the tuned sizes apply.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# The plane sizes the loops below are written for (bytes per 256- or 32-element block).
+assert [p.block_bytes for p in PLANES[Q.Q4_K]] == [128, 8, 8, 2, 2]
+assert [p.block_bytes for p in PLANES[Q.Q6_K]] == [128, 64, 16, 2]
+assert [p.block_bytes for p in PLANES[Q.Q8_0]] == [32, 2]
+
+
+@triton.jit
+def xin(x, nw, rms, offs, mask, HAS_NORM: tl.constexpr):
+    """The input at ``offs``: x, or x * rms * nw (the reference's RMSNorm, in its order)."""
+    v = tl.load(x + offs, mask=mask, other=0.0)
+    if HAS_NORM:
+        v = v * rms * tl.load(nw + offs, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
+def rms_scale(x, K: tl.constexpr, eps, BLOCK: tl.constexpr):
+    """1 / sqrt(mean(x[:K]^2) + eps), as a scalar."""
+    k = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK):
+        v = tl.load(x + k0 + k, mask=k0 + k < K, other=0.0)
+        acc += v * v
+    return tl.rsqrt(tl.sum(acc, 0) / K + eps)
+
+
+# 2^23 as float32 bits: (v | MAGIC), read as a float, is exactly 2^23 + v for 0 <= v < 2^23. An
+# integer-to-float conversion instruction runs at a quarter of the FMA rate; this is an OR and a
+# subtraction, both at full rate, and exact.
+MAGIC: tl.constexpr = tl.constexpr(0x4B000000)
+TWO23: tl.constexpr = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _to_f32(v, bias: tl.constexpr):
+    """int32 v in [0, 2^23) -> float32(v - bias), exactly."""
+    return (v | MAGIC).to(tl.float32, bitcast=True) - (TWO23 + bias)
+
+
+@triton.jit
+def _f16_plane(w, off):
+    return (w + off).to(tl.pointer_type(tl.float16))
+
+
+@triton.jit
+def k_input(x, nw, rms, xo, um, HAS_NORM: tl.constexpr):
+    """The input of a K-quant tile: for each unit (32 elements from offset xo), elements
+    xo + k and xo + 16 + k (k < 16), and each unit's sum. ([T, 16], [T, 16], [T])"""
+    k = tl.arange(0, 16)
+    at = xo[:, None] + k[None, :]
+    xl = xin(x, nw, rms, at, um[:, None], HAS_NORM)
+    xh = xin(x, nw, rms, at + 16, um[:, None], HAS_NORM)
+    return xl, xh, tl.sum(xl + xh, 1)
+
+
+@triton.jit
+def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, nb: tl.constexpr, QT: tl.constexpr, xl, xh, sx):
+    """One K-quant tile: rows r (BN) x units u (T sub-blocks of 32 elements, from their rows'
+    start; wp: [T] pointers to each unit's matrix) dotted with the input tile: [BN, T].
+
+    Q4_K: byte 16u + k holds elements 32u + k and 32u + 16 + k of sub-block u (one scale and
+    min); Q6_K: the same bytes hold their low 4 bits, bits 4(u % 2) (+ 2) of qh byte
+    16(u // 2) + k their high 2, and their scales sit at 16(u // 8) + u % 8 (+ 8)."""
+    k = tl.arange(0, 16)
+    m3 = rmask[:, None, None] & um[None, :, None]
+    m2 = rmask[:, None] & um[None, :]
+    wp3 = wp[None, :, None]
+    q_at = (r * (nb * 128))[:, None, None] + (16 * u)[None, :, None] + k[None, None, :]
+    db = (r * nb)[:, None] + (u // 8)[None, :]  # [BN, T]: each unit's 256-block
+    if QT == Q4_K:
+        q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
+        dl = tl.sum(_to_f32(q & 15, 0.0) * xl[None, :, :], 2)  # [BN, T]
+        dh = tl.sum(_to_f32(q >> 4, 0.0) * xh[None, :, :], 2)
+        s_at = (r * (nb * 8))[:, None] + u[None, :]
+        sc = tl.load(wp[None, :] + o1 + s_at, mask=m2, other=0).to(tl.float32)
+        mn = tl.load(wp[None, :] + o2 + s_at, mask=m2, other=0).to(tl.float32)
+        d = tl.load(_f16_plane(wp[None, :], o3) + db, mask=m2, other=0).to(tl.float32)
+        dm = tl.load(_f16_plane(wp[None, :], o4) + db, mask=m2, other=0).to(tl.float32)
+        # sum of q * (d sc) - dm mn over the unit = (d sc) (q . x) - (dm mn) sum(x)
+        out = (d * sc) * (dl + dh) - (dm * mn) * sx[None, :]
+    else:  # Q6_K
+        ql = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
+        h_at = (r * (nb * 64))[:, None, None] + (16 * (u // 2))[None, :, None] + k[None, None, :]
+        qh = tl.load(wp3 + o1 + h_at, mask=m3, other=0).to(tl.int32)
+        sh = (4 * (u % 2))[None, :, None]
+        lo = (ql & 15) | (((qh >> sh) & 3) << 4)
+        hi = (ql >> 4) | (((qh >> (sh + 2)) & 3) << 4)
+        dl = tl.sum(_to_f32(lo, 32.0) * xl[None, :, :], 2)
+        dh = tl.sum(_to_f32(hi, 32.0) * xh[None, :, :], 2)
+        s_at = (r * (nb * 16))[:, None] + (16 * (u // 8) + u % 8)[None, :]
+        s_lo = tl.load(wp[None, :] + o2 + s_at, mask=m2, other=0).to(tl.int8, bitcast=True)
+        s_hi = tl.load(wp[None, :] + o2 + s_at + 8, mask=m2, other=0).to(tl.int8, bitcast=True)
+        d = tl.load(_f16_plane(wp[None, :], o3) + db, mask=m2, other=0).to(tl.float32)
+        out = d * (s_lo.to(tl.float32) * dl + s_hi.to(tl.float32) * dh)
+    return out
+
+
+@triton.jit
+def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, HAS_NORM: tl.constexpr):
+    """Q8_0, units of 16 elements (half a block; the input of unit u from offset xo): [BN, T]."""
+    k = tl.arange(0, 16)
+    m3 = rmask[:, None, None] & um[None, :, None]
+    q = tl.load(
+        wp[None, :, None] + (r * K)[:, None, None] + (16 * u)[None, :, None] + k[None, None, :],
+        mask=m3,
+        other=0,
+    )
+    f = _to_f32(q.to(tl.int8, bitcast=True).to(tl.int32) + 128, 128.0)
+    xv = xin(x, nw, rms, xo[:, None] + k[None, :], um[:, None], HAS_NORM)
+    db = (r * (K // 32))[:, None] + (u // 2)[None, :]
+    d = tl.load(_f16_plane(wp[None, :], o_d) + db, mask=rmask[:, None] & um[None, :], other=0)
+    return d.to(tl.float32) * tl.sum(f * xv[None, :, :], 2)
+
+
+@triton.jit
+def float_tile(wp, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, QT: tl.constexpr,
+             HAS_NORM: tl.constexpr):  # fmt: skip
+    """Plain floats, units of 8 elements: [BN, T]."""
+    k = tl.arange(0, 8)
+    m3 = rmask[:, None, None] & um[None, :, None]
+    at = (r * K)[:, None, None] + (8 * u)[None, :, None] + k[None, None, :]
+    if QT == F32:
+        v = tl.load(wp[None, :, None].to(tl.pointer_type(tl.float32)) + at, mask=m3, other=0.0)
+    elif QT == F16:
+        v = tl.load(wp[None, :, None].to(tl.pointer_type(tl.float16)) + at, mask=m3, other=0.0)
+        v = v.to(tl.float32)
+    else:  # BF16: the top half of an f32
+        v = tl.load(wp[None, :, None].to(tl.pointer_type(tl.uint16)) + at, mask=m3, other=0)
+        v = (v.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    xv = xin(x, nw, rms, xo[:, None] + k[None, :], um[:, None], HAS_NORM)
+    return tl.sum(v * xv[None, :, :], 2)
+
+
+@triton.jit
+def dot_rows(w, o1, o2, o3, o4, rows, rmask, K: tl.constexpr, x, nw, rms, QT: tl.constexpr,
+             HAS_NORM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr):  # fmt: skip
+    """[BN] float32: rows ``rows`` (masked by ``rmask``) of the repacked ``QT`` matrix at ``w``
+    (uint8 pointer; planes at w + o1..o4) times the input (x, or RMSNorm(x) when HAS_NORM).
+    T units (``unit_elements`` each) per step, the steps unrolled."""
+    r = rows.to(tl.int64)
+    t = tl.arange(0, T)
+    wp = w + tl.zeros([T], tl.int32)
+    acc = tl.zeros([BN, T], tl.float32)
+    NK: tl.constexpr = K // 32  # units of each kind in a row
+    N8: tl.constexpr = K // 16
+    NF: tl.constexpr = K // 8
+    if QT == Q4_K or QT == Q6_K:
+        for i in tl.static_range((NK + T - 1) // T):
+            u = i * T + t
+            xl, xh, sx = k_input(x, nw, rms, 32 * u, u < NK, HAS_NORM)
+            acc += k_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK, NK // 8, QT, xl, xh, sx)
+    elif QT == Q8_0:
+        for i in tl.static_range((N8 + T - 1) // T):
+            u = i * T + t
+            acc += q8_tile(wp, o1, r, rmask, u, u < N8, K, x, nw, rms, 16 * u, HAS_NORM)
+    else:
+        for i in tl.static_range((NF + T - 1) // T):
+            u = i * T + t
+            acc += float_tile(wp, r, rmask, u, u < NF, K, x, nw, rms, 8 * u, QT, HAS_NORM)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr, x,
+              QT: tl.constexpr, BN: tl.constexpr, T: tl.constexpr):  # fmt: skip
+    """``dot_rows`` of two matrices of one type (at w and v) with the same input, in one pass
+    when they are K-quants (each input tile loaded once): ([BN], [BN])."""
+    if QT == Q4_K or QT == Q6_K:
+        r = rows.to(tl.int64)
+        t = tl.arange(0, T)
+        wp = w + tl.zeros([T], tl.int32)
+        vp = v + tl.zeros([T], tl.int32)
+        acc_a = tl.zeros([BN, T], tl.float32)
+        acc_b = tl.zeros([BN, T], tl.float32)
+        NK: tl.constexpr = K // 32
+        for i in tl.static_range((NK + T - 1) // T):
+            u = i * T + t
+            xl, xh, sx = k_input(x, x, 1.0, 32 * u, u < NK, False)
+            acc_a += k_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK, NK // 8, QT, xl, xh, sx)
+            acc_b += k_tile(vp, p1, p2, p3, p4, r, rmask, u, u < NK, NK // 8, QT, xl, xh, sx)
+        a = tl.sum(acc_a, 1)
+        c = tl.sum(acc_b, 1)
+    else:
+        a = dot_rows(w, o1, o2, o3, o4, rows, rmask, K, x, x, 1.0, QT, False, BN, T)
+        c = dot_rows(v, p1, p2, p3, p4, rows, rmask, K, x, x, 1.0, QT, False, BN, T)
+    return a, c
+
+
+def unit_elements(qtype: int) -> int:
+    """Elements of one unit of ``dot_rows``'s tiles: 32 (a K-quant sub-block), 16 (half a Q8_0
+    block) or 8 (plain floats: 16 or 32 bytes)."""
+    if qtype in (int(Q.Q4_K), int(Q.Q6_K)):
+        return 32
+    if qtype == int(Q.Q8_0):
+        return 16
+    return 8
+
+
+MAX_UNITS = 256  # units per step: 8 warps of 32 threads, one unit each
+
+
+def units_per_step(qtype: int, cols: int) -> int:
+    """T: the units of a row one step covers, a power of two (the whole row where it fits)."""
+    return min(triton.next_power_of_2(max(1, cols // unit_elements(qtype))), MAX_UNITS)
+
+
+def warps_for(units: int) -> int:
+    """One thread per unit of a step: up to 8 warps."""
+    return max(1, min(8, units // 32))
+
+
+def plane_offsets(offsets: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """A layout's offsets after the first plane, padded to the four ``dot_rows`` takes."""
+    rest = tuple(offsets[1:])
+    assert len(rest) <= 4, "dot_rows reads at most five planes"
+    return (*rest, *(0,) * (4 - len(rest)))  # type: ignore[return-value]
+
+
+__all__ = [
+    "dot_rows",
+    "dot_rows2",
+    "plane_offsets",
+    "rms_scale",
+    "triton",
+    "units_per_step",
+    "warps_for",
+    "xin",
+]

@@ -1,0 +1,192 @@
+"""The routed MoE block of one decode token, in three launches.
+
+1. ``route``: softmax of the router logits, the top k experts and their weights (renormalised to
+   sum to one when the model asks), and each chosen expert's entry of the layer's expert table,
+   written to device buffers; it also counts each chosen expert in a per-(layer, expert) usage
+   table, so the host learns what is hot without a copy per step.
+2. ``gate_up``: for all k chosen experts at once, program (k, row block) reads the expert's slot
+   offset, computes its gate and up rows against the normalised input and writes
+   SiLU(gate) * up.
+3. ``down``: each program owns a block of output rows; the k experts' down rows, times their
+   weights, are summed in one reduction and added to the residual.
+
+No atomics anywhere: every sum has one order, so the numbers are the same on every run, and the
+same whether an expert was read from a VRAM slot or a staging slot (the host may point a chosen
+expert's offset at a staging slot between ``route`` and ``gate_up``).
+
+An expert table holds, per expert, the byte offset of its slot from ``base`` (the expert arena);
+a slot holds gate, up and down repacked (``experts.layout.KernelSlotLayout``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.engine.kernels.dot import (
+    INTERPRETED,
+    MAX_UNITS,
+    Q4_K,
+    Q6_K,
+    Q8_0,
+    dot_rows,
+    dot_rows2,
+    float_tile,
+    k_input,
+    k_tile,
+    plane_offsets,
+    q8_tile,
+    units_per_step,
+    warps_for,
+)
+from strata.engine.quant.repack import RepackedLayout
+
+
+@triton.jit
+def _route_kernel(logits, table, ids, wts, eoffs, counts, E, K: tl.constexpr, EP: tl.constexpr,
+                  KP: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    e = tl.arange(0, EP)
+    em = e < E
+    lg = tl.load(logits + e, mask=em, other=float("-inf"))
+    p = tl.exp(lg - tl.max(lg, 0))
+    p = tl.where(em, p, 0.0)
+    p = p / tl.sum(p, 0)
+    left = tl.where(em, p, -1.0)
+    kk = tl.arange(0, KP)
+    sel_w = tl.zeros([KP], tl.float32)
+    sel_i = tl.zeros([KP], tl.int32)
+    chosen = tl.zeros([EP], tl.int32)
+    for k in tl.static_range(K):
+        best = tl.max(left, 0)
+        idx = tl.min(tl.where(left == best, e, EP), 0)  # the lowest id among equals
+        sel_w = tl.where(kk == k, best, sel_w)
+        sel_i = tl.where(kk == k, idx, sel_i)
+        chosen = tl.where(e == idx, 1, chosen)
+        left = tl.where(e == idx, -1.0, left)
+    if NORM:
+        sel_w = sel_w / tl.sum(tl.where(kk < K, sel_w, 0.0), 0)
+    km = kk < K
+    tl.store(ids + kk, sel_i, mask=km)
+    tl.store(wts + kk, sel_w, mask=km)
+    # each chosen expert's bytes, from the layer's table: the expert kernels read only these
+    tl.store(eoffs + kk, tl.load(table + sel_i, mask=km, other=0), mask=km)
+    c = tl.load(counts + e, mask=em, other=0)
+    tl.store(counts + e, c + chosen, mask=em)
+
+
+@triton.jit
+def _expert(eoffs, base, k):
+    return base + tl.multiple_of(tl.load(eoffs + k), 256)
+
+
+@triton.jit
+def _gate_up_kernel(
+    h, eoffs, base, act, F, D: tl.constexpr,
+    g1, g2, g3, g4, up_off, u1, u2, u3, u4,
+    TG: tl.constexpr, TU: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
+):  # fmt: skip
+    k = tl.program_id(0)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = rows < F
+    w = _expert(eoffs, base, k)
+    if TG == TU:  # one pass over the input for both
+        g, u = dot_rows2(w, g1, g2, g3, g4, w + up_off, u1, u2, u3, u4, rows, ok, D, h, TG, BN, T)
+    else:
+        g = dot_rows(w, g1, g2, g3, g4, rows, ok, D, h, h, 1.0, TG, False, BN, T)
+        u = dot_rows(w + up_off, u1, u2, u3, u4, rows, ok, D, h, h, 1.0, TU, False, BN, T)
+    tl.store(act + k * F + rows, g / (1.0 + tl.exp(-g)) * u, mask=ok)
+
+
+@triton.jit
+def _down_kernel(
+    act, eoffs, wts, base, x, F: tl.constexpr, D, down_off, d1, d2, d3, d4,
+    K: tl.constexpr, TD: tl.constexpr, BN: tl.constexpr, TS: tl.constexpr, EPT: tl.constexpr,
+):  # fmt: skip
+    # a step's units: EPT experts side by side, TS units of each; the sum over experts and
+    # units is one reduction at the end, in a fixed order
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    ok = rows < D
+    r = rows.to(tl.int64)
+    t = tl.arange(0, EPT * TS)
+    c = t % TS
+    NK: tl.constexpr = F // 32  # units of each kind in a row
+    N8: tl.constexpr = F // 16
+    NF: tl.constexpr = F // 8
+    acc = tl.zeros([BN, EPT * TS], tl.float32)
+    for e0 in tl.static_range(0, K, EPT):
+        kk = e0 + t // TS  # the chosen expert each unit belongs to
+        em = kk < K
+        off = tl.load(eoffs + kk, mask=em, other=0)
+        wp = base + tl.multiple_of(off, 256) + down_off
+        wt = tl.load(wts + kk, mask=em, other=0.0)
+        if TD == Q4_K or TD == Q6_K:
+            for c0 in tl.static_range(0, NK, TS):
+                u = c0 + c
+                um = em & (u < NK)
+                xl, xh, sx = k_input(act, act, 1.0, kk * F + 32 * u, um, False)
+                y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, NK // 8, TD, xl, xh, sx)
+                acc += y * wt[None, :]
+        elif TD == Q8_0:
+            for c0 in tl.static_range(0, N8, TS):
+                u = c0 + c
+                um = em & (u < N8)
+                y = q8_tile(wp, d1, r, ok, u, um, F, act, act, 1.0, kk * F + 16 * u, False)
+                acc += y * wt[None, :]
+        else:
+            for c0 in tl.static_range(0, NF, TS):
+                u = c0 + c
+                um = em & (u < NF)
+                y = float_tile(wp, r, ok, u, um, F, act, act, 1.0, kk * F + 8 * u, TD, False)
+                acc += y * wt[None, :]
+    tl.store(x + rows, tl.load(x + rows, mask=ok, other=0.0) + tl.sum(acc, 1), mask=ok)
+
+
+BN_GATE_UP = 128 if INTERPRETED else 4
+BN_DOWN = 128 if INTERPRETED else 4
+
+
+def route(logits: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
+          eoffs: torch.Tensor, counts: torch.Tensor, k: int, norm: bool) -> None:  # fmt: skip
+    """logits: [E] float32 -> ids: int32 [k], wts: float32 [k], eoffs: int64 [k] (the chosen
+    experts' entries of the layer's table), counts: int32 [E] += chosen."""
+    E = logits.numel()
+    _route_kernel[(1,)](
+        logits, table, ids, wts, eoffs, counts, E, K=k, EP=triton.next_power_of_2(E),
+        KP=triton.next_power_of_2(k), NORM=norm, num_warps=1,
+    )  # fmt: skip
+
+
+def gate_up(act: torch.Tensor, h: torch.Tensor, eoffs: torch.Tensor, base: torch.Tensor,
+            gate: RepackedLayout, up: RepackedLayout, up_off: int, bn: int = BN_GATE_UP,
+            num_warps: int | None = None) -> None:  # fmt: skip
+    """act: [k, F] float32 <- SiLU(gate_i h) * (up_i h) for the expert whose slot is at
+    base + eoffs[i]."""
+    k, F, D = eoffs.numel(), gate.rows, gate.cols
+    units = units_per_step(int(gate.qtype), D)
+    _gate_up_kernel[(k, triton.cdiv(F, bn))](
+        h, eoffs, base, act, F, D, *plane_offsets(gate.offsets), up_off,
+        *plane_offsets(up.offsets), TG=int(gate.qtype), TU=int(up.qtype), BN=bn, T=units,
+        num_warps=num_warps or warps_for(units),
+    )  # fmt: skip
+
+
+def down(x: torch.Tensor, act: torch.Tensor, eoffs: torch.Tensor, wts: torch.Tensor,
+         base: torch.Tensor, lay: RepackedLayout, down_off: int, bn: int = BN_DOWN,
+         num_warps: int | None = None) -> None:  # fmt: skip
+    """x: [D] += sum over i of wts[i] * (down_i act[i]), expert i's slot at base + eoffs[i]."""
+    k, D, F = eoffs.numel(), lay.rows, lay.cols
+    per = units_per_step(int(lay.qtype), F)  # units of one expert per step
+    ept = max(1, min(triton.next_power_of_2(k), MAX_UNITS // per))  # experts side by side
+    _down_kernel[(triton.cdiv(D, bn),)](
+        act, eoffs, wts, base, x, F, D, down_off, *plane_offsets(lay.offsets),
+        K=k, TD=int(lay.qtype), BN=bn, TS=per, EPT=ept,
+        num_warps=num_warps or warps_for(per * ept),
+    )  # fmt: skip
+
+
+def route_reference(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, weights) as ``layers.moe.route`` chooses them for one token."""
+    probs = torch.softmax(logits, dim=-1)
+    w, i = torch.topk(probs, k)
+    return i, (w / w.sum()) if norm else w

@@ -1,0 +1,309 @@
+"""Each decode kernel against its torch twin: matvec (every type, one to three matrices, the
+folded RMSNorm and residual), q/k norm + RoPE + K/V write, split attention over a paged cache,
+and the MoE routing, gate/up and down over an expert table.
+
+Compiled on a GPU; in Triton's interpreter on CPU tensors elsewhere (CI), on small shapes. The
+``gpu`` tests add the real model's largest and smallest matrices. Outputs start as NaN, so an
+element a kernel forgets to write fails. Tolerances: float32 sums in another order than the
+twin's, relative to the output's norm: 1e-5 (matvec, MoE), 1e-5 absolute (attention, RoPE).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from quantdata import random_bytes
+
+from strata.engine.layers.norm import rms_norm
+from strata.engine.layers.rope import Rope
+from strata.engine.quant import repack
+from strata.engine.quant.repack import align, repacked_layout
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed")
+from strata.engine.kernels import attention as at
+from strata.engine.kernels import moe
+from strata.engine.kernels import rope as rp
+from strata.engine.kernels.matvec import Mat, matvec, matvec_reference
+
+Q = gguf.GGMLQuantizationType
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = 1e-5
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(7)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    assert not got.isnan().any(), "an output element was not written"
+    return float((got - want).norm() / want.norm())
+
+
+def mat(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> Mat:
+    raw = torch.from_numpy(random_bytes(qtype, (rows, cols), rng))
+    lay = repacked_layout(qtype, (rows, cols))
+    return Mat(repack.repack(raw, qtype, (rows, cols)).to(DEVICE), lay)
+
+
+def nan(*shape: int) -> torch.Tensor:
+    return torch.full(shape, float("nan"), device=DEVICE)
+
+
+# -- matvec ------------------------------------------------------------------------------------
+
+MATVEC_CASES = [
+    [Q.Q4_K],
+    [Q.Q6_K],
+    [Q.Q8_0],
+    [Q.F32],
+    [Q.F16],
+    [Q.BF16],
+    [Q.Q4_K, Q.Q8_0],
+    [Q.Q4_K, Q.Q4_K, Q.Q6_K],  # attention's q, k and a Q4_K_M layer's v
+    [Q.F16, Q.Q8_0, Q.F32],
+]
+
+
+@pytest.mark.parametrize("types", MATVEC_CASES, ids=lambda ts: "+".join(t.name for t in ts))
+@pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "rmsnorm"])
+def test_matvec_matches_dequantise_then_multiply(types, with_norm, rng) -> None:
+    K = 512
+    mats = [mat(t, n, K, rng) for t, n in zip(types, [37, 16, 5], strict=False)]  # ragged rows
+    x = torch.randn(K, device=DEVICE)
+    norm = torch.rand(K, device=DEVICE) + 0.5 if with_norm else None
+    y, h = nan(sum(m.rows for m in mats)), nan(K)
+    matvec(y, x, mats, norm=norm, eps=1e-6, h_out=h if with_norm else None)
+    assert rel_err(y, matvec_reference(x, mats, norm, 1e-6)) < TOL
+    if with_norm:
+        assert rel_err(h, rms_norm(x, norm, 1e-6)) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.F32, Q.BF16], ids=lambda t: t.name)
+def test_matvec_on_a_dimension_not_a_multiple_of_the_inner_step(qtype, rng) -> None:
+    K = 96  # three Q8_0 blocks, not a multiple of eight blocks or of 256 floats
+    m = mat(qtype, 19, K, rng)
+    x = torch.randn(K, device=DEVICE)
+    y = nan(19)
+    matvec(y, x, [m])
+    assert rel_err(y, matvec_reference(x, [m])) < TOL
+
+
+def test_matvec_adds_the_residual(rng) -> None:
+    m = mat(Q.Q4_K, 48, 1024, rng)
+    x = torch.randn(1024, device=DEVICE)
+    y0 = torch.randn(48, device=DEVICE)
+    y = y0.clone()
+    matvec(y, x, [m], residual=True)
+    assert rel_err(y, y0 + matvec_reference(x, [m])) < TOL
+
+
+def test_matvec_rejects_what_does_not_fit(rng) -> None:
+    m = mat(Q.Q8_0, 8, 64, rng)
+    with pytest.raises(ValueError, match="8x64 matrix cannot multiply 32 inputs"):
+        matvec(nan(8), torch.zeros(32, device=DEVICE), [m])
+    with pytest.raises(ValueError, match="1 to 3 matrices, got 4"):
+        matvec(nan(32), torch.zeros(64, device=DEVICE), [m] * 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("qtype", "rows", "cols"),
+    [
+        (Q.Q6_K, 151936, 2048),  # the output head: the largest
+        (Q.F32, 128, 2048),  # the router: the smallest
+        (Q.Q4_K, 4096, 2048),  # attention q
+        (Q.Q4_K, 2048, 4096),  # attention output
+    ],
+)
+def test_matvec_on_the_30b_models_matrices(qtype, rows, cols, rng) -> None:
+    if DEVICE.type != "cuda":
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    m = mat(qtype, rows, cols, rng)
+    x = torch.randn(cols, device=DEVICE)
+    norm = torch.rand(cols, device=DEVICE) + 0.5
+    y = nan(rows)
+    matvec(y, x, [m], norm=norm, eps=1e-6)
+    assert rel_err(y, matvec_reference(x, [m], norm, 1e-6)) < TOL
+
+
+# -- q/k norm, RoPE, K/V write -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "no-norm"])
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
+def test_rope_store_matches_the_reference_layers(neox, qk_norm, kv_dtype) -> None:
+    H, HKV, D, page, n_ctx = 4, 2, 32, 16, 64
+    qkv = torch.randn((H + 2 * HKV) * D, device=DEVICE)
+    cos, sin = rp.rope_tables(D, 1e6, n_ctx, DEVICE)
+    qn, kn = torch.rand(D, device=DEVICE) + 0.5, torch.rand(D, device=DEVICE) + 0.5
+    kc = torch.zeros(n_ctx, HKV, D, dtype=kv_dtype, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    table = torch.tensor([3, 0, 1, 2], dtype=torch.int32, device=DEVICE)  # position 21: page 0
+    pos = torch.tensor([21], dtype=torch.int32, device=DEVICE)
+    before = qkv.clone().cpu()
+    rp.rope_store(qkv, cos, sin, qn if qk_norm else None, kn if qk_norm else None, kc, vc,
+                  table, pos, 1e-6, H, HKV, D, page, neox)  # fmt: skip
+    q = before[: H * D].view(1, H, D)
+    k = before[H * D : (H + HKV) * D].view(1, HKV, D)
+    v = before[(H + HKV) * D :].view(HKV, D)
+    if qk_norm:
+        q, k = rms_norm(q, qn.cpu(), 1e-6), rms_norm(k, kn.cpu(), 1e-6)
+    rope, at_pos = Rope(D, 1e6, neox), torch.tensor([21])
+    q, k = rope(q, at_pos), rope(k, at_pos)
+    row = 0 * page + 21 % page
+    assert (qkv[: H * D].cpu() - q.reshape(-1)).abs().max() < TOL
+    assert (kc[row].float().cpu() - k[0].to(kv_dtype).float()).abs().max() < 1e-3
+    assert torch.equal(vc[row].cpu(), v.to(kv_dtype))
+    assert int(kc.float().ne(0).sum()) == int(kc[row].float().ne(0).sum()), "wrote another row"
+
+
+# -- attention -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("H", "HKV", "D"), [(8, 2, 64), (4, 4, 32), (8, 1, 32), (32, 4, 128)])
+@pytest.mark.parametrize("length", [1, 5, 17, 100, 128])
+def test_split_attention_matches_softmax_attention(H, HKV, D, length) -> None:
+    page, n_pages = 16, 8
+    torch.manual_seed(length)
+    kc = torch.randn(n_pages * page, HKV, D, device=DEVICE).half()
+    vc = torch.randn(n_pages * page, HKV, D, device=DEVICE).half()
+    table = torch.randperm(n_pages).int().to(DEVICE)  # pages out of order
+    att = at.DecodeAttention(H, HKV, D, page, 8, DEVICE)
+    q = torch.randn(H * D, device=DEVICE)
+    out = nan(H * D)
+    att(out, q, kc, vc, table, torch.tensor([length - 1], dtype=torch.int32, device=DEVICE))
+    p = torch.arange(length)
+    rows = table.long().cpu()[p // page] * page + p % page
+    want = at.attention_reference(q.view(H, D).cpu(), kc.cpu()[rows], vc.cpu()[rows])
+    assert (out.cpu() - want).abs().max() < TOL
+
+
+def test_attention_rejects_uneven_groups() -> None:
+    with pytest.raises(ValueError, match="6 query heads do not share 4 K/V heads"):
+        at.DecodeAttention(6, 4, 32, 16, 8, DEVICE)
+
+
+# -- MoE ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_picks_the_reference_top_k_and_counts_them(k, norm) -> None:
+    E = 16
+    logits = torch.randn(E, device=DEVICE)
+    table = torch.arange(E, dtype=torch.int64, device=DEVICE) * 4096 - 8192
+    ids = torch.zeros(k, dtype=torch.int32, device=DEVICE)
+    eoffs = torch.zeros(k, dtype=torch.int64, device=DEVICE)
+    wts = nan(k)
+    counts = torch.full((E,), 3, dtype=torch.int32, device=DEVICE)
+    moe.route(logits, table, ids, wts, eoffs, counts, k, norm)
+    want_ids, want_w = moe.route_reference(logits.cpu(), k, norm)
+    assert ids.cpu().tolist() == want_ids.tolist()
+    assert eoffs.cpu().tolist() == (want_ids * 4096 - 8192).tolist()  # their table entries
+    assert (wts.cpu() - want_w).abs().max() < 1e-6
+    expected = torch.full((E,), 3, dtype=torch.int32)
+    expected[want_ids] += 1
+    assert torch.equal(counts.cpu(), expected)
+
+
+class Experts:
+    """E experts in slots of one buffer, in a shuffled order, and one in a separate buffer (as a
+    staging slot is): the table gives each one's offset from the anchor."""
+
+    def __init__(self, E: int, D: int, F: int, tg: Q, td: Q, rng: np.random.Generator) -> None:
+        self.gate = repacked_layout(tg, (F, D))
+        self.down = repacked_layout(td, (D, F))
+        self.up_off = align(self.gate.nbytes)
+        self.down_off = self.up_off + align(self.gate.nbytes)
+        slot = align(self.down_off + self.down.nbytes)
+        self.arena = torch.zeros(E * slot, dtype=torch.uint8, device=DEVICE)
+        self.staging = torch.zeros(slot, dtype=torch.uint8, device=DEVICE)
+        self.anchor = torch.zeros(256, dtype=torch.uint8, device=DEVICE)
+        perm = torch.randperm(E).tolist()
+        self.dense: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        offsets = []
+        for e in range(E):
+            at = perm[e] * slot
+            where = self.staging if e == E - 1 else self.arena[at : at + slot]
+            mats = [(0, tg, (F, D)), (self.up_off, tg, (F, D)), (self.down_off, td, (D, F))]
+            dense = []
+            for off, qt, shape in mats:
+                raw = torch.from_numpy(random_bytes(qt, shape, rng))
+                n = repacked_layout(qt, shape).nbytes
+                where[off : off + n] = repack.repack(raw, qt, shape).to(DEVICE)
+                dense.append(repack.dequantize_repacked(where[off : off + n].cpu(), qt, shape))
+            self.dense[e] = tuple(dense)  # type: ignore[assignment]
+            offsets.append(where.data_ptr() - self.anchor.data_ptr())
+        self.table = torch.tensor(offsets, dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # SiLU of -big
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize(
+    ("tg", "td"),
+    [(Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q4_K), (Q.Q8_0, Q.F32), (Q.F16, Q.BF16)],
+    ids=lambda t: t.name,
+)
+def test_gate_up_and_down_match_the_reference_expert_sum(k, tg, td, rng) -> None:
+    E, D, F = 12, 256, 512
+    ex = Experts(E, D, F, tg, td, rng)
+    chosen = [E - 1, *range(k - 1)]  # the expert in the staging buffer first
+    ids = torch.tensor(chosen, dtype=torch.int32, device=DEVICE)
+    wts = torch.rand(k, device=DEVICE)
+    h = torch.randn(D, device=DEVICE)
+    act = nan(k, F)
+    eoffs = ex.table[ids.long()]
+    moe.gate_up(act, h, eoffs, ex.anchor, ex.gate, ex.gate, ex.up_off)
+    x0 = torch.randn(D, device=DEVICE)
+    x = x0.clone()
+    moe.down(x, act, eoffs, wts, ex.anchor, ex.down, ex.down_off)
+    hc, ys = h.cpu(), []
+    for i, e in enumerate(chosen):
+        g, u, dn = ex.dense[e]
+        a = torch.nn.functional.silu(g @ hc) * (u @ hc)
+        assert rel_err(act[i], a) < TOL
+        ys.append((dn @ a) * float(wts[i]))
+    assert rel_err(x - x0, torch.stack(ys).sum(0)) < TOL
+
+
+@pytest.mark.gpu
+def test_moe_on_the_30b_models_expert_shapes(rng) -> None:
+    if DEVICE.type != "cuda":
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    E, D, F, k = 16, 2048, 768, 8
+    ex = Experts(E, D, F, Q.Q4_K, Q.Q6_K, rng)
+    ids = torch.tensor([15, 3, 1, 0, 9, 7, 2, 11], dtype=torch.int32, device=DEVICE)
+    wts = torch.softmax(torch.randn(k, device=DEVICE), 0)
+    h = torch.randn(D, device=DEVICE)
+    act = nan(k, F)
+    eoffs = ex.table[ids.long()]
+    moe.gate_up(act, h, eoffs, ex.anchor, ex.gate, ex.gate, ex.up_off)
+    x = torch.zeros(D, device=DEVICE)
+    moe.down(x, act, eoffs, wts, ex.anchor, ex.down, ex.down_off)
+    hc, ys = h.cpu(), []
+    for i, e in enumerate(ids.tolist()):
+        g, u, dn = ex.dense[e]
+        a = torch.nn.functional.silu(g @ hc) * (u @ hc)
+        ys.append((dn @ a) * float(wts[i]))
+    assert rel_err(x, torch.stack(ys).sum(0)) < TOL
+
+
+def test_attention_reference_is_the_layers_formula() -> None:
+    # the twin against the engine's own attention arithmetic on one position
+    H, HKV, D, S = 4, 2, 8, 5
+    q, k, v = torch.randn(H, D), torch.randn(S, HKV, D), torch.randn(S, HKV, D)
+    want = []
+    for h in range(H):
+        kk, vv = k[:, h // (H // HKV)], v[:, h // (H // HKV)]
+        want.append(torch.softmax(kk @ q[h] / math.sqrt(D), 0) @ vv)
+    assert torch.allclose(at.attention_reference(q, k, v), torch.cat(want), atol=1e-6)
