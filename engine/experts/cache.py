@@ -1,14 +1,18 @@
 """The expert cache: routed experts in fixed-size slots of an elastic arena.
 
 The first ``core_slots`` slots are the fixed core (never shrunk, never a relocation target); the
-rest is the elastic tail. Each slot holds one expert's gate, up and down byte runs, copied verbatim
-from the GGUF file, so a hit is dequantised by exactly the code a miss is: residency never changes
-the numbers. The slot table tags every slot with (layer, expert, generation); a lookup whose tag
-does not match raises instead of computing with the wrong expert.
+rest is the elastic tail. Each slot holds one expert's gate, up and down: the GGUF byte runs
+verbatim, or (``kernel=True``, for the GPU decode kernels) the three matrices repacked into the
+kernel layout, which dequantises to the same values bit for bit. Either way a hit is computed
+with exactly the values a miss is: residency never changes the numbers. The slot table tags every
+slot with (layer, expert, generation); a lookup whose tag does not match raises instead of
+computing with the wrong expert.
 
 Resizing happens only at safe points (between forward steps): ``resize`` grows by filling the new
 tail slots with the hottest missing experts, and shrinks by first moving the hottest experts of the
-removed slots into the coldest surviving ones, then unmapping.
+removed slots into the coldest surviving ones, then unmapping. Whoever keeps device-side tables
+of the slots (the GPU decoder's expert tables) registers a listener: it runs after every change of
+the table, and for a shrink before the removed chunks are unmapped.
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.engine.experts.layout import align, packed_bytes, run_offsets, slot_bytes_for
+from strata.engine.experts.layout import (
+    align,
+    kernel_layout,
+    kernel_slot_bytes_for,
+    packed_bytes,
+    run_offsets,
+    slot_bytes_for,
+)
 from strata.engine.experts.profile import UsageProfile
 from strata.engine.experts.provider import ExpertWeights, FileExpertProvider
 from strata.engine.experts.slots import (
@@ -33,7 +44,8 @@ from strata.engine.experts.slots import (
     plan_sizes,
 )
 from strata.engine.gguf_index import ExpertBlob, GGUFIndex
-from strata.engine.layers.weights import QWeight
+from strata.engine.layers.weights import QWeight, RepackedWeight
+from strata.engine.quant import repack_into
 from strata.vmm.arena import ElasticArena, create_arena
 
 log = logging.getLogger(__name__)
@@ -71,8 +83,10 @@ class ExpertCache:
         slot_bytes: int,
         device: torch.device,
         order: Sequence[ExpertKey],
+        kernel: bool = False,
     ) -> None:
         self.index = index
+        self.kernel = kernel  # slots hold the kernel layout, not the file's bytes
         self.arena = arena
         self.sizes = sizes
         self.slot_bytes = slot_bytes
@@ -87,6 +101,11 @@ class ExpertCache:
         seen = set(order)
         self.order = list(order) + sorted(k for k in index.experts if k not in seen)
         self.resizes = 0
+        self.version = 0  # bumped at every change of which slot holds what
+        # run after each change (before a shrink unmaps): device-side tables rewrite themselves
+        self.listeners: list[Callable[[], None]] = []
+        # run before each plan: lets the decoder hand over the expert use counted on the device
+        self.before_plan: Callable[[], None] | None = None
 
     # -- creation -------------------------------------------------------------------------------
 
@@ -100,11 +119,13 @@ class ExpertCache:
         chunk_bytes: int,
         profile: UsageProfile | None = None,
         arena_factory: Callable[[int, int], ElasticArena] | None = None,
+        kernel: bool = False,
     ) -> ExpertCache:
         """A cache of the most whole slots that fit ``budget_bytes`` (at most every expert),
         filled in the profile's order. The arena reserves room for every expert, so the cache can
-        later grow to the whole set without its addresses moving."""
-        slot_bytes = slot_bytes_for(index)
+        later grow to the whole set without its addresses moving. ``kernel``: slots hold the
+        kernel layout of the GPU decode kernels."""
+        slot_bytes = kernel_slot_bytes_for(index) if kernel else slot_bytes_for(index)
         sizes = plan_sizes(budget_bytes, slot_bytes, len(index.experts), tail_bytes)
         reserved = max(align(len(index.experts) * slot_bytes, chunk_bytes), chunk_bytes)
         backend = "cuda" if device.type == "cuda" else "host"
@@ -112,11 +133,12 @@ class ExpertCache:
             arena = arena_factory(reserved, chunk_bytes)
         else:
             arena = create_arena(backend, reserved, chunk_bytes, device.index or 0)
-        cache = cls(index, arena, sizes, slot_bytes, device, profile.ranked() if profile else [])
+        order = profile.ranked() if profile else []
+        cache = cls(index, arena, sizes, slot_bytes, device, order, kernel)
         cache.resize(sizes.total_slots)
         log.info(
             "expert cache: %d of %d experts (%.0f MiB; core %d slots, tail %d) of %.2f MiB each, "
-            "%s arena of %.0f MiB reserved in %d MiB chunks",
+            "%s arena of %.0f MiB reserved in %d MiB chunks%s",
             cache.table.n_slots,
             len(index.experts),
             cache.table.n_slots * slot_bytes / MiB,
@@ -126,6 +148,7 @@ class ExpertCache:
             backend,
             reserved / MiB,
             chunk_bytes // MiB,
+            ", kernel layout" if kernel else "",
         )
         return cache
 
@@ -133,6 +156,9 @@ class ExpertCache:
 
     def step(self) -> None:
         self.file.step()
+
+    def record_counts(self, counts: dict[ExpertKey, int]) -> None:
+        self.file.record_counts(counts)
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
@@ -145,6 +171,13 @@ class ExpertCache:
         self.stats.hits += 1
         self.stats.bytes_from_cache += blob.nbytes
         base = slot * self.slot_bytes
+        if self.kernel:
+            lay = kernel_layout(blob)
+            gate, up, down = (
+                RepackedWeight(self.arena.view(base + off, m.nbytes), m)
+                for off, m in zip(lay.offsets, lay.layouts, strict=True)
+            )
+            return ExpertWeights(gate, up, down)
         gate, up, down = (
             QWeight.of_run(self.arena.view(base + off, run.nbytes), run)
             for off, run in zip(run_offsets(blob), blob.runs, strict=True)
@@ -156,6 +189,13 @@ class ExpertCache:
     @property
     def n_slots(self) -> int:
         return self.table.n_slots
+
+    def slot_address(self, slot: int) -> int:
+        """The stable address of ``slot`` (the arena never moves)."""
+        return self.arena.address(slot * self.slot_bytes)
+
+    def _expert_bytes(self, blob: ExpertBlob) -> int:
+        return kernel_layout(blob).nbytes if self.kernel else packed_bytes(blob)
 
     @property
     def cached_experts(self) -> int:
@@ -196,6 +236,8 @@ class ExpertCache:
         if max_shrink is not None and max_shrink < 1:
             raise ValueError(f"max_shrink of {max_shrink} slots must be at least 1")
         t0 = time.perf_counter()
+        if self.before_plan is not None:
+            self.before_plan()
         before = self.table.n_slots
         if max_shrink is not None:
             n_slots = max(n_slots, before - max_shrink)
@@ -216,7 +258,13 @@ class ExpertCache:
         copied = self._fill(self.table.plan_fill(ranked))
         copied += self._fill(self.table.plan_grow(got, self.usage.ranked(self.order)))
         self._sync()
+        self._changed()
         return copied
+
+    def _changed(self) -> None:
+        self.version += 1
+        for listener in self.listeners:
+            listener()
 
     def _fill(self, fills: Sequence[Fill]) -> int:
         for fill in fills:
@@ -229,15 +277,23 @@ class ExpertCache:
         moves = self.table.plan_shrink(n_slots, self.usage.hotness)
         for move in moves:
             blob = self.index.expert(*move.key)
-            n = packed_bytes(blob)
+            n = self._expert_bytes(blob)
             src = self.arena.view(move.src * self.slot_bytes, n)
             self.arena.view(move.dst * self.slot_bytes, n).copy_(src)
         self._sync()  # every copy lands before a chunk goes away
+        self._changed()  # and every device-side table is rewritten
+        self._sync()
         self.arena.resize(self.mapped_bytes_for(n_slots))
         return len(moves)
 
     def _copy_in(self, slot: int, blob: ExpertBlob) -> None:
         base = slot * self.slot_bytes
+        if self.kernel:
+            lay = kernel_layout(blob)
+            raw = self.file.upload(blob)
+            for off, m, src in zip(lay.offsets, lay.layouts, raw, strict=True):
+                repack_into(self.arena.view(base + off, m.nbytes), src, m)
+            return
         for off, run in zip(run_offsets(blob), blob.runs, strict=True):
             dst = self.arena.view(base + off, run.nbytes)
             dst.copy_(self.index.raw(run.offset, run.nbytes), non_blocking=False)

@@ -19,7 +19,7 @@ from strata.engine.experts.layout import slot_bytes_for
 from strata.engine.experts.slots import ExpertKey, UsageCounts
 from strata.engine.experts.staging import PinnedStager
 from strata.engine.gguf_index import ExpertBlob, GGUFIndex
-from strata.engine.layers.weights import QWeight
+from strata.engine.layers.weights import QWeight, Weight
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,9 @@ USAGE_HALF_LIFE_STEPS = 1024
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    gate: QWeight  # [F, D]
-    up: QWeight  # [F, D]
-    down: QWeight  # [D, F]
+    gate: Weight  # [F, D]
+    up: Weight  # [F, D]
+    down: Weight  # [D, F]
 
 
 @dataclass
@@ -59,6 +59,8 @@ class ExpertProvider(Protocol):
 
     def expert(self, layer: int, expert: int) -> ExpertWeights: ...
 
+    def record_counts(self, counts: dict[ExpertKey, int]) -> None: ...
+
     def step(self) -> None: ...
 
     def close(self) -> None: ...
@@ -80,6 +82,11 @@ class FileExpertProvider:
         self.usage.record((key,))
         self.totals[key] += 1
 
+    def record_counts(self, counts: dict[ExpertKey, int]) -> None:
+        """Uses counted elsewhere (on the device, by the decode kernels), handed over in bulk."""
+        self.usage.record_counts(counts)
+        self.totals.update(counts)
+
     def step(self) -> None:
         self.usage.tick()
 
@@ -91,13 +98,18 @@ class FileExpertProvider:
         """The expert's runs from the mapped file (uploaded when computing on a GPU): a miss."""
         self.stats.misses += 1
         self.stats.bytes_from_file += blob.nbytes
-        stager = self._staging()
-        if stager is not None:
-            raw = stager.upload(blob)
-        else:
-            raw = tuple(self.index.raw(r.offset, r.nbytes).to(self.device) for r in blob.runs)
+        raw = self.upload(blob)
         gate, up, down = (QWeight.of_run(b, r) for b, r in zip(raw, blob.runs, strict=True))
         return ExpertWeights(gate, up, down)
+
+    def upload(self, blob: ExpertBlob) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The expert's three GGUF byte runs on the compute device (through the pinned staging
+        ring on a GPU; views of the mapped file on the CPU). Counts nothing."""
+        stager = self._staging()
+        if stager is not None:
+            return stager.upload(blob)
+        gate, up, down = (self.index.raw(r.offset, r.nbytes).to(self.device) for r in blob.runs)
+        return gate, up, down
 
     def _staging(self) -> PinnedStager | None:
         if self._stager is None and not self._staging_off:

@@ -313,6 +313,17 @@ class UsageCounts:
             key = (int(k[0]), int(k[1]))
             raw[key] = raw.get(key, 0.0) + scale
 
+    def record_counts(self, counts: Mapping[ExpertKey, int | float]) -> None:
+        """``record`` with multiplicities: each key as if recorded ``count`` times now."""
+        checked = []
+        for k, n in counts.items():
+            if isinstance(n, bool) or not isinstance(n, int | float) or not n >= 0:
+                raise ValueError(f"count {n!r} for {k} is not a non-negative number")
+            checked.append(((int(k[0]), int(k[1])), float(n)))
+        raw, scale = self._raw, self._scale
+        for key, n in checked:  # validated first, so a bad entry changes nothing
+            raw[key] = raw.get(key, 0.0) + n * scale
+
     def tick(self) -> None:
         self.decay(self._tick_factor)
 

@@ -11,9 +11,10 @@ import torch
 from reference import RefModel
 
 from strata.engine.experts.cache import ExpertCache
-from strata.engine.experts.layout import run_offsets
+from strata.engine.experts.layout import kernel_layout, run_offsets
 from strata.engine.experts.slots import SlotTagMismatch, Tag
 from strata.engine.generate import Engine, EngineOptions
+from strata.engine.quant import repack
 
 MiB = 2**20
 CHUNK_MIB = 2
@@ -47,14 +48,19 @@ def load(model_path, device: str, cache_mib: int | None, tail_mib: int | None = 
     return Engine.load(model_path, options)
 
 
-def all_mib(engine_or_path) -> int:
+def all_mib(engine_or_path, kernel: bool = False) -> int:
+    """MiB for every expert: in the kernel layout on a GPU (the fast decode path's slots)."""
     e = engine_or_path
     cache = ExpertCache.create(
-        e.index, torch.device("cpu"), 1 << 40, None, CHUNK_MIB * MiB
+        e.index, torch.device("cpu"), 1 << 40, None, CHUNK_MIB * MiB, kernel=kernel
     )  # probe the slot size
     total = cache.max_slots * cache.slot_bytes
     cache.close()
     return -(-total // MiB)
+
+
+def all_mib_on(probe: Engine, device: str) -> int:
+    return all_mib(probe, kernel=device == "cuda")
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +82,15 @@ def slot_bytes_of(cache: ExpertCache, slot: int) -> bytes:
 
 
 def expected_slot_bytes(cache: ExpertCache, key: tuple[int, int]) -> bytes:
+    """The file's runs in the slot layout, or the kernel layout of each (the torch twin)."""
     blob = cache.index.expert(*key)
     out = bytearray(cache.slot_bytes)
+    if cache.kernel:
+        lay = kernel_layout(blob)
+        for off, m, run in zip(lay.offsets, lay.layouts, blob.runs, strict=True):
+            raw = cache.index.raw(run.offset, run.nbytes)
+            out[off : off + m.nbytes] = bytes(repack.repack(raw, run.qtype, run.shape).numpy())
+        return bytes(out)
     for off, run in zip(run_offsets(blob), blob.runs, strict=True):
         out[off : off + run.nbytes] = bytes(cache.index.raw(run.offset, run.nbytes).numpy())
     return bytes(out)
@@ -93,7 +106,7 @@ def test_logits_are_bit_identical_with_the_cache_at_none_half_and_all(
     model_path, device, tokens, baseline, fraction: float
 ) -> None:
     probe = load(model_path, "cpu", 0)
-    e = load(model_path, device, int(all_mib(probe) * fraction))
+    e = load(model_path, device, int(all_mib_on(probe, device) * fraction))
     assert e.cache is not None and e.cache.n_slots > 0
     assert torch.equal(e.runner.logits_all(tokens), baseline)
     if fraction == 1.0:
@@ -107,7 +120,7 @@ def test_logits_are_bit_identical_with_the_cache_at_none_half_and_all(
 
 def test_overwriting_a_cached_slot_changes_the_output(model_path, device, tokens, baseline) -> None:
     probe = load(model_path, "cpu", 0)
-    e = load(model_path, device, all_mib(probe))
+    e = load(model_path, device, all_mib_on(probe, device))
     cache = e.cache
     # the expert routed most in the sequence, so the garbage is certainly read
     e.runner.logits_all(tokens)
@@ -126,7 +139,7 @@ def test_overwriting_a_cached_slot_changes_the_output(model_path, device, tokens
 
 def test_a_tag_mismatch_behind_the_table_makes_a_forward_raise(model_path, device, tokens) -> None:
     probe = load(model_path, "cpu", 0)
-    e = load(model_path, device, all_mib(probe))
+    e = load(model_path, device, all_mib_on(probe, device))
     table = e.cache.table
     e.runner.logits_all(tokens[:8])
     key = next(iter(e.cache.totals))
@@ -141,7 +154,7 @@ def test_a_tag_mismatch_behind_the_table_makes_a_forward_raise(model_path, devic
 
 def test_grow_shrink_regrow_keeps_addresses_bytes_and_the_core(model_path, device, tokens) -> None:
     probe = load(model_path, "cpu", 0)
-    full = all_mib(probe)
+    full = all_mib_on(probe, device)
     e = load(model_path, device, full // 2, tail_mib=full // 4)
     cache = e.cache
     arena = cache.arena
@@ -170,7 +183,7 @@ def test_grow_shrink_regrow_keeps_addresses_bytes_and_the_core(model_path, devic
 
 def test_new_slots_are_zero_until_filled(model_path, device) -> None:
     probe = load(model_path, "cpu", 0)
-    e = load(model_path, device, all_mib(probe) // 2)
+    e = load(model_path, device, all_mib_on(probe, device) // 2)
     cache = e.cache
     end = cache.n_slots * cache.slot_bytes
     rest = cache.arena.mapped_bytes - end  # mapped, past the last slot: never written
@@ -183,7 +196,7 @@ def test_shrink_moves_the_hottest_tail_experts_into_the_coldest_survivors(
     model_path, device
 ) -> None:
     probe = load(model_path, "cpu", 0)
-    full = all_mib(probe)
+    full = all_mib_on(probe, device)
     e = load(model_path, device, full // 2, tail_mib=full // 4)
     cache = e.cache
     n = cache.n_slots
@@ -198,7 +211,7 @@ def test_shrink_moves_the_hottest_tail_experts_into_the_coldest_survivors(
 
 def test_shrink_removes_at_most_the_step_per_call(model_path, device) -> None:
     probe = load(model_path, "cpu", 0)
-    e = load(model_path, device, all_mib(probe))
+    e = load(model_path, device, all_mib_on(probe, device))
     cache = e.cache
     start = cache.n_slots
     steps = []
@@ -224,7 +237,7 @@ def test_shrink_returns_host_memory(model_path) -> None:
 
 def test_rejected_resizes_change_nothing(model_path, device) -> None:
     probe = load(model_path, "cpu", 0)
-    e = load(model_path, device, all_mib(probe) // 2)
+    e = load(model_path, device, all_mib_on(probe, device) // 2)
     cache = e.cache
     snapshot = (cache.n_slots, cache.arena.mapped_bytes, dict(iter(cache.table)))
     for bad in (cache.sizes.core_slots - 1, cache.max_slots + 1, -3):

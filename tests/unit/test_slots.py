@@ -458,3 +458,21 @@ def test_sizes_reject_bad_values_naming_them(args: tuple, fragment: str) -> None
         plan_sizes(*args)
     with pytest.raises(ValueError, match="max_tail_bytes=-1"):
         plan_sizes(MiB, MiB, 1, max_tail_bytes=-1)
+
+
+def test_record_counts_equals_recording_each_use() -> None:
+    a, b = UsageCounts(half_life=4), UsageCounts(half_life=4)
+    a.record([(0, 1)] * 3 + [(2, 5)])
+    a.tick()
+    b.record_counts({(0, 1): 3, (2, 5): 1})
+    b.tick()
+    assert a.as_dict() == pytest.approx(b.as_dict())
+
+
+def test_record_counts_rejects_a_bad_count_and_changes_nothing() -> None:
+    u = UsageCounts(half_life=4)
+    u.record([(0, 0)])
+    for bad in (-1, float("nan"), True, "3"):
+        with pytest.raises(ValueError, match="not a non-negative number"):
+            u.record_counts({(1, 1): 2, (0, 0): bad})
+        assert u.as_dict() == {(0, 0): 1.0}

@@ -1,0 +1,58 @@
+"""The expert tables the decode kernels read, planned from the slot table: every cached expert at
+its slot's offset, every other one MISSING, and a slot whose tag disagrees is an error that names
+the expert."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata.engine.experts.slots import SlotTable, SlotTagMismatch, Tag
+from strata.engine.experts.table import MISSING, plan_table
+
+SLOT = 4096
+
+
+def table_with(keys: list[tuple[int, int]], core: int = 2) -> SlotTable:
+    t = SlotTable(core, 16)
+    t.plan_grow(max(core, len(keys)), [])
+    for slot, key in enumerate(keys):
+        t.assign(slot, key)
+    return t
+
+
+def test_no_cache_leaves_every_expert_missing() -> None:
+    plan = plan_table(3, 4, None, lambda s: s * SLOT)
+    assert plan.offsets == (MISSING,) * 12
+    assert not plan.complete and plan.resident == 0
+
+
+def test_cached_experts_point_at_their_slots() -> None:
+    t = table_with([(0, 1), (2, 3), (1, 0)])
+    plan = plan_table(3, 4, t, lambda s: 1000 + s * SLOT)
+    assert plan.offsets[0 * 4 + 1] == 1000
+    assert plan.offsets[2 * 4 + 3] == 1000 + SLOT
+    assert plan.offsets[1 * 4 + 0] == 1000 + 2 * SLOT
+    assert plan.resident == 3 and not plan.complete
+    assert plan.is_resident(2, 3) and not plan.is_resident(2, 2)
+
+
+def test_a_full_cache_gives_a_complete_table() -> None:
+    keys = [(layer, e) for layer in range(2) for e in range(3)]
+    plan = plan_table(2, 3, table_with(keys, core=6), lambda s: -s * SLOT - SLOT)  # below anchor
+    assert plan.complete and plan.resident == 6
+    assert sorted(plan.offsets) == sorted(-s * SLOT - SLOT for s in range(6))
+
+
+def test_a_slot_whose_tag_disagrees_is_an_error_naming_the_expert() -> None:
+    t = table_with([(0, 1), (1, 2)])
+    t._tags[1] = Tag(1, 3, 99)  # the slot claims another expert than the one mapped to it
+    with pytest.raises(SlotTagMismatch, match=r"\(layer 1, expert 2\)"):
+        plan_table(2, 4, t, lambda s: s * SLOT)
+
+
+def test_the_reserved_offset_and_an_empty_shape_are_rejected() -> None:
+    t = table_with([(0, 0)])
+    with pytest.raises(ValueError, match="reserved offset -1"):
+        plan_table(1, 1, t, lambda s: MISSING)
+    with pytest.raises(ValueError, match="0 layers x 4 experts"):
+        plan_table(0, 4, None, lambda s: 0)
