@@ -95,6 +95,12 @@ class StrataConfig(BaseSettings):
     arena_chunk_mib: int = Field(
         32, ge=2, le=1024, description="arena mapping granularity in MiB (a multiple of 2)"
     )
+    fast_decode: bool = Field(
+        True, description="decode on a GPU with the fused Triton kernels (off: reference path)"
+    )
+    enforce_eager: bool = Field(
+        False, description="run the GPU decode kernels without capturing a CUDA graph"
+    )
     vram_monitor: Literal["auto", "nvml", "simulated", "none"] = Field(
         "auto", description="how free VRAM is watched: auto (nvml on a GPU, else none)"
     )

@@ -40,6 +40,8 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         elastic_tail_mib=config.elastic_tail_mib,
         arena_chunk_mib=config.arena_chunk_mib,
         reserve_mib=config.elastic_reserve_mib,
+        fast_decode=config.fast_decode,
+        enforce_eager=config.enforce_eager,
     )
 
 

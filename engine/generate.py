@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -24,13 +24,18 @@ from strata.engine.experts.cache import ExpertCache, model_key
 from strata.engine.experts.profile import UsageProfile, profile_path
 from strata.engine.experts.provider import ExpertProvider, FileExpertProvider
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.layers.decoder import MoEDecoder
 from strata.engine.models import architecture_module
 from strata.engine.params import SamplingParams
+from strata.engine.quant import REPACKED_TYPES
 from strata.engine.runner import Runner, SafePoint
 from strata.engine.sampling import Sampler
 from strata.engine.tokenizer import Tokenizer
 from strata.engine.vocab import Vocab
 from strata.vmm.arena import ElasticArena
+
+if TYPE_CHECKING:
+    from strata.engine.fast_decode import FastDecoder
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,8 @@ class EngineOptions:
     elastic_tail_mib: int | None = None  # None: half the cache, at most 6 GiB
     arena_chunk_mib: int = 32
     reserve_mib: int = 500  # VRAM kept free when the cache size is automatic
+    fast_decode: bool = True  # on a GPU: decode with the fused Triton kernels
+    enforce_eager: bool = False  # the same kernels without CUDA graphs
 
 
 @dataclass
@@ -145,6 +152,7 @@ class Engine:
     def save_profile(self) -> None:
         """Merge this run's expert usage into the saved profile (atomically; errors are logged,
         never fatal: a profile only speeds up the next start)."""
+        self.runner.flush_usage()
         if self.profile_file is None or not self.provider.totals:
             return
         key = model_key(self.index)
@@ -170,6 +178,7 @@ class Engine:
     def close(self) -> None:
         """Give the cache's memory back (the arena is unmapped and released), and the pinned
         staging buffers of expert misses."""
+        self.runner.close_decoder()
         cache = self.cache
         self.provider.close()
         if cache is not None:
@@ -194,12 +203,17 @@ class Engine:
     ) -> Engine:
         """Open ``path``; a reason it cannot serve is a :class:`ModelLoadError` naming the file."""
         options = options or EngineOptions()
-        step = progress or (lambda done, total, what: None)
+        report = progress or (lambda done, total, what: None)
         path = Path(path)
-        step(0, 5, "reading the GGUF index")
+        total = 5
+
+        def step(done: int, what: str) -> None:
+            report(done, total, what)
+
+        step(0, "reading the GGUF index")
         index = GGUFIndex(path)
         module = architecture_module(index.arch)
-        step(1, 5, "building the tokenizer")
+        step(1, "building the tokenizer")
         try:
             vocab = Vocab.from_metadata(index.metadata)
             tokenizer = Tokenizer.from_vocab(vocab)
@@ -210,21 +224,34 @@ class Engine:
             bos = vocab.tokens[vocab.bos_id] if vocab.bos_id is not None else ""
             eos = vocab.tokens[vocab.eos_id] if vocab.eos_id is not None else ""
             template = ChatTemplate(vocab.chat_template, bos_token=bos, eos_token=eos)
-        step(2, 5, "mapping the weights")
         device = resolve_device(options.device)
-        model = module.Model(index, FileExpertProvider(index, device), device)
+        why_not = fast_path_unavailable(index, device, options)
+        if why_not is None:
+            total = 7  # and two more steps: compiling the kernels, capturing the graph
+        elif device.type == "cuda":
+            log.warning("decoding on the reference path (slow): %s", why_not)
+        step(2, "mapping the weights" if why_not else "repacking the weights for the GPU kernels")
+        model = module.Model(index, FileExpertProvider(index, device), device, why_not is None)
         n_ctx = _context_length(model.args.context_length, options.context_length, path)
         threads = options.threads or default_threads()
         torch.set_num_threads(threads)
-        step(3, 5, "allocating the K/V cache")
+        step(3, "allocating the K/V cache")
         runner = Runner(model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens)
+        decoder = None
+        if why_not is None:
+            decoder = _build_decoder(model, runner, lambda what: step(4, what))
+            if decoder is None:  # the kernels failed to build: the reference path, raw weights
+                del model, runner
+                torch.cuda.empty_cache()
+                model = module.Model(index, FileExpertProvider(index, device), device)
+                runner = Runner(model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens)
         # The usage profile of earlier runs orders the cache's first fill.
         profile_file = profile_path(state_dir, model_key(index)) if state_dir else None
         profile = UsageProfile.load(profile_file, model_key(index)) if profile_file else None
         # The cache is sized last, so that an automatic size sees what the model already holds.
         budget = _cache_budget_mib(options, device)
         if budget > 0:
-            step(4, 5, "filling the expert cache")
+            step(total - 2 if decoder else 4, "filling the expert cache")
             model.provider = ExpertCache.create(
                 index,
                 device,
@@ -233,8 +260,17 @@ class Engine:
                 options.arena_chunk_mib * MiB,
                 profile,
                 arena_factory,
+                kernel=decoder is not None,
             )
-        step(5, 5, "ready")
+        if decoder is not None:
+            decoder.bind(model.provider)
+            if not options.enforce_eager:
+                step(total - 1, "capturing the decode step as a CUDA graph")
+                decoder.capture()
+            else:
+                decoder.graph_reason = "enforce_eager is set"
+            runner.decoder = decoder
+        step(total, "ready")
         log.info(
             "loaded %s: %s, %d layers, %d experts (top-%d), context %d, %d threads, K/V %s, on %s",
             path.name,
@@ -249,6 +285,7 @@ class Engine:
         )
         if device.type == "cuda":
             log.info("GPU weights dequantised by %s", quant.gpu_dequant_path())
+            log.info("GPU decode: %s", decode_path(runner))
         return cls(index, tokenizer, template, runner, profile_file)
 
     # -- prompts --------------------------------------------------------------------------------
@@ -311,11 +348,17 @@ class Engine:
         logits = self.runner.feed(todo, boundary)
         result.prefill_s = time.monotonic() - t0
         t_first = None
+        # greedy without a repeat penalty needs nothing from the host between steps: the fast
+        # decoder then runs one step ahead (Runner.greedy), and `token` comes from it
+        look_ahead = params.greedy and params.repeat_penalty == 1.0
+        steps: Iterator[int] | None = None
+        token: int | None = None
         while True:
             if cancelled is not None and cancelled():
                 result.finish_reason = "cancelled"
                 break
-            token = sampler(logits, history)
+            if token is None:
+                token = sampler(logits, history)
             now = time.monotonic()
             if t_first is None:
                 t_first = now
@@ -335,7 +378,19 @@ class Engine:
                 break
             if len(result.tokens) >= params.max_tokens:
                 break
+            if steps is None and look_ahead and self.runner.can_look_ahead():
+                left = params.max_tokens - len(result.tokens)
+                steps = self.runner.greedy(token, left, boundary)
+            if steps is not None:
+                nxt = next(steps, None)
+                if nxt is not None:
+                    token = nxt
+                    continue
+                steps = None  # the look-ahead ended: `token` is not fed yet
             logits = self.runner.feed([token], boundary)
+            token = None
+        if steps is not None:
+            steps.close()
         if not stops.hit:
             # what the stream decoder and the stop matcher still hold back is final now
             ready, hit = stops.push(decoder.flush())
@@ -348,6 +403,63 @@ class Engine:
         if t_first is not None:
             result.decode_s = time.monotonic() - t_first
         return result
+
+
+def decode_path(runner: Runner) -> str:
+    """How decode steps run, for the log and the bench: a line of text."""
+    if runner.decoder is not None:
+        return runner.decoder.describe()
+    return "reference path (dequantise, then multiply; one launch per expert matrix)"
+
+
+def fast_path_unavailable(
+    index: GGUFIndex, device: torch.device, options: EngineOptions
+) -> str | None:
+    """Why decode steps cannot take the fused GPU kernels here, or None when they can."""
+    if device.type != "cuda":
+        return "the compute device is the CPU"
+    if not options.fast_decode:
+        return "fast_decode is off"
+    from strata.engine.kernels import unavailable
+
+    if (reason := unavailable()) is not None:
+        return reason
+    types = {r.qtype for b in index.iter_experts() for r in b.runs}
+    slow = sorted(t.name for t in types - REPACKED_TYPES)
+    if slow:
+        return f"expert tensors of type {', '.join(slow)} have no decode kernel yet"
+    head_dim = int(index.key("attention.key_length", 0)) or int(
+        index.key("embedding_length")
+    ) // int(index.key("attention.head_count"))
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        return f"the head dimension {head_dim} is not a power of two"
+    return None
+
+
+def _build_decoder(
+    model: MoEDecoder, runner: Runner, progress: Callable[[str], None]
+) -> FastDecoder | None:
+    """The fast decoder with its kernels compiled (one eager step), or None after a warning
+    when they cannot be built here."""
+    from strata.engine.fast_decode import FastDecoder
+
+    n = model.args.n_layer
+    try:
+        decoder = FastDecoder(model, runner.kv)
+        progress("compiling the GPU decode kernels (first start only: then cached)")
+        decoder.warm_up(
+            lambda layer: progress(f"compiling the GPU decode kernels: layer {layer + 1}/{n}")
+        )
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a compiler or driver that cannot build a kernel
+        log.debug("building the fast decoder failed", exc_info=True)
+        reason = f"{type(e).__name__}: {e}".splitlines()[0]
+        log.warning(
+            "the GPU decode kernels failed to build (%s): decoding on the reference path", reason
+        )
+        return None
+    return decoder
 
 
 def _cache_budget_mib(options: EngineOptions, device: torch.device) -> int:

@@ -1,17 +1,22 @@
-"""The runner owns all compute state — the model, its K/V cache, the thread count — and runs the
-two kinds of step: prefill chunks and decode steps. Every step boundary is a *safe point*, where the
-caller may resize the expert cache or cancel."""
+"""The runner owns all compute state — the model, its K/V cache, the thread count and, on a GPU,
+the fast decoder with its buffers, expert tables and graph — and runs the two kinds of step:
+prefill chunks (the reference path) and decode steps (the fast decoder where there is one). Every
+step boundary is a *safe point*, where the caller may resize the expert cache or cancel."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from strata.engine.errors import ContextOverflow
 from strata.engine.kv import KVCache
 from strata.engine.layers.decoder import MoEDecoder
+
+if TYPE_CHECKING:
+    from strata.engine.fast_decode import FastDecoder
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +33,12 @@ class Runner:
         self.kv: KVCache = model.new_kv(n_ctx, kv_kind)
         self.tokens: list[int] = []  # what the K/V cache holds, position by position
         self.steps = 0  # forward calls so far (prefill chunks and decode steps)
+        self.decoder: FastDecoder | None = None  # set by Engine.load on the GPU fast path
 
     @torch.inference_mode()
     def feed(self, ids: Sequence[int], safe_point: SafePoint | None = None) -> torch.Tensor:
-        """Append ``ids`` after what the cache holds; return the logits of the last one: [V]."""
+        """Append ``ids`` after what the cache holds; return the logits of the last one: [V]
+        float32, on the model's device (a fresh tensor: later steps do not change it)."""
         if not ids:
             raise ValueError("feed needs at least one token")
         start = len(self.tokens)
@@ -39,6 +46,14 @@ class Runner:
             raise ContextOverflow(
                 f"{start + len(ids)} tokens do not fit the context of {self.n_ctx} tokens"
             )
+        if len(ids) == 1 and self.decoder is not None:
+            logits = self.decoder.step(int(ids[0]), start).clone()
+            self.tokens.append(int(ids[0]))
+            self.kv.length = start + 1
+            self.steps += 1
+            if safe_point is not None:
+                safe_point()
+            return logits
         logits = None
         for i in range(0, len(ids), self.prefill_chunk):
             chunk = list(ids[i : i + self.prefill_chunk])
@@ -49,7 +64,51 @@ class Runner:
             if safe_point is not None:
                 safe_point()
         assert logits is not None
-        return logits[-1].float().cpu()
+        return logits[-1].float()
+
+    def can_look_ahead(self) -> bool:
+        """Whether ``greedy`` can run steps ahead of the host now."""
+        return self.decoder is not None and self.decoder.can_look_ahead
+
+    def greedy(self, token: int, limit: int, safe_point: SafePoint | None = None) -> Iterator[int]:
+        """Greedy decoding from ``token``, one step ahead of the caller: each ``next()`` feeds the
+        token given last (``token``, then each one yielded) and yields its argmax successor,
+        while the step after it already runs. ``limit``: most tokens to yield. It ends early,
+        leaving the last yielded token *unfed*, when steps can no longer run ahead (a shrink left
+        an expert without a readable home, the context is full): the caller then goes on with
+        ``feed``. A token it yields and the caller never asks past is never fed either. The same
+        tokens as ``feed`` and an argmax would give, bit for bit (the same kernels)."""
+        dec = self.decoder
+        if dec is None or not dec.can_look_ahead:
+            raise RuntimeError("greedy look-ahead needs the fast decoder with every expert home")
+        pos = len(self.tokens)
+        if pos + 1 > self.n_ctx:
+            raise ContextOverflow(f"{pos + 1} tokens do not fit the context of {self.n_ctx} tokens")
+        dec.begin(token, pos)
+        dec.launch(0)
+        self._fed(token, dec)
+        n = 0
+        try:
+            while True:
+                ahead = n + 1 < limit and len(self.tokens) + 1 <= self.n_ctx and dec.can_look_ahead
+                if ahead:
+                    dec.launch(n + 1)  # feeds step n's token: runs while the caller handles it
+                nxt = dec.result(n)
+                if safe_point is not None:
+                    safe_point()
+                yield nxt
+                if not ahead:
+                    return
+                self._fed(nxt, dec)
+                n += 1
+        finally:
+            dec.flush_usage()
+
+    def _fed(self, token: int, dec: FastDecoder) -> None:
+        self.tokens.append(int(token))
+        self.kv.length = len(self.tokens)
+        self.steps += 1
+        dec.accept()
 
     def start(self, prompt: Sequence[int]) -> list[int]:
         """Keep the longest cached prefix of ``prompt`` (at least its last token is recomputed, to
@@ -64,6 +123,16 @@ class Runner:
     def rewind(self, length: int) -> None:
         del self.tokens[length:]
         self.kv.truncate(length)
+
+    def flush_usage(self) -> None:
+        """Expert uses counted on the device reach the provider's counts (the fast decoder)."""
+        if self.decoder is not None:
+            self.decoder.flush_usage()
+
+    def close_decoder(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()
+            self.decoder = None
 
     @torch.inference_mode()
     def logits_all(self, ids: Sequence[int], chunks: Sequence[int] | None = None) -> torch.Tensor:

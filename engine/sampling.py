@@ -2,6 +2,11 @@
 
 The order follows llama.cpp's default chain: repetition penalty → top-k → top-p → min-p →
 temperature → draw. A temperature of 0 (or below) is greedy.
+
+The logits may live on the GPU: every filter is a device operation and the step hands the host
+one token id. The draw takes its uniform number from the request's own seeded generator on the
+host, one per token, and picks by the cumulative distribution on the device, so a seeded request
+gives the same text whether the step ran as a CUDA graph or eagerly.
 """
 
 from __future__ import annotations
@@ -22,16 +27,32 @@ class Sampler:
         self._gen = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
-        # logits: [V] float32
+        # logits: [V] float32, on any device
         p = self.params
-        logits = apply_repeat_penalty(logits, history[-p.repeat_last_n :], p.repeat_penalty)
+        recent = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else []
+        logits = apply_repeat_penalty(logits, recent, p.repeat_penalty)
         if p.greedy:
             return int(torch.argmax(logits))
-        logits = top_k(logits, p.top_k)
+        ids = None
+        if 0 < p.top_k < logits.numel():
+            # the k best as candidates (sorted, best first): the later filters see only them
+            logits, ids = torch.topk(logits, p.top_k)
         logits = top_p(logits, p.top_p)
         logits = min_p(logits, p.min_p)
         probs = torch.softmax(logits / p.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._gen))
+        u = float(torch.rand((), generator=self._gen, dtype=torch.float64))
+        pick = draw(probs, u)
+        return int(ids[pick]) if ids is not None else pick
+
+
+def draw(probs: torch.Tensor, u: float) -> int:
+    """The index where the cumulative distribution first exceeds ``u`` in [0, 1) of the total;
+    never one of probability 0."""
+    cum = probs.double().cumsum(0)
+    at = torch.searchsorted(cum, cum[-1:] * u, right=True)
+    # rounding can put u * total at the very top: take the last index with any probability
+    last = torch.nonzero(probs).max()
+    return int(torch.minimum(at[0], last))
 
 
 def apply_repeat_penalty(
@@ -41,7 +62,7 @@ def apply_repeat_penalty(
     multiplied by it."""
     if penalty == 1.0 or not recent:
         return logits
-    ids = torch.tensor(sorted(set(recent)), dtype=torch.long)
+    ids = torch.tensor(sorted(set(recent)), dtype=torch.long, device=logits.device)
     out = logits.clone()
     seen = out[ids]
     out[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)

@@ -10,15 +10,15 @@ import torch
 from strata.engine.kv import KVCache
 from strata.engine.layers.norm import rms_norm
 from strata.engine.layers.rope import Rope
-from strata.engine.layers.weights import QWeight, linear
+from strata.engine.layers.weights import Weight, linear
 
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    q: QWeight
-    k: QWeight
-    v: QWeight
-    o: QWeight
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
     q_norm: torch.Tensor | None = None  # [d] per-head RMSNorm (Qwen3)
     k_norm: torch.Tensor | None = None
 

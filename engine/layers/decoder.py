@@ -6,6 +6,7 @@ q/k norms, routing normalisation); the forward pass itself lives here once.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,10 @@ from strata.engine.layers.attention import AttentionShape, AttentionWeights, att
 from strata.engine.layers.moe import MoEShape, moe
 from strata.engine.layers.norm import rms_norm
 from strata.engine.layers.rope import Rope
-from strata.engine.layers.weights import QWeight, linear
+from strata.engine.layers.weights import QWeight, RepackedWeight, Weight, linear
+from strata.engine.quant import REPACKED_TYPES
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,15 @@ class Block:
     attn_norm: torch.Tensor
     attn: AttentionWeights
     ffn_norm: torch.Tensor
-    router: QWeight
+    router: Weight
 
 
 class MoEDecoder:
-    """The dense weights (loaded once) and the expert provider; ``forward`` gives logits."""
+    """The dense weights (loaded once) and the expert provider; ``forward`` gives logits.
+
+    With ``repack`` the dense matrices of a type that has one are held in the kernel layout
+    (``RepackedWeight``, what the GPU decode kernels read); the others keep the file's encoding,
+    and ``slow_tensors`` names them."""
 
     def __init__(
         self,
@@ -84,11 +92,14 @@ class MoEDecoder:
         args: DecoderArgs,
         provider: ExpertProvider,
         device: torch.device | str = "cpu",
+        repack: bool = False,
     ) -> None:
         self.index, self.args, self.provider = index, args, provider
         # Dense weights live on the compute device for the model's life (copied once, still
         # quantised); on the CPU they stay views of the mapped file.
         self.device = torch.device(device)
+        self.repack = repack
+        self.slow_tensors: list[str] = []
         self.embd = self._w("token_embd.weight")
         self.out_norm = self._vec("output_norm.weight")
         # Files with tied embeddings have no output.weight (llama.cpp then reuses token_embd).
@@ -97,12 +108,26 @@ class MoEDecoder:
         self.rope = Rope(args.head_dim, args.rope_theta, neox=args.rope_neox)
         self.attn_shape = AttentionShape(args.n_head, args.n_head_kv, args.head_dim, args.rms_eps)
         self.moe_shape = MoEShape(args.n_expert, args.n_expert_used, args.norm_topk)
+        if self.slow_tensors:
+            log.warning(
+                "%d dense tensors have no GPU kernel for their type and are dequantised before "
+                "each product: %s",
+                len(self.slow_tensors),
+                ", ".join(self.slow_tensors),
+            )
 
-    def _w(self, name: str) -> QWeight:
-        return QWeight.of_tensor(self.index, self.index.info(name)).to(self.device)
+    def _w(self, name: str) -> Weight:
+        info = self.index.info(name)
+        w = QWeight.of_tensor(self.index, info).to(self.device)
+        if not self.repack or len(info.shape) != 2:
+            return w
+        if info.qtype not in REPACKED_TYPES:
+            self.slow_tensors.append(f"{name} ({info.qtype.name})")
+            return w
+        return RepackedWeight.repack(w.raw, info.qtype, info.shape)
 
     def _vec(self, name: str) -> torch.Tensor:
-        return self._w(name).dequant()
+        return QWeight.of_tensor(self.index, self.index.info(name)).to(self.device).dequant()
 
     def _block(self, i: int) -> Block:
         p = f"blk.{i}."

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.engine.experts import ExpertProvider
-from strata.engine.layers.weights import QWeight, linear
+from strata.engine.layers.weights import Weight, linear
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class MoEShape:
     norm_topk: bool  # renormalise the k chosen weights to sum to 1
 
 
-def route(x: torch.Tensor, router: QWeight, shape: MoEShape) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, router: Weight, shape: MoEShape) -> tuple[torch.Tensor, torch.Tensor]:
     # x: [T, D] -> weights: [T, K], ids: [T, K]
     probs = torch.softmax(linear(x, router), dim=-1)  # [T, E]
     weights, ids = torch.topk(probs, shape.n_expert_used, dim=-1)
@@ -29,7 +29,7 @@ def route(x: torch.Tensor, router: QWeight, shape: MoEShape) -> tuple[torch.Tens
 
 def moe(
     x: torch.Tensor,
-    router: QWeight,
+    router: Weight,
     shape: MoEShape,
     provider: ExpertProvider,
     layer: int,

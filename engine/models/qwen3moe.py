@@ -19,6 +19,10 @@ class ModelArgs(DecoderArgs):
 
 class Model(MoEDecoder):
     def __init__(
-        self, index: GGUFIndex, provider: ExpertProvider, device: torch.device | str = "cpu"
+        self,
+        index: GGUFIndex,
+        provider: ExpertProvider,
+        device: torch.device | str = "cpu",
+        repack: bool = False,
     ) -> None:
-        super().__init__(index, ModelArgs.from_index(index), provider, device)
+        super().__init__(index, ModelArgs.from_index(index), provider, device, repack)

@@ -4,7 +4,10 @@
 ``tiny_models.path(model, kind)`` gives a GGUF file of ``model`` ("qwen3moe" or "mixtral") in
 ``kind``: F32, F16, BF16 and Q8_0 are written by ``strata.engine.synth``; Q4_K_M and Q6_K come
 from llama.cpp's own quantiser run on the F32 file, and the tensor types they really hold are
-checked, so a silent fallback in llama.cpp fails loudly. Files are built on first use.
+checked, so a silent fallback in llama.cpp fails loudly. Files are built on first use; where
+llama-cpp-python cannot be installed (a GPU machine without a compiler for it), the environment
+variable ``TINY_MODELS_DIR`` names a folder of files this fixture built elsewhere, used as they are
+after the same type check.
 """
 
 from __future__ import annotations
@@ -110,6 +113,10 @@ class TinyModels:
     def _build(self, model: str, kind: str) -> Path:
         spec = self.spec(model)
         dst = self.root / f"{MODELS[model]}-{kind}.gguf"
+        prebuilt = Path(os.environ.get("TINY_MODELS_DIR", "/nonexistent")) / dst.name
+        if kind in LLAMA_CPP_KINDS and prebuilt.is_file():
+            check_llama_cpp_types(prebuilt, kind, spec)
+            return prebuilt
         if kind in SYNTH_KINDS:
             plan = synth.TypePlan.uniform(SYNTH_KINDS[kind])
             return synth.write_model(dst, spec, synth.vocab_for(spec.arch), plan, SEED)

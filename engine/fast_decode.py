@@ -1,0 +1,470 @@
+"""The GPU decode path: one token per step through fused Triton kernels, replayed as one CUDA graph.
+
+``FastDecoder`` owns every piece of device state a decode step touches besides the weights and
+the K/V (which the model and the runner hold): the fixed input and output buffers, the per-layer
+expert tables, the staging slots of expert misses and the captured graph. A step is, per layer:
+
+    q/k/v matvec (RMSNorm folded in) -> q/k norm, RoPE, K/V write -> split attention (2 launches)
+    -> output projection + residual -> router matvec (RMSNorm folded in) -> top-k
+    -> gate/up/SiLU of the k experts -> down of the k experts + weights + residual
+
+then the final norm and the output head: 9 launches per layer, all reading positions and lengths
+from device memory, so one CUDA graph, captured at load, serves every step. The MoE kernels find
+each expert through the layer's expert table (byte offsets from ``anchor``): the cache's arena
+slots never move, and the tables are rewritten (one copy) whenever the cache changes, at safe
+points only.
+
+While some expert has no home the kernels can read (the cache holds less than every expert;
+until the host tier exists) a step runs the same kernels eagerly instead: after each layer's top-k
+the chosen ids come to the host, each miss is uploaded and repacked into a staging slot, and the
+table entry is pointed at it before the expert kernels run. The numbers are the same either way.
+
+Routing never leaves the device in a graph step; the top-k kernel counts each chosen expert in a
+device table that the decoder hands to the provider's usage counts every ``USAGE_FLUSH_STEPS``
+steps and before every cache plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from strata.engine.experts.cache import ExpertCache
+from strata.engine.experts.layout import RUN_ALIGN, align, kernel_layout
+from strata.engine.experts.provider import ExpertProvider, FileExpertProvider
+from strata.engine.experts.table import MISSING, ExpertTablePlan, plan_table
+from strata.engine.kernels import moe
+from strata.engine.kernels.attention import DecodeAttention
+from strata.engine.kernels.matvec import Mat, matvec
+from strata.engine.kernels.rope import rope_store, rope_tables
+from strata.engine.kernels.step import advance
+from strata.engine.kv import KVCache
+from strata.engine.layers.decoder import Block, MoEDecoder
+from strata.engine.layers.norm import rms_norm
+from strata.engine.layers.weights import RepackedWeight, Weight, linear
+from strata.engine.quant import repack_into, repack_kernels
+
+log = logging.getLogger(__name__)
+_INTERP_BN = 128  # rows per program in Triton's interpreter: few, wide programs
+
+USAGE_FLUSH_STEPS = 64
+
+# Rows per program and warps (None: one thread per unit of a step) of each launch, measured on an
+# H200 with the profile tool's --sweep (``python -m strata.engine.bench.profile``) on the
+# Qwen3-30B-A3B shapes; the kernels take any values, the interpreter its own (``kernels.dot``).
+TUNED: dict[str, tuple[int, int | None]] = {
+    "qkv": (4, 8),
+    "o": (8, None),
+    "router": (2, None),
+    "head": (4, 8),
+    "gate_up": (4, None),
+    "down": (8, None),
+}
+MAX_SPLITS = 16  # most splits of the attention's key range
+
+
+class FastPathError(RuntimeError):
+    """The decode kernels cannot serve this model here; the message says why."""
+
+
+def _mat(w: Weight) -> Mat | None:
+    return Mat(w.data, w.layout) if isinstance(w, RepackedWeight) else None
+
+
+@dataclass(frozen=True)
+class _Layer:
+    block: Block
+    qkv: tuple[Mat, Mat, Mat] | None  # all three in the kernel layout: one fused launch
+    o: Mat | None
+    router: Mat | None
+
+
+def _aligned(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 buffer of ``nbytes`` whose first byte is RUN_ALIGN-aligned."""
+    buf = torch.zeros(nbytes + RUN_ALIGN, dtype=torch.uint8, device=device)
+    skip = -buf.data_ptr() % RUN_ALIGN
+    return buf[skip : skip + nbytes]
+
+
+def attention_splits(n_head: int, device: torch.device) -> int:
+    """Splits of the key range: a power of two, at most MAX_SPLITS, and enough that the
+    (query head, split) programs cover the GPU's multiprocessors twice."""
+    cuda = device.type == "cuda"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+    want = max(1, -(-2 * sms // n_head))
+    return min(MAX_SPLITS, 1 << (want - 1).bit_length())
+
+
+class FastDecoder:
+    def __init__(self, model: MoEDecoder, kv: KVCache) -> None:
+        a = model.args
+        for name, v in (("head_dim", a.head_dim),):
+            if v < 2 or v & (v - 1):
+                raise FastPathError(f"{name} {v} is not a power of two")
+        self.model, self.kv, self.args = model, kv, a
+        self.device = dev = model.device
+        self.index = model.index
+        self.eps = a.rms_eps
+        self.layers = [self._layer(b) for b in model.blocks]
+        self.embd = model.embd
+        self.output = model.output
+        self.out_norm = model.out_norm
+        L, E, K, D = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd
+        q_dim, kv_dim = a.n_head * a.head_dim, a.n_head_kv * a.head_dim
+        self.q_dim, self.kv_dim = q_dim, kv_dim
+        f32 = torch.float32
+        # the fixed buffers a step reads and writes (a captured graph keeps their addresses)
+        self.tok = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.x = torch.zeros(D, dtype=f32, device=dev)  # the residual stream
+        self.h = torch.zeros(D, dtype=f32, device=dev)  # its normalised copy for the experts
+        self.qkv = torch.zeros(q_dim + 2 * kv_dim, dtype=f32, device=dev)
+        self.attn_out = torch.zeros(q_dim, dtype=f32, device=dev)
+        self.router_logits = torch.zeros(E, dtype=f32, device=dev)
+        self.ids = torch.zeros(L, K, dtype=torch.int32, device=dev)
+        self.wts = torch.zeros(L, K, dtype=f32, device=dev)
+        self.eoffs = torch.zeros(L, K, dtype=torch.int64, device=dev)  # the chosen experts' slots
+        self.counts = torch.zeros(L, E, dtype=torch.int32, device=dev)
+        self.act = torch.zeros(K, a.n_ff_exp, dtype=f32, device=dev)
+        self.logits = torch.zeros(a.vocab_size, dtype=f32, device=dev)
+        # each step's greedy token: a two-slot ring on the device, read into pinned host memory
+        # after the step, so the host can let the next step run while it reads this one
+        self.ring = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.step_no = torch.zeros(1, dtype=torch.int32, device=dev)
+        cuda = dev.type == "cuda"
+        self._ring_host = torch.zeros(2, dtype=torch.int32, pin_memory=cuda)
+        self._ring_done = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self.cos, self.sin = rope_tables(a.head_dim, a.rope_theta, kv.n_ctx, dev)
+        self.attention = DecodeAttention(
+            a.n_head, a.n_head_kv, a.head_dim, kv.page, attention_splits(a.n_head, dev), dev
+        )
+        # experts: one slot layout per layer, staging slots for the misses of one layer
+        self.slot_layouts = [kernel_layout(self.index.expert(layer, 0)) for layer in range(L)]
+        # bytes a step reads from the experts when all of them hit: k per layer
+        self.step_expert_bytes = K * sum(self.index.expert(layer, 0).nbytes for layer in range(L))
+        self.staging_bytes = align(max(s.nbytes for s in self.slot_layouts), RUN_ALIGN)
+        self.anchor = _aligned(RUN_ALIGN, dev)
+        self.staging = _aligned(K * self.staging_bytes, dev)
+        base = self.staging.data_ptr() - self.anchor.data_ptr()
+        self.staging_offsets = [base + j * self.staging_bytes for j in range(K)]
+        self.table = torch.full((L * E,), MISSING, dtype=torch.int64, device=dev)
+        self.plan: ExpertTablePlan = plan_table(L, E, None, lambda s: MISSING)
+        self._said_mode = False  # whether the log has said how steps run (graph or staging)
+        self.provider: ExpertProvider = model.provider
+        self.file: FileExpertProvider = _file_of(model.provider)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_reason: str | None = "not captured"
+        self.steps = 0
+        # the tuned block sizes on a GPU; the kernels' own defaults in the interpreter
+        self.tuned = TUNED if dev.type == "cuda" else {k: (_INTERP_BN, None) for k in TUNED}
+
+    def _layer(self, b: Block) -> _Layer:
+        q, k, v = (_mat(w) for w in (b.attn.q, b.attn.k, b.attn.v))
+        qkv = (q, k, v) if q is not None and k is not None and v is not None else None
+        return _Layer(b, qkv, _mat(b.attn.o), _mat(b.router))
+
+    # -- experts ---------------------------------------------------------------------------------
+
+    def bind(self, provider: ExpertProvider) -> None:
+        """Serve experts from ``provider`` (an expert cache in the kernel layout, or the file):
+        the tables follow the cache from now on."""
+        if isinstance(provider, ExpertCache):
+            if not provider.kernel:
+                raise FastPathError("the expert cache holds the file's layout, not the kernels'")
+            provider.listeners.append(self.rebuild_table)
+            provider.before_plan = self.flush_usage
+        self.provider = provider
+        self.file = _file_of(provider)
+        self.rebuild_table()
+
+    def rebuild_table(self) -> None:
+        """Plan the tables from the cache's slot table (tags checked) and copy them over."""
+        cache = self.provider if isinstance(self.provider, ExpertCache) else None
+        anchor = self.anchor.data_ptr()
+        a = self.args
+        was_complete = self.plan.complete
+        if cache is None:
+            self.plan = plan_table(a.n_layer, a.n_expert, None, lambda s: MISSING)
+        else:
+            offset = lambda s: cache.slot_address(s) - anchor  # noqa: E731
+            self.plan = plan_table(a.n_layer, a.n_expert, cache.table, offset)
+        self._write_table()
+        if self.plan.complete != was_complete or not self._said_mode:
+            self._said_mode = True
+            if self.plan.complete:
+                log.info("every expert is cached: decode steps stage nothing")
+            else:
+                log.info(
+                    "%d of %d experts cached: decode steps run eagerly and stage each miss",
+                    self.plan.resident,
+                    a.n_layer * a.n_expert,
+                )
+
+    def _write_table(self) -> None:
+        self.table.copy_(torch.tensor(self.plan.offsets, dtype=torch.int64))
+
+    def _stage_misses(self, layer: int) -> None:
+        """Eager steps with misses: after the layer's top-k, stage each chosen expert that has no
+        readable home into a staging slot and point its chosen-expert offset there (the table
+        itself is not touched: it only ever holds homes)."""
+        stats = self.provider.stats
+        lay = self.slot_layouts[layer]
+        for j, e in enumerate(self.ids[layer].tolist()):
+            blob = self.index.expert(layer, e)
+            if self.plan.is_resident(layer, e):
+                stats.hits += 1
+                stats.bytes_from_cache += blob.nbytes
+                continue
+            stats.misses += 1
+            stats.bytes_from_file += blob.nbytes
+            slot = self.staging[j * self.staging_bytes : (j + 1) * self.staging_bytes]
+            for off, m, src in zip(lay.offsets, lay.layouts, self.file.upload(blob), strict=True):
+                repack_into(slot[off : off + m.nbytes], src, m)
+            self.eoffs[layer, j].fill_(self.staging_offsets[j])
+
+    def flush_usage(self) -> None:
+        """Hand the expert uses counted on the device to the provider's usage counts."""
+        counts = self.counts.to("cpu", copy=True)
+        self.counts.zero_()
+        E = self.args.n_expert
+        found = {
+            (i // E, i % E): int(n) for i, n in zip(*_nonzero(counts.reshape(-1)), strict=True)
+        }
+        if found:
+            self.provider.record_counts(found)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def _dense(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        w: Weight,
+        mat: Mat | None,
+        norm: torch.Tensor | None = None,
+        residual: bool = False,
+        h_out: torch.Tensor | None = None,
+        tune: str = "o",
+    ) -> None:
+        if mat is not None:
+            bn, warps = self.tuned[tune]
+            matvec(y, x, [mat], norm, self.eps, residual, h_out, bn, warps)
+            return
+        # a type without a kernel: dequantise and multiply (torch ops, captured all the same)
+        h = rms_norm(x, norm, self.eps) if norm is not None else x
+        if h_out is not None:
+            h_out.copy_(h)
+        out = linear(h[None], w)[0]
+        if residual:
+            y.add_(out)
+        else:
+            y.copy_(out)
+
+    def _attention(self, layer: int, lyr: _Layer) -> None:
+        b, a, kv = lyr.block, self.args, self.kv
+        if lyr.qkv is not None:
+            bn, warps = self.tuned["qkv"]
+            matvec(self.qkv, self.x, lyr.qkv, b.attn_norm, self.eps, bn=bn, num_warps=warps)
+        else:
+            self.h.copy_(rms_norm(self.x, b.attn_norm, self.eps))
+            at = 0
+            for w in (b.attn.q, b.attn.k, b.attn.v):
+                n = w.shape[0]
+                self._dense(self.qkv[at : at + n], self.h, w, _mat(w))
+                at += n
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        rope_store(
+            self.qkv,
+            self.cos,
+            self.sin,
+            b.attn.q_norm,
+            b.attn.k_norm,
+            k_cache,
+            v_cache,
+            kv.block_table,
+            self.pos,
+            self.eps,
+            a.n_head,
+            a.n_head_kv,
+            a.head_dim,
+            kv.page,
+            a.rope_neox,
+        )
+        self.attention(self.attn_out, self.qkv, k_cache, v_cache, kv.block_table, self.pos)
+        self._dense(self.x, self.attn_out, b.attn.o, lyr.o, residual=True)
+
+    def _moe(self, layer: int, lyr: _Layer, stage: Callable[[int], None] | None) -> None:
+        a, b = self.args, lyr.block
+        self._dense(
+            self.router_logits, self.x, b.router, lyr.router, b.ffn_norm, h_out=self.h,
+            tune="router",
+        )  # fmt: skip
+        ids, wts, eoffs = self.ids[layer], self.wts[layer], self.eoffs[layer]
+        table = self.table[layer * a.n_expert : (layer + 1) * a.n_expert]
+        moe.route(
+            self.router_logits, table, ids, wts, eoffs, self.counts[layer], a.n_expert_used,
+            a.norm_topk,
+        )  # fmt: skip
+        if stage is not None:
+            stage(layer)
+        lay = self.slot_layouts[layer]
+        bn, warps = self.tuned["gate_up"]
+        moe.gate_up(
+            self.act, self.h, eoffs, self.anchor, lay.gate, lay.up, lay.up_offset, bn, warps
+        )
+        bn, warps = self.tuned["down"]
+        moe.down(self.x, self.act, eoffs, wts, self.anchor, lay.down, lay.down_offset, bn, warps)
+
+    def _forward(
+        self, stage: Callable[[int], None] | None, on_layer: Callable[[int], None] | None = None
+    ) -> None:
+        if isinstance(self.embd, RepackedWeight):
+            _embed(self.embd, self.tok, self.x)
+        else:
+            self.x.copy_(self.embd.rows(self.tok)[0])
+        for layer, lyr in enumerate(self.layers):
+            if on_layer is not None:
+                on_layer(layer)
+            self._attention(layer, lyr)
+            self._moe(layer, lyr, stage)
+        self._dense(self.logits, self.x, self.output, _mat(self.output), self.out_norm, tune="head")
+        advance(self.logits, self.tok, self.pos, self.ring, self.step_no)
+
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        """Logits of ``token`` at position ``pos`` (K/V of 0..pos-1 already written): the
+        decoder's own buffer [V], valid until the next step."""
+        if not 0 <= pos < self.kv.n_ctx:
+            raise ValueError(f"position {pos} is outside the context of {self.kv.n_ctx}")
+        self.tok.fill_(token)
+        self.pos.fill_(pos)
+        if self.plan.complete:
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._forward(None)
+            self._count_all_hits()
+        else:
+            self._forward(self._stage_misses)
+        self.steps += 1
+        self.provider.step()
+        if self.steps % USAGE_FLUSH_STEPS == 0:
+            self.flush_usage()
+        return self.logits
+
+    # -- greedy steps, one ahead of the host ------------------------------------------------------
+
+    @property
+    def can_look_ahead(self) -> bool:
+        """Whether steps may run back to back with no host in the loop: every expert has a
+        home the kernels read (no step stages a miss)."""
+        return self.plan.complete
+
+    def begin(self, token: int, pos: int) -> None:
+        """The first step of a greedy run reads ``token`` at ``pos``; later ones their
+        predecessor's argmax at the next position (``advance``)."""
+        self.tok.fill_(token)
+        self.pos.fill_(pos)
+        self.step_no.zero_()
+
+    def launch(self, n: int) -> None:
+        """Queue step n of a greedy run (its input is on the device already) and the copy of
+        its token to the host; nothing waits."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._forward(None)
+        slot = n % 2
+        self._ring_host[slot : slot + 1].copy_(self.ring[slot : slot + 1], non_blocking=True)
+        if self._ring_done is not None:
+            self._ring_done[slot].record()
+
+    def result(self, n: int) -> int:
+        """The greedy token of step n (waits for that step only)."""
+        slot = n % 2
+        if self._ring_done is not None:
+            self._ring_done[slot].synchronize()
+        return int(self._ring_host[slot])
+
+    def accept(self) -> None:
+        """A step of a greedy run whose token the host took: count it as ``step`` does."""
+        self._count_all_hits()
+        self.steps += 1
+        self.provider.step()
+
+    def _count_all_hits(self) -> None:
+        s = self.provider.stats
+        s.hits += self.args.n_expert_used * self.args.n_layer
+        s.bytes_from_cache += self.step_expert_bytes
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def warm_up(self, on_layer: Callable[[int], None] | None = None) -> None:
+        """One eager step at position 0 (its K/V row is rewritten by the next prompt): every
+        kernel compiles now, not in the first request."""
+        self.tok.zero_()
+        self.pos.zero_()
+        stats = self.provider.stats
+        before = (stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file)
+        self._forward(None if self.plan.complete else self._stage_misses, on_layer)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file = before
+        self.counts.zero_()
+
+    def capture(self) -> bool:
+        """Capture one step as a CUDA graph (replayed while every expert has a readable home).
+        Returns False, with ``graph_reason`` saying why, where that fails: steps then run the
+        same kernels eagerly."""
+        if self.device.type != "cuda":
+            self.graph_reason = "CUDA graphs need a CUDA device"
+            return False
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self._forward(None)
+        except Exception as e:  # an op that cannot be captured
+            self.graph_reason = f"capture failed ({type(e).__name__}: {e})".splitlines()[0]
+            log.warning("decode steps run without a CUDA graph: %s", self.graph_reason)
+            torch.cuda.synchronize(self.device)
+            return False
+        self.graph, self.graph_reason = graph, None
+        return True
+
+    def describe(self) -> str:
+        if self.graph is not None:
+            return "fused Triton kernels, one CUDA graph per step"
+        return f"fused Triton kernels, eager ({self.graph_reason})"
+
+    def close(self) -> None:
+        """Hand over the last counts and let the graph and the cache go."""
+        self.flush_usage()
+        self.graph = None
+        if isinstance(self.provider, ExpertCache):
+            if self.rebuild_table in self.provider.listeners:
+                self.provider.listeners.remove(self.rebuild_table)
+            self.provider.before_plan = None
+
+
+def _embed(w: RepackedWeight, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """The embedding row ``ids[0]`` into ``out`` [D] (one launch on a GPU)."""
+    if w.data.is_cuda:
+        repack_kernels.dequantize(w.data, w.layout, ids=ids, out=out.view(1, -1))
+    else:
+        out.copy_(w.rows(ids)[0])
+
+
+def _file_of(provider: ExpertProvider) -> FileExpertProvider:
+    if isinstance(provider, ExpertCache):
+        return provider.file
+    if isinstance(provider, FileExpertProvider):
+        return provider
+    raise FastPathError(f"no file behind the expert provider {type(provider).__name__}")
+
+
+def _nonzero(flat: torch.Tensor) -> tuple[list[int], list[int]]:
+    idx = torch.nonzero(flat).flatten()
+    return idx.tolist(), flat[idx].tolist()

@@ -1,0 +1,244 @@
+"""The fast decode path end to end, on the CPU in Triton's interpreter (CI) and compiled on a GPU:
+its logits against the reference path's, the same bits whatever the cache holds (and across a
+shrink and a grow mid-generation), the expert uses it counts on the device, a corrupt slot table
+refused, and the choice of path at load.
+
+On the CPU the decoder is assembled by hand (``Engine.load`` takes the fast path on a GPU only);
+the ``gpu`` tests in ``tests/gpu/test_fast_decode_gpu.py`` go through ``Engine.load``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from strata.engine import synth
+from strata.engine.experts.cache import ExpertCache
+from strata.engine.experts.provider import FileExpertProvider
+from strata.engine.experts.slots import SlotTagMismatch, Tag
+from strata.engine.generate import EngineOptions, fast_path_unavailable
+from strata.engine.gguf_index import GGUFIndex
+from strata.engine.models import architecture_module
+from strata.engine.runner import Runner
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed")
+from strata.engine.fast_decode import FastDecoder
+
+Q = gguf.GGMLQuantizationType
+MiB = 2**20
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = 1e-5  # max |fast - reference| / max |reference| of one step's logits
+PROMPT = [1, 5, 9, 100, 7]
+
+
+def reference_runner(path: Path) -> Runner:
+    index = GGUFIndex(path)
+    model = architecture_module(index.arch).Model(index, FileExpertProvider(index, DEVICE), DEVICE)
+    return Runner(model, 64, "f32", 512)
+
+
+def fast_runner(path: Path, cache_share: float | None = None) -> Runner:
+    """Dense weights repacked, the decoder's kernels warmed up, and an expert cache in the
+    kernel layout holding ``cache_share`` of the experts (None: no cache)."""
+    index = GGUFIndex(path)
+    model = architecture_module(index.arch).Model(
+        index, FileExpertProvider(index, DEVICE), DEVICE, repack=True
+    )
+    runner = Runner(model, 64, "f32", 512)
+    decoder = FastDecoder(model, runner.kv)
+    decoder.warm_up()
+    if cache_share is not None:
+        probe = ExpertCache.create(index, torch.device("cpu"), 1 << 40, None, 2 * MiB, kernel=True)
+        budget = int(probe.max_slots * cache_share) * probe.slot_bytes
+        probe.close()
+        model.provider = ExpertCache.create(index, DEVICE, budget, None, 2 * MiB, kernel=True)
+    decoder.bind(model.provider)
+    runner.decoder = decoder
+    return runner
+
+
+def decode(runner: Runner, steps: int, first: int) -> list[torch.Tensor]:
+    """Logits of the prompt and of ``steps`` forced tokens (the same for every runner)."""
+    runner.rewind(0)
+    out = [runner.feed(PROMPT)]
+    tok = first
+    for _ in range(steps):
+        out.append(runner.feed([tok]).cpu())
+        tok = (tok * 31 + 7) % 500
+    return out
+
+
+@pytest.fixture(scope="module")
+def q8(tiny_models) -> Path:
+    return tiny_models.path("qwen3moe", "Q8_0")
+
+
+@pytest.mark.parametrize(("model", "kind"), [("qwen3moe", "Q8_0"), ("mixtral", "F16")])
+def test_fast_steps_agree_with_the_reference_path(tiny_models, model: str, kind: str) -> None:
+    path = tiny_models.path(model, kind)
+    ref, fast = decode(reference_runner(path), 3, 11), decode(fast_runner(path), 3, 11)
+    assert torch.equal(ref[0].cpu(), fast[0].cpu()), "the prompt takes the reference path"
+    for a, b in zip(ref[1:], fast[1:], strict=True):
+        err = float((a - b).abs().max() / a.abs().max())
+        assert err < TOL, f"step logits differ by {err:.2e} (relative to the largest)"
+        top2 = torch.topk(a, 2).values
+        if float(top2[0] - top2[1]) > 2 * TOL * float(a.abs().max()):
+            assert int(a.argmax()) == int(b.argmax())
+
+
+def test_residency_never_changes_the_numbers(q8: Path) -> None:
+    # every expert staged as a miss, half cached, all cached (the same kernels read them all)
+    none, half, every = (decode(fast_runner(q8, s), 3, 23) for s in (None, 0.5, 1.0))
+    for a, b, c in zip(none[1:], half[1:], every[1:], strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_a_shrink_and_a_grow_mid_generation_keep_the_numbers(q8: Path) -> None:
+    steady = decode(fast_runner(q8, 1.0), 4, 5)
+    runner = fast_runner(q8, 1.0)
+    cache = runner.model.provider
+    assert isinstance(cache, ExpertCache) and runner.decoder is not None
+    runner.rewind(0)
+    got = [runner.feed(PROMPT)]
+    tok = 5
+    for i in range(4):
+        got.append(runner.feed([tok]).cpu())
+        tok = (tok * 31 + 7) % 500
+        if i == 0:
+            cache.resize(cache.sizes.core_slots)  # down to the core: most experts now miss
+            assert not runner.decoder.plan.complete
+        if i == 2:
+            cache.resize(cache.max_slots)
+            assert runner.decoder.plan.complete
+    for a, b in zip(steady[1:], got[1:], strict=True):
+        assert torch.equal(a, b)
+
+
+def argmax_steps(runner: Runner, first: int, n: int) -> list[int]:
+    """n greedy successors of ``first``, one ``feed`` and argmax at a time."""
+    out, tok = [], first
+    for _ in range(n):
+        tok = int(torch.argmax(runner.feed([tok])))
+        out.append(tok)
+    return out
+
+
+def test_greedy_look_ahead_gives_the_tokens_of_step_by_step_decoding(q8: Path) -> None:
+    runner = fast_runner(q8, 1.0)
+    runner.rewind(0)
+    first = int(torch.argmax(runner.feed(PROMPT)))
+    want = argmax_steps(runner, first, 6)
+    runner.rewind(len(PROMPT))
+    assert runner.can_look_ahead()
+    got = list(runner.greedy(first, 6))
+    assert got == want
+    # the last token yielded (the limit) was never fed: the cache holds the prompt and 6 tokens
+    assert runner.tokens == [*PROMPT, first, *want[:5]]
+    assert runner.kv.length == len(runner.tokens)
+    # a caller that stops early leaves the step it ran ahead unfed too
+    runner.rewind(len(PROMPT))
+    steps = runner.greedy(first, 6)
+    assert [next(steps), next(steps)] == want[:2]
+    steps.close()
+    assert runner.tokens == [*PROMPT, first, want[0]]
+
+
+def test_look_ahead_hands_back_when_a_shrink_leaves_a_miss(q8: Path) -> None:
+    runner = fast_runner(q8, 1.0)
+    cache = runner.model.provider
+    assert isinstance(cache, ExpertCache)
+    runner.rewind(0)
+    first = int(torch.argmax(runner.feed(PROMPT)))
+    want = argmax_steps(runner, first, 6)
+    runner.rewind(len(PROMPT))
+    calls = 0
+
+    def shrink() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            cache.resize(cache.sizes.core_slots)
+
+    got = list(runner.greedy(first, 6, shrink))
+    assert len(got) == 3  # steps 1 and 2 were running when the shrink came; then it stopped
+    assert not runner.can_look_ahead()
+    got += argmax_steps(runner, got[-1], 3)  # on by feed, staging the misses
+    assert got == want
+
+
+def test_expert_uses_counted_on_the_device_reach_the_provider(q8: Path) -> None:
+    runner = fast_runner(q8, 1.0)
+    decoder = runner.decoder
+    assert decoder is not None
+    totals = runner.model.provider.totals
+    runner.rewind(0)
+    runner.feed(PROMPT)  # the reference path records what it fetches itself
+    before = sum(totals.values())
+    for tok in (3, 9, 27):
+        runner.feed([tok])
+    assert sum(totals.values()) == before  # counted on the device so far
+    runner.flush_usage()
+    a = runner.model.args
+    assert sum(totals.values()) - before == 3 * a.n_layer * a.n_expert_used
+    assert int(decoder.counts.sum()) == 0
+    s = runner.model.provider.stats
+    assert s.misses == 0 and s.hit_rate == 1.0
+
+
+def test_a_tag_mismatch_behind_the_tables_is_an_error_naming_the_expert(q8: Path) -> None:
+    runner = fast_runner(q8, 1.0)
+    cache = runner.model.provider
+    decoder = runner.decoder
+    assert isinstance(cache, ExpertCache) and decoder is not None
+    slot = cache.table.slot_of((2, 3))
+    cache.table._tags[slot] = Tag(2, 4, 999)
+    with pytest.raises(SlotTagMismatch, match=r"\(layer 2, expert 3\)"):
+        decoder.rebuild_table()
+
+
+def test_a_position_beyond_the_context_is_refused(q8: Path) -> None:
+    runner = fast_runner(q8)
+    assert runner.decoder is not None
+    with pytest.raises(ValueError, match="position 64 is outside the context of 64"):
+        runner.decoder.step(3, 64)
+
+
+# -- the choice of path ------------------------------------------------------------------------
+
+
+def write(tmp_path: Path, name: str, spec: synth.ModelSpec, plan: synth.TypePlan) -> GGUFIndex:
+    path = synth.write_model(tmp_path / f"{name}.gguf", spec, synth.vocab_for(spec.arch), plan, 0)
+    return GGUFIndex(path)
+
+
+def test_the_fast_path_is_chosen_only_where_it_can_serve(q8: Path, tmp_path: Path, monkeypatch):
+    index = GGUFIndex(q8)
+    cuda = torch.device("cuda", 0)
+    assert fast_path_unavailable(index, torch.device("cpu"), EngineOptions()) == (
+        "the compute device is the CPU"
+    )
+    off = EngineOptions(fast_decode=False)
+    assert fast_path_unavailable(index, cuda, off) == "fast_decode is off"
+    spec = synth.PRESETS["tiny-qwen3moe"]
+    q5 = write(tmp_path, "q5", spec, replace(synth.TypePlan.uniform(Q.F32), experts_down=Q.Q5_K))
+    assert fast_path_unavailable(q5, cuda, EngineOptions()) == (
+        "expert tensors of type Q5_K have no decode kernel yet"
+    )
+    odd = write(tmp_path, "odd", replace(spec, n_layer=1, head_dim=48), synth.TypePlan())
+    assert fast_path_unavailable(odd, cuda, EngineOptions()) == (
+        "the head dimension 48 is not a power of two"
+    )
+    import strata.engine.kernels as kernels
+
+    monkeypatch.setattr(kernels, "unavailable", lambda: "Triton is unavailable (no backend)")
+    reason = fast_path_unavailable(index, cuda, EngineOptions())
+    assert reason == "Triton is unavailable (no backend)"
+    monkeypatch.undo()
+    assert fast_path_unavailable(index, cuda, EngineOptions()) is None

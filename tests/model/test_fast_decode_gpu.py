@@ -1,0 +1,206 @@
+"""The fast decode path through ``Engine.load`` on a GPU: it is chosen, its logits stay within a
+stated tolerance of the reference path's on every test file, and its text is the same with and
+without CUDA graphs, at every cache size and across a shrink and a grow mid-generation.
+
+Tolerance: one decode step's logits differ from the reference path's by at most 1e-4 of their
+largest magnitude (float32 sums in another order, over the layers; measured near 1e-6), and the
+top token is the same wherever the reference's top-2 margin exceeds twice that.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from strata.engine.experts.cache import ExpertCache
+from strata.engine.generate import Engine, EngineOptions, decode_path
+from strata.engine.params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+MiB = 2**20
+TOL = 1e-4
+KINDS = ["F32", "Q8_0", "Q4_K_M", "Q6_K"]
+
+
+@pytest.fixture(scope="module")
+def cuda() -> str:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    return "cuda:0"
+
+
+def load(path: Path, cuda: str, **kw) -> Engine:
+    options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=2)
+    options.update(kw)
+    return Engine.load(path, EngineOptions(**options))  # type: ignore[arg-type]
+
+
+def all_mib(path: Path, cuda: str) -> int:
+    e = load(path, cuda, cache_mib=1 << 20)
+    assert e.cache is not None and e.cache.n_slots == e.cache.max_slots
+    mib = -(-e.cache.n_slots * e.cache.slot_bytes // MiB) + 2
+    e.close()
+    return mib
+
+
+def forced_logits(e: Engine, prompt: list[int], steps: int) -> list[torch.Tensor]:
+    e.runner.rewind(0)
+    out = [e.runner.feed(prompt).cpu()]
+    tok = 17
+    for _ in range(steps):
+        out.append(e.runner.feed([tok]).cpu())
+        tok = (tok * 131 + 3) % 2000
+    return out
+
+
+def test_the_gpu_takes_the_fast_path_and_says_so(tiny_models, cuda, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="strata.engine.generate"):
+        e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda, cache_mib=64)
+    assert e.runner.decoder is not None
+    assert decode_path(e.runner) == "fused Triton kernels, one CUDA graph per step"
+    assert "GPU decode: fused Triton kernels, one CUDA graph per step" in caplog.text
+    assert isinstance(e.cache, ExpertCache) and e.cache.kernel
+    e.close()
+
+
+@pytest.mark.parametrize("model", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_logits_stay_within_tolerance_of_the_reference_path(
+    tiny_models, cuda, model, kind
+) -> None:
+    path = tiny_models.path(model, kind)
+    fast = load(path, cuda, cache_mib=1 << 20)
+    ref = load(path, cuda, cache_mib=1 << 20, fast_decode=False)
+    assert fast.runner.decoder is not None and ref.runner.decoder is None
+    prompt = [1, 50, 300, 7, 9, 2000, 31]
+    a, b = forced_logits(ref, prompt, 24), forced_logits(fast, prompt, 24)
+    worst = 0.0
+    for la, lb in zip(a[1:], b[1:], strict=True):
+        err = float((la - lb).abs().max() / la.abs().max())
+        worst = max(worst, err)
+        top2 = torch.topk(la, 2).values
+        if float(top2[0] - top2[1]) > 2 * TOL * float(la.abs().max()):
+            assert int(la.argmax()) == int(lb.argmax())
+    print(f"\n{model} {kind}: worst relative logit difference {worst:.2e}")
+    assert worst < TOL
+    fast.close()
+    ref.close()
+
+
+def generate(e: Engine, params: SamplingParams, safe_point=None) -> list[int]:
+    e.runner.rewind(0)
+    return e.generate([1, 2, 3, 4, 5, 6], params, safe_point=safe_point).tokens
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=40, temperature=1.0, top_k=0, top_p=0.95, min_p=0.0, seed=5)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_text_is_the_same_with_graphs_on_and_off(tiny_models, cuda, params) -> None:
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    graph = load(path, cuda, cache_mib=1 << 20)
+    eager = load(path, cuda, cache_mib=1 << 20, enforce_eager=True)
+    assert graph.runner.decoder.graph is not None and eager.runner.decoder.graph is None
+    assert decode_path(eager.runner) == "fused Triton kernels, eager (enforce_eager is set)"
+    a, b = forced_logits(graph, [4, 5], 8), forced_logits(eager, [4, 5], 8)
+    for la, lb in zip(a, b, strict=True):
+        assert torch.equal(la, lb)
+    assert generate(graph, params) == generate(eager, params)
+    graph.close()
+    eager.close()
+
+
+def test_greedy_look_ahead_matches_one_step_at_a_time(tiny_models, cuda) -> None:
+    e = load(tiny_models.path("qwen3moe", "Q6_K"), cuda, cache_mib=1 << 20)
+    assert e.runner.can_look_ahead()
+    ahead = generate(e, GREEDY)
+    e.runner.rewind(0)
+    tok = int(torch.argmax(e.runner.feed([1, 2, 3, 4, 5, 6])))
+    one_by_one = [tok]
+    while len(one_by_one) < GREEDY.max_tokens:
+        tok = int(torch.argmax(e.runner.feed([tok])))
+        one_by_one.append(tok)
+    assert ahead == one_by_one
+    e.close()
+
+
+def test_text_is_the_same_at_cache_all_half_and_none(tiny_models, cuda) -> None:
+    path = tiny_models.path("mixtral", "Q4_K_M")
+    full = all_mib(path, cuda)
+    runs = {}
+    for label, mib in (("all", full), ("half", full // 2), ("none", 0)):
+        e = load(path, cuda, cache_mib=mib)
+        runs[label] = (generate(e, GREEDY), forced_logits(e, [9, 8, 7], 6))
+        e.close()
+    assert runs["all"][0] == runs["half"][0] == runs["none"][0]
+    for a, b, c in zip(runs["all"][1], runs["half"][1], runs["none"][1], strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_a_shrink_and_a_grow_mid_generation_change_no_token(tiny_models, cuda) -> None:
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    e = load(path, cuda, cache_mib=all_mib(path, cuda))
+    steady = generate(e, GREEDY)
+    cache = e.cache
+    assert cache is not None
+    calls = 0
+
+    def resize() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 6:
+            cache.resize(cache.sizes.core_slots)
+            assert not e.runner.decoder.plan.complete
+        elif calls == 20:
+            cache.resize(cache.max_slots)
+            assert e.runner.decoder.plan.complete
+
+    assert generate(e, GREEDY, resize) == steady
+    assert calls > 20
+    e.close()
+
+
+def test_kernels_that_fail_to_build_leave_the_reference_path(
+    tiny_models, cuda, caplog, monkeypatch
+) -> None:
+    from strata.engine.fast_decode import FastDecoder
+
+    def broken(self, on_layer=None):
+        raise RuntimeError("no compiler for this device\nsecond line")
+
+    monkeypatch.setattr(FastDecoder, "warm_up", broken)
+    path = tiny_models.path("qwen3moe", "Q8_0")
+    with caplog.at_level(logging.WARNING, logger="strata.engine.generate"):
+        e = load(path, cuda, cache_mib=64)
+    assert e.runner.decoder is None and e.cache is not None and not e.cache.kernel
+    assert "GPU decode kernels failed to build (RuntimeError: no compiler for this device)" in (
+        caplog.text
+    )
+    assert len(generate(e, SamplingParams(max_tokens=4, temperature=0.0))) == 4
+    e.close()
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly(tiny_models, cuda, caplog, monkeypatch):
+    class Refuses:
+        def __init__(self, *a, **k) -> None:
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "graph", Refuses)
+    path = tiny_models.path("qwen3moe", "Q8_0")
+    with caplog.at_level(logging.WARNING, logger="strata.engine.fast_decode"):
+        e = load(path, cuda, cache_mib=64)
+    monkeypatch.undo()
+    assert e.runner.decoder is not None and e.runner.decoder.graph is None
+    assert "decode steps run without a CUDA graph: capture failed (RuntimeError" in caplog.text
+    assert len(generate(e, SamplingParams(max_tokens=4, temperature=0.0))) == 4
+    e.close()
