@@ -182,6 +182,8 @@ def text_report(result: Mapping[str, Any]) -> str:
     s, m = result["settings"], result["model"]
     dev = result["device"]
     dequant = f"dequantised by {dev['dequant']}, " if dev.get("dequant") else ""
+    if dev.get("decode"):
+        dequant += f"decode: {dev['decode']}, "
     lines = [
         f"strata bench: {m['name']} ({m['file_bytes'] / GiB:.2f} GiB, {m['n_experts']} experts "
         f"of {m['slot_bytes'] / MiB:.2f} MiB), {dev['name']}, threads {dev['threads']}, "

@@ -22,8 +22,8 @@ from strata.engine import quant
 from strata.engine.bench import llama, probes, stats
 from strata.engine.bench.settings import DECODE_PROMPT_TOKENS, BenchSettings
 from strata.engine.bench.strata_run import StrataBench, dense_bytes_per_token, slots_for
-from strata.engine.experts.layout import slot_bytes_for
-from strata.engine.generate import Engine, resolve_device
+from strata.engine.experts.layout import kernel_slot_bytes_for, slot_bytes_for
+from strata.engine.generate import Engine, decode_path, fast_path_unavailable, resolve_device
 from strata.engine.gguf_index import GGUFIndex
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,9 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Resu
     device = resolve_device(settings.engine.device)
     index = GGUFIndex(settings.model)
     n_experts = len(index.experts)
-    slot_bytes = slot_bytes_for(index)
+    # the slots the engine will make: the kernel layout's on the GPU fast path
+    fast = fast_path_unavailable(index, device, settings.engine) is None
+    slot_bytes = kernel_slot_bytes_for(index) if fast else slot_bytes_for(index)
     chunk = settings.engine.arena_chunk_mib * MiB
     slots = [slots_for(b, n_experts, slot_bytes, chunk) for b in settings.budgets]
     n_ctx = bench_context(settings, int(index.key("context_length", 0)))
@@ -128,6 +130,7 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Resu
             steps("llama.cpp")
             result["strata"], result["resize"] = [], None
             result["device"]["dequant"] = None
+            result["device"]["decode"] = None
         if settings.llama_bench is not None and not result["interrupted"]:
             _llama_phase(settings, result, vram, vram_reason, steps)
     finally:
@@ -164,6 +167,7 @@ def _strata_phase(
     result["load_s"] = time.monotonic() - t0
     result["device"]["threads"] = torch.get_num_threads()  # as the engine set them
     result["device"]["dequant"] = _dequant_path(device)
+    result["device"]["decode"] = decode_path(engine.runner)
     rows: list[Any] = []
     result["strata"] = rows
     result["resize"] = None

@@ -128,7 +128,8 @@ class StrataBench:
         self._sync()
         before = self._counts()
         t0 = time.perf_counter()
-        self.engine.runner.feed(ids)  # returns the logits on the host: synchronised
+        self.engine.runner.feed(ids)
+        self._sync()  # the logits stay on the device: wait for them
         seconds = time.perf_counter() - t0
         return {"tokens": n, "seconds": seconds, **_delta(before, self._counts())}
 

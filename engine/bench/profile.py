@@ -1,0 +1,360 @@
+"""Where a decode step's time goes on a GPU: a developer's tool beside ``strata bench``.
+
+    python -m strata.engine.bench.profile --synthetic qwen3-30b-a3b-q4k [--json OUT]
+
+Loads the model with every expert cached, then reports:
+
+* tokens per second through ``Engine.generate`` (greedy, as the bench's tg test) and the GPU
+  time of one step (graph replays back to back, timed with CUDA events);
+* a ``torch.profiler`` trace of a few steps: kernels per step, the GPU-busy share of the wall
+  time, and per kernel the launches, time and achieved bandwidth (bytes each kernel must read,
+  counted from the model's shapes, over its time);
+* with ``--check N``: the fast path's logits against the reference path's for N steps;
+* with ``--sweep``: each decode kernel alone on the model's shapes at a few block sizes, its
+  weights rotated over more than the L2 holds, timed as a graph of launches.
+
+Speeds here are diagnostics; the numbers that count come from ``strata bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+MiB = 2**20
+
+
+def _engine(path: Path, fast: bool, eager: bool, n_ctx: int) -> Any:
+    from strata.engine.generate import Engine, EngineOptions
+
+    options = EngineOptions(
+        device="cuda:0", cache_mib=10**7, context_length=n_ctx, fast_decode=fast,
+        enforce_eager=eager,
+    )  # fmt: skip
+    return Engine.load(path, options)
+
+
+def _prompt(n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def decode_speed(engine: Any, n_tokens: int) -> dict[str, Any]:
+    from strata.engine.params import SamplingParams
+
+    engine.tokenizer.eog_ids = frozenset()
+    prompt = _prompt(16, engine.runner.model.args.vocab_size)
+    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, seed=0)
+    engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))  # warm
+    runs = []
+    for _ in range(3):
+        engine.runner.rewind(0)
+        r = engine.generate(prompt, params)
+        runs.append((len(r.tokens) - 1) / r.decode_s)
+    out: dict[str, Any] = {"tok_s": runs, "tok_s_median": statistics.median(runs)}
+    dec = engine.runner.decoder
+    if dec is not None and dec.graph is not None:
+        # each replay moves its position on (the in-graph advance): start low enough that 51
+        # replays stay inside the context
+        reps = min(50, engine.n_ctx - 18)
+        dec.begin(1, 16)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dec.graph.replay()
+        start.record()
+        for _ in range(reps):
+            dec.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out["gpu_ms_per_step"] = start.elapsed_time(end) / reps
+    return out
+
+
+def _kernel_bytes(engine: Any) -> dict[str, float]:
+    """Bytes each decode kernel family must read per step (weights only), from the shapes."""
+    dec = engine.runner.decoder
+    dense = 0
+    for lyr in dec.layers:
+        for m in (*(lyr.qkv or ()), lyr.o, lyr.router):
+            dense += m.lay.nbytes if m is not None else 0
+    head = dec.output.layout.nbytes if hasattr(dec.output, "layout") else 0
+    k = dec.args.n_expert_used
+    gate_up = k * sum(s.gate.nbytes + s.up.nbytes for s in dec.slot_layouts)
+    down = k * sum(s.down.nbytes for s in dec.slot_layouts)
+    return {"_matvec_kernel": dense + head, "_gate_up_kernel": gate_up, "_down_kernel": down}
+
+
+def profile_steps(engine: Any, steps: int = 5) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    dec = engine.runner.decoder
+    runner = engine.runner
+    runner.rewind(0)
+    runner.feed(_prompt(16, runner.model.args.vocab_size))
+    tok = 1
+    for _ in range(3):
+        tok = int(torch.argmax(runner.feed([tok])))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = int(torch.argmax(runner.feed([tok])))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    n_kernels, busy = 0, 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if t <= 0:
+            continue
+        per[e.name][0] += 1
+        per[e.name][1] += t
+        n_kernels += 1
+        busy += t
+    nbytes = _kernel_bytes(engine) if dec is not None else {}
+    kernels = []
+    for name, (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        row = {"name": name[:80], "per_step": count / steps, "us_per_step": us / steps}
+        if name in nbytes and us > 0:
+            row["gb_s"] = nbytes[name] / (us / steps * 1e-6) / 1e9
+        kernels.append(row)
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall / steps * 1e3,
+        "kernels_per_step": n_kernels / steps,
+        "gpu_busy_ms_per_step": busy / steps / 1e3,
+        "gpu_busy_share": busy / 1e6 / wall,
+        "kernels": kernels,
+    }
+
+
+def check(path: Path, engine: Any, n: int, n_ctx: int) -> dict[str, Any]:
+    """Logits of the fast path against the reference path, for a prompt and n greedy steps."""
+    ref = _engine(path, fast=False, eager=True, n_ctx=n_ctx)
+    out: dict[str, Any] = {"steps": []}
+    try:
+        prompt = _prompt(16, engine.runner.model.args.vocab_size)
+        a, b = ref.runner, engine.runner
+        a.rewind(0)
+        b.rewind(0)
+        la, lb = a.feed(prompt), b.feed(prompt)
+        tok = int(torch.argmax(la))
+        for _ in range(n):
+            la, lb = a.feed([tok]), b.feed([tok])
+            err = float((la - lb).abs().max() / la.abs().max())
+            top2 = torch.topk(la, 2).values
+            out["steps"].append(
+                {
+                    "rel_err": err,
+                    "top1_ref": int(torch.argmax(la)),
+                    "top1_fast": int(torch.argmax(lb)),
+                    "ref_margin": float(top2[0] - top2[1]),
+                }
+            )
+            tok = int(torch.argmax(la))
+    finally:
+        ref.close()
+    return out
+
+
+def sweep(engine: Any) -> list[dict[str, Any]]:
+    """Each decode kernel family on the model's shapes, weights rotated past the L2."""
+    from strata.engine.kernels import matvec as mv
+    from strata.engine.kernels import moe
+
+    dec = engine.runner.decoder
+    lyr = dec.layers[-1]
+    rows: list[dict[str, Any]] = []
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+
+    def copies(nbytes: int) -> int:
+        return max(2, -(-4 * l2 // max(1, nbytes)))
+
+    def timed(fn_list: list[Any], nbytes: int, label: str, **cfg: Any) -> None:
+        try:
+            for f in fn_list:
+                f()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(4):
+                    for f in fn_list:
+                        f()
+            g.replay()
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(5):
+                g.replay()
+            e.record()
+            torch.cuda.synchronize()
+            us = s.elapsed_time(e) * 1e3 / (5 * 4 * len(fn_list))
+            rows.append({"kernel": label, **cfg, "us": us, "gb_s": nbytes / us / 1e3})
+        except Exception as ex:  # a configuration that does not compile or fit
+            rows.append({"kernel": label, **cfg, "error": f"{type(ex).__name__}: {ex}"[:200]})
+
+    def clone_mat(m: Any) -> Any:
+        return mv.Mat(m.data.clone(), m.lay)
+
+    x = torch.randn(dec.args.n_embd, device="cuda")
+    head = _mat_of(dec.output)
+    for label, mats, norm in (
+        ("qkv", lyr.qkv, lyr.block.attn_norm),
+        ("o", (lyr.o,), None),
+        ("router", (lyr.router,), lyr.block.ffn_norm),
+        ("head", (head,) if head is not None else None, dec.out_norm),
+    ):
+        if mats is None or any(m is None for m in mats):
+            continue
+        nbytes = sum(m.lay.nbytes for m in mats)
+        sets = [[clone_mat(m) for m in mats] for _ in range(copies(nbytes))]
+        xin = torch.randn(mats[0].cols, device="cuda")
+        y = torch.empty(sum(m.rows for m in mats), device="cuda")
+        for bn, nw in CONFIGS:
+            fns = [
+                (
+                    lambda s=s, bn=bn, nw=nw, y=y, xin=xin, norm=norm: mv.matvec(
+                        y, xin, s, norm, 1e-6, bn=bn, num_warps=nw
+                    )
+                )
+                for s in sets
+            ]
+            timed(fns, nbytes, label, bn=bn, warps=nw)
+    # the experts: k chosen of a layer's arena slots, rotated over layers' tables
+    a = dec.args
+    lay = dec.slot_layouts[-1]
+    wts = torch.full((a.n_expert_used,), 1.0 / a.n_expert_used, device="cuda")
+    act = torch.empty(a.n_expert_used, a.n_ff_exp, device="cuda")
+    h = torch.randn(a.n_embd, device="cuda")
+    # each layer's first k experts: their slots, as route would resolve them
+    tables = [
+        dec.table[i * a.n_expert : i * a.n_expert + a.n_expert_used] for i in range(a.n_layer)
+    ]
+    gu_bytes = a.n_expert_used * (lay.gate.nbytes + lay.up.nbytes)
+    dn_bytes = a.n_expert_used * lay.down.nbytes
+    for bn, nw in CONFIGS:
+        fns = [
+            (lambda t=t, bn=bn, nw=nw: moe.gate_up(act, h, t, dec.anchor, lay.gate, lay.up,
+                                                   lay.up_offset, bn=bn, num_warps=nw))
+            for t in tables
+        ]  # fmt: skip
+        timed(fns, gu_bytes, "gate_up", bn=bn, warps=nw)
+        fns = [
+            (lambda t=t, bn=bn, nw=nw: moe.down(x, act, t, wts, dec.anchor, lay.down,
+                                                lay.down_offset, bn=bn, num_warps=nw))
+            for t in tables
+        ]  # fmt: skip
+        timed(fns, dn_bytes, "down", bn=bn, warps=nw)
+    return rows
+
+
+# (rows per program, warps; None: one thread per unit of a step) tried by --sweep
+CONFIGS = ((1, None), (2, None), (4, None), (8, None), (4, 8))
+
+
+def _mat_of(w: Any) -> Any:
+    from strata.engine.kernels.matvec import Mat
+
+    return Mat(w.data, w.layout) if hasattr(w, "layout") else None
+
+
+def compiled_kernels() -> list[dict[str, Any]]:
+    """Registers, spills and warps of every decode kernel compiled so far (Triton's report)."""
+    from strata.engine.kernels import attention, matvec, moe, rope
+
+    out = []
+    for mod in (matvec, moe, attention, rope):
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            caches = getattr(fn, "device_caches", None)
+            if not isinstance(caches, dict):
+                continue
+            for cache in caches.values():
+                for ck in (cache[0] if isinstance(cache, tuple) else cache).values():
+                    meta = getattr(ck, "metadata", None)
+                    out.append({
+                        "kernel": name,
+                        "regs": getattr(ck, "n_regs", None),
+                        "spills": getattr(ck, "n_spills", None),
+                        "warps": getattr(meta, "num_warps", None),
+                    })  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m strata.engine.bench.profile", description=__doc__)
+    p.add_argument("--synthetic", help="a synth preset, written on first use")
+    p.add_argument("--model", type=Path, help="a GGUF file")
+    p.add_argument("--tokens", type=int, default=128, help="decode tokens per timed run")
+    p.add_argument("--check", type=int, default=0, help="steps compared with the reference path")
+    p.add_argument("--sweep", action="store_true", help="time each kernel at a few block sizes")
+    p.add_argument("--eager", action="store_true", help="no CUDA graph (enforce_eager)")
+    p.add_argument("--json", type=Path, help="write everything here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.model is None:
+        if args.synthetic is None:
+            p.error("give --model or --synthetic")
+        from strata.daemon import paths
+        from strata.engine.synth import ensure_synthetic
+
+        args.model = ensure_synthetic(args.synthetic, paths.cache_dir())
+    n_ctx = 16 + args.tokens + 16
+    result: dict[str, Any] = {"model": str(args.model)}
+    t0 = time.monotonic()
+    engine = _engine(args.model, fast=True, eager=args.eager, n_ctx=max(n_ctx, 64))
+    result["load_s"] = time.monotonic() - t0
+    from strata.engine.generate import decode_path
+
+    result["decode_path"] = decode_path(engine.runner)
+    result["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / MiB
+    result["speed"] = decode_speed(engine, args.tokens)
+    print(json.dumps(result["speed"]), flush=True)
+    if engine.runner.decoder is not None:
+        result["profile"] = profile_steps(engine)
+        pr = result["profile"]
+        print(
+            f"kernels/step {pr['kernels_per_step']:.0f}, wall {pr['wall_ms_per_step']:.3f} ms, "
+            f"GPU busy {pr['gpu_busy_ms_per_step']:.3f} ms ({pr['gpu_busy_share']:.1%})",
+            flush=True,
+        )
+        for k in pr["kernels"][:14]:
+            bw = f"{k['gb_s']:8.0f} GB/s" if "gb_s" in k else ""
+            print(f"  {k['per_step']:6.1f}x {k['us_per_step']:9.1f} us {bw}  {k['name']}")
+    try:
+        result["compiled"] = compiled_kernels()
+        for k in result["compiled"]:
+            print("compiled:", json.dumps(k))
+    except Exception as e:  # the report is a diagnostic: never fail the run for it
+        print(f"compiled kernels: not readable ({type(e).__name__}: {e})")
+    if args.check:
+        result["check"] = check(args.model, engine, args.check, max(n_ctx, 64))
+        print(json.dumps(result["check"]), flush=True)
+    if args.sweep and engine.runner.decoder is not None:
+        result["sweep"] = sweep(engine)
+        best: dict[str, dict[str, Any]] = {}
+        for r in result["sweep"]:
+            if "us" in r and (r["kernel"] not in best or r["us"] < best[r["kernel"]]["us"]):
+                best[r["kernel"]] = r
+        for r in result["sweep"]:
+            print(json.dumps(r))
+        print("best:", json.dumps(best), flush=True)
+    engine.close()
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
