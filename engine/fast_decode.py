@@ -45,7 +45,7 @@ from strata.engine.kv import KVCache
 from strata.engine.layers.decoder import Block, MoEDecoder
 from strata.engine.layers.norm import rms_norm
 from strata.engine.layers.weights import RepackedWeight, Weight, linear
-from strata.engine.quant import repack_into, repack_kernels
+from strata.engine.quant import repack_kernels
 
 log = logging.getLogger(__name__)
 _INTERP_BN = 128  # rows per program in Triton's interpreter: few, wide programs
@@ -101,9 +101,8 @@ def attention_splits(n_head: int, device: torch.device) -> int:
 class FastDecoder:
     def __init__(self, model: MoEDecoder, kv: KVCache) -> None:
         a = model.args
-        for name, v in (("head_dim", a.head_dim),):
-            if v < 2 or v & (v - 1):
-                raise FastPathError(f"{name} {v} is not a power of two")
+        if a.head_dim < 2 or a.head_dim & (a.head_dim - 1):
+            raise FastPathError(f"head_dim {a.head_dim} is not a power of two")
         self.model, self.kv, self.args = model, kv, a
         self.device = dev = model.device
         self.index = model.index
@@ -114,7 +113,6 @@ class FastDecoder:
         self.out_norm = model.out_norm
         L, E, K, D = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd
         q_dim, kv_dim = a.n_head * a.head_dim, a.n_head_kv * a.head_dim
-        self.q_dim, self.kv_dim = q_dim, kv_dim
         f32 = torch.float32
         # the fixed buffers a step reads and writes (a captured graph keeps their addresses)
         self.tok = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -211,7 +209,6 @@ class FastDecoder:
         readable home into a staging slot and point its chosen-expert offset there (the table
         itself is not touched: it only ever holds homes)."""
         stats = self.provider.stats
-        lay = self.slot_layouts[layer]
         for j, e in enumerate(self.ids[layer].tolist()):
             blob = self.index.expert(layer, e)
             if self.plan.is_resident(layer, e):
@@ -220,9 +217,7 @@ class FastDecoder:
                 continue
             stats.misses += 1
             stats.bytes_from_file += blob.nbytes
-            slot = self.staging[j * self.staging_bytes : (j + 1) * self.staging_bytes]
-            for off, m, src in zip(lay.offsets, lay.layouts, self.file.upload(blob), strict=True):
-                repack_into(slot[off : off + m.nbytes], src, m)
+            self.file.upload_kernel(blob, self.staging[j * self.staging_bytes :])
             self.eoffs[layer, j].fill_(self.staging_offsets[j])
 
     def flush_usage(self) -> None:

@@ -45,7 +45,6 @@ from strata.engine.experts.slots import (
 )
 from strata.engine.gguf_index import ExpertBlob, GGUFIndex
 from strata.engine.layers.weights import QWeight, RepackedWeight
-from strata.engine.quant import repack_into
 from strata.vmm.arena import ElasticArena, create_arena
 
 log = logging.getLogger(__name__)
@@ -289,10 +288,7 @@ class ExpertCache:
     def _copy_in(self, slot: int, blob: ExpertBlob) -> None:
         base = slot * self.slot_bytes
         if self.kernel:
-            lay = kernel_layout(blob)
-            raw = self.file.upload(blob)
-            for off, m, src in zip(lay.offsets, lay.layouts, raw, strict=True):
-                repack_into(self.arena.view(base + off, m.nbytes), src, m)
+            self.file.upload_kernel(blob, self.arena.view(base, kernel_layout(blob).nbytes))
             return
         for off, run in zip(run_offsets(blob), blob.runs, strict=True):
             dst = self.arena.view(base + off, run.nbytes)

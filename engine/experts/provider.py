@@ -15,11 +15,12 @@ from typing import Protocol
 
 import torch
 
-from strata.engine.experts.layout import slot_bytes_for
+from strata.engine.experts.layout import kernel_layout, slot_bytes_for
 from strata.engine.experts.slots import ExpertKey, UsageCounts
 from strata.engine.experts.staging import PinnedStager
 from strata.engine.gguf_index import ExpertBlob, GGUFIndex
 from strata.engine.layers.weights import QWeight, Weight
+from strata.engine.quant import repack_into
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,13 @@ class FileExpertProvider:
         raw = self.upload(blob)
         gate, up, down = (QWeight.of_run(b, r) for b, r in zip(raw, blob.runs, strict=True))
         return ExpertWeights(gate, up, down)
+
+    def upload_kernel(self, blob: ExpertBlob, dst: torch.Tensor) -> None:
+        """Write the expert's kernel layout (its three matrices repacked) into ``dst``, a uint8
+        slot of at least ``kernel_layout(blob).nbytes`` on the compute device."""
+        lay = kernel_layout(blob)
+        for off, m, src in zip(lay.offsets, lay.layouts, self.upload(blob), strict=True):
+            repack_into(dst[off : off + m.nbytes], src, m)
 
     def upload(self, blob: ExpertBlob) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The expert's three GGUF byte runs on the compute device (through the pinned staging

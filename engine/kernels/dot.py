@@ -266,7 +266,6 @@ __all__ = [
     "dot_rows2",
     "plane_offsets",
     "rms_scale",
-    "triton",
     "units_per_step",
     "warps_for",
     "xin",
