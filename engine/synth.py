@@ -585,6 +585,7 @@ PRESETS: dict[str, ModelSpec] = {
     "mixtral-8x7b": ModelSpec("llama", 32, 4096, 32, 8, 128, 8, 2, 14336, 32768, 1e6, 1e-5, 32000),
 }
 PRESETS["qwen3-30b-a3b-q4k"] = PRESETS["qwen3-30b-a3b"]
+PRESETS["qwen3-30b-a3b-q5k"] = PRESETS["qwen3-30b-a3b"]
 
 # llama.cpp's Q4_K_M recipe for these shapes: Q4_K by default, output Q6_K, attn_v and ffn_down
 # Q6_K on the use_more_bits layers, router and norms untouched (F32).
@@ -598,6 +599,17 @@ Q4_K_M = TypePlan(
     experts_down_more_bits=Q.Q6_K,
     file_type=LlamaFileType.MOSTLY_Q4_K_M,
 )
+# llama.cpp's Q5_K_M recipe, likewise: Q5_K by default, Q6_K where Q4_K_M has it.
+Q5_K_M = TypePlan(
+    token_embd=Q.Q5_K,
+    attn=Q.Q5_K,
+    experts_gate_up=Q.Q5_K,
+    experts_down=Q.Q5_K,
+    output=Q.Q6_K,
+    attn_v_more_bits=Q.Q6_K,
+    experts_down_more_bits=Q.Q6_K,
+    file_type=LlamaFileType.MOSTLY_Q5_K_M,
+)
 PRESET_TYPES: dict[str, TypePlan] = {
     "tiny-qwen3moe": TypePlan.uniform(Q.F32),
     "tiny-mixtral": TypePlan.uniform(Q.F32),
@@ -606,6 +618,7 @@ PRESET_TYPES: dict[str, TypePlan] = {
     "mixtral-8x7b": Q4_K_M,
     # Every expert tensor Q4_K (one expert size for the whole file); the rest as Q4_K_M would.
     "qwen3-30b-a3b-q4k": replace(Q4_K_M, experts_down_more_bits=None),
+    "qwen3-30b-a3b-q5k": Q5_K_M,
 }
 PRESET_SEED = 0
 

@@ -20,7 +20,13 @@ GiB = 2**30
 
 # `--synthetic NAME`: the bench's short names for the synth presets (the preset names work too).
 SYNTHETIC_ALIASES = {"tiny": "tiny-qwen3moe"}
-SYNTHETIC_NAMES = ("tiny", "qwen3-30b-a3b", "qwen3-30b-a3b-q4k", "mixtral-8x7b")
+SYNTHETIC_NAMES = (
+    "tiny",
+    "qwen3-30b-a3b",
+    "qwen3-30b-a3b-q4k",
+    "qwen3-30b-a3b-q5k",
+    "mixtral-8x7b",
+)
 
 # Budgets given as a share of all experts. `none` is 0 MiB: every expert from RAM or the file.
 BUDGET_SHARES = {"all": 1.0, "half": 0.5, "quarter": 0.25}

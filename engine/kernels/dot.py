@@ -16,6 +16,8 @@ the steps are unrolled; each thread reduces its own unit in registers and the ro
 across threads once, at the end. The K-quants use the factored form (per sub-block: scale times
 the integer dot minus min times the input's sum), and integers become floats by an OR and an
 exact subtraction rather than conversion instructions, which run at a quarter of the rate.
+Every type with units of 32 elements (Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0) shares ``k_tile``'s
+structure; IQ4_XS gathers its levels from the table in the matrix's own bytes.
 That is the same function as "dequantise, then multiply" up to float rounding; the callers'
 tests bound the difference.
 """
@@ -36,8 +38,11 @@ F32: tl.constexpr = tl.constexpr(int(Q.F32))
 F16: tl.constexpr = tl.constexpr(int(Q.F16))
 BF16: tl.constexpr = tl.constexpr(int(Q.BF16))
 Q8_0: tl.constexpr = tl.constexpr(int(Q.Q8_0))
+Q4_0: tl.constexpr = tl.constexpr(int(Q.Q4_0))
 Q4_K: tl.constexpr = tl.constexpr(int(Q.Q4_K))
+Q5_K: tl.constexpr = tl.constexpr(int(Q.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(Q.Q6_K))
+IQ4_XS: tl.constexpr = tl.constexpr(int(Q.IQ4_XS))
 
 # Triton's interpreter (CI, on the CPU) runs a program at a time in Python: there, fewer and wider
 # programs test the same code in a fraction of the time. On a GPU the tuned sizes apply.
@@ -47,6 +52,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 assert [p.block_bytes for p in PLANES[Q.Q4_K]] == [128, 8, 8, 2, 2]
 assert [p.block_bytes for p in PLANES[Q.Q6_K]] == [128, 64, 16, 2]
 assert [p.block_bytes for p in PLANES[Q.Q8_0]] == [32, 2]
+assert [p.block_bytes for p in PLANES[Q.Q5_K]] == [128, 32, 8, 8, 4]
+assert [(p.block_bytes, p.fixed_bytes) for p in PLANES[Q.IQ4_XS]] == [
+    (128, 0), (8, 0), (2, 0), (0, 64)
+]  # fmt: skip
+assert [p.block_bytes for p in PLANES[Q.Q4_0]] == [16, 2]
+# the types whose units are 32 elements, k_tile's (dot_rows and moe._down_kernel test them inline)
+UNIT32_TYPES = frozenset({Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
 
 
 @triton.jit
@@ -99,42 +111,84 @@ def k_input(x, nw, rms, xo, um, HAS_NORM: tl.constexpr):
 
 
 @triton.jit
-def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, nb: tl.constexpr, QT: tl.constexpr, xl, xh, sx):
-    """One K-quant tile: rows r (BN) x units u (T sub-blocks of 32 elements, from their rows'
-    start; wp: [T] pointers to each unit's matrix) dotted with the input tile: [BN, T].
+def _unit_at(r, u, NK: tl.constexpr):
+    """[BN, T]: the entry of each (row, unit) in a plane of one entry per unit."""
+    return (r * NK)[:, None] + u[None, :]
 
-    Q4_K: byte 16u + k holds elements 32u + k and 32u + 16 + k of sub-block u (one scale and
-    min); Q6_K: the same bytes hold their low 4 bits, bits 4(u % 2) (+ 2) of qh byte
-    16(u // 2) + k their high 2, and their scales sit at 16(u // 8) + u % 8 (+ 8)."""
+
+@triton.jit
+def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constexpr, xl, xh, sx):
+    """One tile of a type with units of 32 elements: rows r (BN) x units u (T of them, counted
+    from their rows' start; a row has NK; wp: [T] pointers to each unit's matrix) dotted with
+    the input tile: [BN, T]. Byte 16u + k of the quants holds elements 32u + k and 32u + 16 + k.
+
+    Q4_K, Q5_K, IQ4_XS: one scale (and min) per unit, at u; Q5_K's fifth bits: bits k and
+    16 + k of the uint32 word u; IQ4_XS: nibbles index the 16 levels at o3. Q4_0: a unit is a
+    block, its d at u. Q6_K: the bytes hold the low 4 bits, bits 4(u % 2) (+ 2) of qh byte
+    16(u // 2) + k the high 2, and the scales sit at 16(u // 8) + u % 8 (+ 8)."""
+    nb: tl.constexpr = NK // 8  # 256-element blocks per row (the K-quants and IQ4_XS)
     k = tl.arange(0, 16)
     m3 = rmask[:, None, None] & um[None, :, None]
     m2 = rmask[:, None] & um[None, :]
     wp3 = wp[None, :, None]
-    q_at = (r * (nb * 128))[:, None, None] + (16 * u)[None, :, None] + k[None, None, :]
+    q_at = (r * (NK * 16))[:, None, None] + (16 * u)[None, :, None] + k[None, None, :]
     db = (r * nb)[:, None] + (u // 8)[None, :]  # [BN, T]: each unit's 256-block
     if QT == Q4_K:
         q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
         dl = tl.sum(_to_f32(q & 15, 0.0) * xl[None, :, :], 2)  # [BN, T]
         dh = tl.sum(_to_f32(q >> 4, 0.0) * xh[None, :, :], 2)
-        s_at = (r * (nb * 8))[:, None] + u[None, :]
+        s_at = _unit_at(r, u, NK)
         sc = tl.load(wp[None, :] + o1 + s_at, mask=m2, other=0).to(tl.float32)
         mn = tl.load(wp[None, :] + o2 + s_at, mask=m2, other=0).to(tl.float32)
         d = tl.load(_f16_plane(wp[None, :], o3) + db, mask=m2, other=0).to(tl.float32)
         dm = tl.load(_f16_plane(wp[None, :], o4) + db, mask=m2, other=0).to(tl.float32)
         # sum of q * (d sc) - dm mn over the unit = (d sc) (q . x) - (dm mn) sum(x)
         out = (d * sc) * (dl + dh) - (dm * mn) * sx[None, :]
+    elif QT == Q5_K:
+        q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
+        s_at = _unit_at(r, u, NK)
+        hp = (wp[None, :] + o1).to(tl.pointer_type(tl.uint32))
+        hw = tl.load(hp + s_at, mask=m2, other=0).to(tl.int32, bitcast=True)  # [BN, T]
+        h = hw[:, :, None] >> k[None, None, :]  # bit 0: element k's fifth bit; 16: 16 + k's
+        lo = (q & 15) | ((h << 4) & 16)
+        hi = (q >> 4) | ((h >> 12) & 16)
+        dl = tl.sum(_to_f32(lo, 0.0) * xl[None, :, :], 2)
+        dh = tl.sum(_to_f32(hi, 0.0) * xh[None, :, :], 2)
+        sc = tl.load(wp[None, :] + o2 + s_at, mask=m2, other=0).to(tl.float32)
+        mn = tl.load(wp[None, :] + o3 + s_at, mask=m2, other=0).to(tl.float32)
+        ddp = _f16_plane(wp[None, :], o4) + 2 * db  # d, then dmin
+        d = tl.load(ddp, mask=m2, other=0).to(tl.float32)
+        dm = tl.load(ddp + 1, mask=m2, other=0).to(tl.float32)
+        out = (d * sc) * (dl + dh) - (dm * mn) * sx[None, :]
+    elif QT == IQ4_XS:
+        q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
+        s_at = _unit_at(r, u, NK)
+        lv = (wp3 + o3).to(tl.pointer_type(tl.float32))  # the matrix's 16 levels
+        dl = tl.sum(tl.load(lv + (q & 15), mask=m3, other=0.0) * xl[None, :, :], 2)
+        dh = tl.sum(tl.load(lv + (q >> 4), mask=m3, other=0.0) * xh[None, :, :], 2)
+        sc = tl.load(wp[None, :] + o1 + s_at, mask=m2, other=0).to(tl.int8, bitcast=True)
+        d = tl.load(_f16_plane(wp[None, :], o2) + db, mask=m2, other=0).to(tl.float32)
+        out = (d * sc.to(tl.float32)) * (dl + dh)
+    elif QT == Q4_0:
+        q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
+        dl = tl.sum(_to_f32(q & 15, 0.0) * xl[None, :, :], 2)
+        dh = tl.sum(_to_f32(q >> 4, 0.0) * xh[None, :, :], 2)
+        s_at = _unit_at(r, u, NK)
+        d = tl.load(_f16_plane(wp[None, :], o1) + s_at, mask=m2, other=0).to(tl.float32)
+        # sum of d (q - 8) x over the block = d (q . x - 8 sum(x))
+        out = d * ((dl + dh) - 8.0 * sx[None, :])
     else:  # Q6_K
         ql = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
-        h_at = (r * (nb * 64))[:, None, None] + (16 * (u // 2))[None, :, None] + k[None, None, :]
+        h_at = (r * (NK * 8))[:, None, None] + (16 * (u // 2))[None, :, None] + k[None, None, :]
         qh = tl.load(wp3 + o1 + h_at, mask=m3, other=0).to(tl.int32)
         sh = (4 * (u % 2))[None, :, None]
         lo = (ql & 15) | (((qh >> sh) & 3) << 4)
         hi = (ql >> 4) | (((qh >> (sh + 2)) & 3) << 4)
         dl = tl.sum(_to_f32(lo, 32.0) * xl[None, :, :], 2)
         dh = tl.sum(_to_f32(hi, 32.0) * xh[None, :, :], 2)
-        s_at = (r * (nb * 16))[:, None] + (16 * (u // 8) + u % 8)[None, :]
-        s_lo = tl.load(wp[None, :] + o2 + s_at, mask=m2, other=0).to(tl.int8, bitcast=True)
-        s_hi = tl.load(wp[None, :] + o2 + s_at + 8, mask=m2, other=0).to(tl.int8, bitcast=True)
+        s6 = (r * (NK * 2))[:, None] + (16 * (u // 8) + u % 8)[None, :]
+        s_lo = tl.load(wp[None, :] + o2 + s6, mask=m2, other=0).to(tl.int8, bitcast=True)
+        s_hi = tl.load(wp[None, :] + o2 + s6 + 8, mask=m2, other=0).to(tl.int8, bitcast=True)
         d = tl.load(_f16_plane(wp[None, :], o3) + db, mask=m2, other=0).to(tl.float32)
         out = d * (s_lo.to(tl.float32) * dl + s_hi.to(tl.float32) * dh)
     return out
@@ -189,11 +243,11 @@ def dot_rows(w, o1, o2, o3, o4, rows, rmask, K: tl.constexpr, x, nw, rms, QT: tl
     NK: tl.constexpr = K // 32  # units of each kind in a row
     N8: tl.constexpr = K // 16
     NF: tl.constexpr = K // 8
-    if QT == Q4_K or QT == Q6_K:
+    if QT == Q4_K or QT == Q6_K or QT == Q5_K or QT == IQ4_XS or QT == Q4_0:
         for i in tl.static_range((NK + T - 1) // T):
             u = i * T + t
             xl, xh, sx = k_input(x, nw, rms, 32 * u, u < NK, HAS_NORM)
-            acc += k_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK, NK // 8, QT, xl, xh, sx)
+            acc += k_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK, NK, QT, xl, xh, sx)
     elif QT == Q8_0:
         for i in tl.static_range((N8 + T - 1) // T):
             u = i * T + t
@@ -209,8 +263,8 @@ def dot_rows(w, o1, o2, o3, o4, rows, rmask, K: tl.constexpr, x, nw, rms, QT: tl
 def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr, x,
               QT: tl.constexpr, BN: tl.constexpr, T: tl.constexpr):  # fmt: skip
     """``dot_rows`` of two matrices of one type (at w and v) with the same input, in one pass
-    when they are K-quants (each input tile loaded once): ([BN], [BN])."""
-    if QT == Q4_K or QT == Q6_K:
+    when their units are 32 elements (each input tile loaded once): ([BN], [BN])."""
+    if QT == Q4_K or QT == Q6_K or QT == Q5_K or QT == IQ4_XS or QT == Q4_0:
         r = rows.to(tl.int64)
         t = tl.arange(0, T)
         wp = w + tl.zeros([T], tl.int32)
@@ -221,8 +275,8 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
         for i in tl.static_range((NK + T - 1) // T):
             u = i * T + t
             xl, xh, sx = k_input(x, x, 1.0, 32 * u, u < NK, False)
-            acc_a += k_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK, NK // 8, QT, xl, xh, sx)
-            acc_b += k_tile(vp, p1, p2, p3, p4, r, rmask, u, u < NK, NK // 8, QT, xl, xh, sx)
+            acc_a += k_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK, NK, QT, xl, xh, sx)
+            acc_b += k_tile(vp, p1, p2, p3, p4, r, rmask, u, u < NK, NK, QT, xl, xh, sx)
         a = tl.sum(acc_a, 1)
         c = tl.sum(acc_b, 1)
     else:
@@ -232,9 +286,9 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
 
 
 def unit_elements(qtype: int) -> int:
-    """Elements of one unit of ``dot_rows``'s tiles: 32 (a K-quant sub-block), 16 (half a Q8_0
-    block) or 8 (plain floats: 16 or 32 bytes)."""
-    if qtype in (int(Q.Q4_K), int(Q.Q6_K)):
+    """Elements of one unit of ``dot_rows``'s tiles: 32 (a K-quant or IQ4_XS sub-block, a Q4_0
+    block), 16 (half a Q8_0 block) or 8 (plain floats: 16 or 32 bytes)."""
+    if qtype in {int(t) for t in UNIT32_TYPES}:
         return 32
     if qtype == int(Q.Q8_0):
         return 16
@@ -262,6 +316,7 @@ def plane_offsets(offsets: tuple[int, ...]) -> tuple[int, int, int, int]:
 
 
 __all__ = [
+    "UNIT32_TYPES",
     "dot_rows",
     "dot_rows2",
     "plane_offsets",

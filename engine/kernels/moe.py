@@ -26,8 +26,11 @@ import triton.language as tl
 
 from strata.engine.kernels.dot import (
     INTERPRETED,
+    IQ4_XS,
     MAX_UNITS,
+    Q4_0,
     Q4_K,
+    Q5_K,
     Q6_K,
     Q8_0,
     dot_rows,
@@ -120,12 +123,12 @@ def _down_kernel(
         off = tl.load(eoffs + kk, mask=em, other=0)
         wp = base + tl.multiple_of(off, 256) + down_off
         wt = tl.load(wts + kk, mask=em, other=0.0)
-        if TD == Q4_K or TD == Q6_K:
+        if TD == Q4_K or TD == Q6_K or TD == Q5_K or TD == IQ4_XS or TD == Q4_0:
             for c0 in tl.static_range(0, NK, TS):
                 u = c0 + c
                 um = em & (u < NK)
                 xl, xh, sx = k_input(act, act, 1.0, kk * F + 32 * u, um, False)
-                y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, NK // 8, TD, xl, xh, sx)
+                y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, NK, TD, xl, xh, sx)
                 acc += y * wt[None, :]
         elif TD == Q8_0:
             for c0 in tl.static_range(0, N8, TS):

@@ -1,7 +1,8 @@
 """Triton twins of ``repack.py``: repack raw GGUF blocks into the kernel layout (one launch per
 matrix) and dequantise a repacked matrix, or some of its rows, to float32.
 
-The repack kernels are byte moves plus the Q4_K scale unpacking; the dequantisers do the
+The repack kernels are byte moves plus the K-quant scale and Q5_K fifth-bit unpacking (and, for
+IQ4_XS, the matrix's table of levels, written by the first program); the dequantisers do the
 reference's products in its order with ``enable_fp_fusion=False``, so both are bit-identical to
 the torch twins (the tests check it, in Triton's interpreter on CI and compiled on a GPU). Plane
 offsets come from ``repack.repacked_layout``; bytes per block of each plane from ``repack.PLANES``.
@@ -13,13 +14,20 @@ Import through ``strata.engine.kernels`` (which falls back when Triton is missin
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import gguf
 import torch
 import triton
 import triton.language as tl
 
-from strata.engine.quant.repack import FLOAT_TYPES, PLANES, RepackedLayout, repacked_layout
+from strata.engine.quant.repack import (
+    FIXED_PLANES,
+    FLOAT_TYPES,
+    PLANES,
+    RepackedLayout,
+    repacked_layout,
+)
 
 Q = gguf.GGMLQuantizationType
 
@@ -27,9 +35,17 @@ Q = gguf.GGMLQuantizationType
 assert [p.block_bytes for p in PLANES[Q.Q4_K]] == [128, 8, 8, 2, 2]
 assert [p.block_bytes for p in PLANES[Q.Q6_K]] == [128, 64, 16, 2]
 assert [p.block_bytes for p in PLANES[Q.Q8_0]] == [32, 2]
+assert [p.block_bytes for p in PLANES[Q.Q5_K]] == [128, 32, 8, 8, 4]
+assert [(p.block_bytes, p.fixed_bytes) for p in PLANES[Q.IQ4_XS]] == [
+    (128, 0), (8, 0), (2, 0), (0, 64)
+]  # fmt: skip
+assert [p.block_bytes for p in PLANES[Q.Q4_0]] == [16, 2]
 assert gguf.GGML_QUANT_SIZES[Q.Q4_K] == (256, 144)
+assert gguf.GGML_QUANT_SIZES[Q.Q5_K] == (256, 176)
 assert gguf.GGML_QUANT_SIZES[Q.Q6_K] == (256, 210)
+assert gguf.GGML_QUANT_SIZES[Q.IQ4_XS] == (256, 136)
 assert gguf.GGML_QUANT_SIZES[Q.Q8_0] == (32, 34)
+assert gguf.GGML_QUANT_SIZES[Q.Q4_0] == (32, 18)
 
 
 @triton.jit
@@ -47,22 +63,23 @@ def _copy(src, dst, blk, ok, at: tl.constexpr, n: tl.constexpr, NP: tl.constexpr
 
 
 @triton.jit
-def _repack_q4_k(src, dst, n_blocks, o_sc, o_mn, o_d, o_dm, BPP: tl.constexpr):
-    blk, ok = _blocks(n_blocks, BPP)
-    base = src + blk * 144
-    _copy(src, dst + o_d, blk, ok, 0, 2, 2, 144)
-    _copy(src, dst + o_dm, blk, ok, 2, 2, 2, 144)
-    # byte 16 s + k <- element 32 s + k (low nibble) and 32 s + 16 + k (high): both of the
-    # file's byte (s // 2) * 32 + (0 or 16) + k, nibble s % 2
+def _k4_nibbles(base, dst, blk, ok, at: tl.constexpr):
+    """Q4_K / Q5_K low 4 bits (the file's 128 bytes from ``at``) -> the unit-ordered plane.
+    Byte 16 s + k <- element 32 s + k (low nibble) and 32 s + 16 + k (high): both of the
+    file's byte (s // 2) * 32 + (0 or 16) + k, nibble s % 2."""
     t = tl.arange(0, 128)[None, :]
     s = t // 16
     k = t % 16
-    at = base + 16 + (s // 2) * 32 + k
+    p = base + at + (s // 2) * 32 + k
     sh = (s % 2) * 4
-    lo = (tl.load(at, mask=ok, other=0).to(tl.int32) >> sh) & 0x0F
-    hi = (tl.load(at + 16, mask=ok, other=0).to(tl.int32) >> sh) & 0x0F
+    lo = (tl.load(p, mask=ok, other=0).to(tl.int32) >> sh) & 0x0F
+    hi = (tl.load(p + 16, mask=ok, other=0).to(tl.int32) >> sh) & 0x0F
     tl.store(dst + blk * 128 + t, (lo | (hi << 4)).to(tl.uint8), mask=ok)
-    # the 12 packed bytes -> 8 scales and 8 mins (see reference._scale_min_k4)
+
+
+@triton.jit
+def _k4_scales(base, dst_sc, dst_mn, blk, ok):
+    """The 12 packed bytes at base + 4 -> 8 scales and 8 mins (see reference._scale_min_k4)."""
     j = tl.arange(0, 8)[None, :]
     p = base + 4
     low = j < 4
@@ -71,8 +88,36 @@ def _repack_q4_k(src, dst, n_blocks, o_sc, o_mn, o_d, o_dm, BPP: tl.constexpr):
     c = tl.load(p + j, mask=ok, other=0).to(tl.int32)
     scale = tl.where(low, a & 63, (a & 0x0F) | ((b >> 6) << 4))
     mins = tl.where(low, b & 63, (a >> 4) | ((c >> 6) << 4))
-    tl.store(dst + o_sc + blk * 8 + j, scale.to(tl.uint8), mask=ok)
-    tl.store(dst + o_mn + blk * 8 + j, mins.to(tl.uint8), mask=ok)
+    tl.store(dst_sc + blk * 8 + j, scale.to(tl.uint8), mask=ok)
+    tl.store(dst_mn + blk * 8 + j, mins.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _repack_q4_k(src, dst, n_blocks, o_sc, o_mn, o_d, o_dm, BPP: tl.constexpr):
+    blk, ok = _blocks(n_blocks, BPP)
+    base = src + blk * 144
+    _copy(src, dst + o_d, blk, ok, 0, 2, 2, 144)
+    _copy(src, dst + o_dm, blk, ok, 2, 2, 2, 144)
+    _k4_nibbles(base, dst, blk, ok, 16)
+    _k4_scales(base, dst + o_sc, dst + o_mn, blk, ok)
+
+
+@triton.jit
+def _repack_q5_k(src, dst, n_blocks, o_qh, o_sc, o_mn, o_dd, BPP: tl.constexpr):
+    blk, ok = _blocks(n_blocks, BPP)
+    base = src + blk * 176
+    _copy(src, dst + o_dd, blk, ok, 0, 4, 4, 176)
+    _k4_nibbles(base, dst, blk, ok, 48)
+    _k4_scales(base, dst + o_sc, dst + o_mn, blk, ok)
+    # qh byte 4 s + b, bit i <- the fifth bit of element 32 s + 8 b + i: bit s of the file's
+    # qh byte 8 b + i (at 16)
+    t = tl.arange(0, 32)[None, :]
+    s = t // 4
+    at = base + 16 + (t % 4) * 8
+    qh = tl.zeros([BPP, 32], tl.int32)
+    for i in tl.static_range(8):
+        qh = qh | (((tl.load(at + i, mask=ok, other=0).to(tl.int32) >> s) & 1) << i)
+    tl.store(dst + o_qh + blk * 32 + t, qh.to(tl.uint8), mask=ok)
 
 
 @triton.jit
@@ -120,8 +165,46 @@ def _repack_q8_0(src, dst, n_blocks, o_d, BPP: tl.constexpr):
     _copy(src, dst + o_d, blk, ok, 0, 2, 2, 34)
 
 
-_REPACK = {Q.Q4_K: (_repack_q4_k, 8), Q.Q6_K: (_repack_q6_k, 8), Q.Q8_0: (_repack_q8_0, 32)}
+@triton.jit
+def _repack_q4_0(src, dst, n_blocks, o_d, BPP: tl.constexpr):
+    blk, ok = _blocks(n_blocks, BPP)
+    _copy(src, dst, blk, ok, 2, 16, 16, 18)
+    _copy(src, dst + o_d, blk, ok, 0, 2, 2, 18)
+
+
+@triton.jit
+def _repack_iq4_xs(src, dst, n_blocks, o_sc, o_d, o_lv, levels, BPP: tl.constexpr):
+    blk, ok = _blocks(n_blocks, BPP)
+    base = src + blk * 136
+    _copy(src, dst, blk, ok, 8, 128, 128, 136)
+    _copy(src, dst + o_d, blk, ok, 0, 2, 2, 136)
+    # scale j: nibble j % 2 of scales_l[j // 2] (at 4), bits 2j of scales_h (at 2), minus 32
+    j = tl.arange(0, 8)[None, :]
+    lo = (tl.load(base + 4 + j // 2, mask=ok, other=0).to(tl.int32) >> ((j % 2) * 4)) & 0x0F
+    hi = (tl.load(base + 2 + j // 4, mask=ok, other=0).to(tl.int32) >> ((j % 4) * 2)) & 0x03
+    sc = ((lo | (hi << 4)) - 32) & 0xFF  # the int8's bits
+    tl.store(dst + o_sc + blk * 8 + j, sc.to(tl.uint8), mask=ok)
+    if tl.program_id(0) == 0:  # the matrix's one table of levels
+        b = tl.arange(0, 64)
+        tl.store(dst + o_lv + b, tl.load(levels + b))
+
+
+# (kernel, blocks per program, whether it takes the table of IQ4_NL levels)
+_REPACK = {
+    Q.Q4_K: (_repack_q4_k, 8, False),
+    Q.Q5_K: (_repack_q5_k, 8, False),
+    Q.Q6_K: (_repack_q6_k, 8, False),
+    Q.IQ4_XS: (_repack_iq4_xs, 8, True),
+    Q.Q8_0: (_repack_q8_0, 32, False),
+    Q.Q4_0: (_repack_q4_0, 32, False),
+}
 KERNEL_TYPES: frozenset[Q] = frozenset(_REPACK) | FLOAT_TYPES
+
+
+@functools.cache
+def _levels(device: torch.device) -> torch.Tensor:
+    """IQ4_XS's table (the 16 IQ4_NL levels as float32) on ``device``: [64] uint8."""
+    return FIXED_PLANES[Q.IQ4_XS, "lv"].to(device)
 
 
 def _device(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
@@ -134,12 +217,14 @@ def repack_into(dst: torch.Tensor, raw: torch.Tensor, lay: RepackedLayout) -> No
     if lay.qtype in FLOAT_TYPES:
         dst[: raw.numel()].copy_(raw)
         return
-    kernel, bpp = _REPACK[lay.qtype]
+    kernel, bpp, table = _REPACK[lay.qtype]
     n_blocks = lay.rows * lay.blocks_per_row
-    if n_blocks == 0:
+    if n_blocks == 0 and not table:
         return
+    extra = (_levels(raw.device),) if table else ()
+    grid = (max(1, triton.cdiv(n_blocks, bpp)),)  # a table is written even for no rows
     with _device(raw):
-        kernel[(triton.cdiv(n_blocks, bpp),)](raw, dst, n_blocks, *lay.offsets[1:], BPP=bpp)
+        kernel[grid](raw, dst, n_blocks, *lay.offsets[1:], *extra, BPP=bpp)
 
 
 def repack(raw: torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
@@ -181,6 +266,57 @@ def _dq_q4_k(w, out, rows, row0, K, o_sc, o_mn, o_d, o_dm, CB: tl.constexpr, HAS
     d = tl.load(dp, mask=ok, other=0).to(tl.float32)
     dm = tl.load(mp, mask=ok, other=0).to(tl.float32)
     tl.store(out + r * K + e, q * (d * sc) - dm * mn, mask=ok)
+
+
+@triton.jit
+def _dq_q5_k(w, out, rows, row0, K, o_qh, o_sc, o_mn, o_dd, CB: tl.constexpr,
+             HAS_IDS: tl.constexpr):  # fmt: skip
+    r, sr, e, ok = _elems(rows, row0, K, CB, HAS_IDS)
+    nb = K // 256
+    b = e // 256
+    j = (e % 256) // 32  # sub-block
+    k = e % 32
+    byte = tl.load(w + sr * nb * 128 + b * 128 + 16 * j + k % 16, mask=ok, other=0).to(tl.int32)
+    high = tl.load(w + o_qh + sr * nb * 32 + b * 32 + 4 * j + k // 8, mask=ok, other=0)
+    high = (high.to(tl.int32) >> (k % 8)) & 1
+    q = (((byte >> ((k // 16) * 4)) & 0x0F) | (high << 4)).to(tl.float32)
+    sc = tl.load(w + o_sc + sr * nb * 8 + b * 8 + j, mask=ok, other=0).to(tl.float32)
+    mn = tl.load(w + o_mn + sr * nb * 8 + b * 8 + j, mask=ok, other=0).to(tl.float32)
+    dp = (w + o_dd + sr * nb * 4 + b * 4).to(tl.pointer_type(tl.float16))
+    d = tl.load(dp, mask=ok, other=0).to(tl.float32)
+    dm = tl.load(dp + 1, mask=ok, other=0).to(tl.float32)
+    tl.store(out + r * K + e, q * (d * sc) - dm * mn, mask=ok)
+
+
+@triton.jit
+def _dq_iq4_xs(w, out, rows, row0, K, o_sc, o_d, o_lv, CB: tl.constexpr,
+               HAS_IDS: tl.constexpr):  # fmt: skip
+    r, sr, e, ok = _elems(rows, row0, K, CB, HAS_IDS)
+    nb = K // 256
+    b = e // 256
+    j = (e % 256) // 32  # sub-block
+    k = e % 32
+    byte = tl.load(w + sr * nb * 128 + b * 128 + 16 * j + k % 16, mask=ok, other=0).to(tl.int32)
+    idx = (byte >> ((k // 16) * 4)) & 0x0F
+    level = tl.load((w + o_lv).to(tl.pointer_type(tl.float32)) + idx, mask=ok, other=0)
+    sc = tl.load(w + o_sc + sr * nb * 8 + b * 8 + j, mask=ok, other=0)
+    sc = sc.to(tl.int8, bitcast=True).to(tl.float32)
+    dp = (w + o_d + sr * nb * 2 + b * 2).to(tl.pointer_type(tl.float16))
+    d = tl.load(dp, mask=ok, other=0).to(tl.float32)
+    tl.store(out + r * K + e, (d * sc) * level, mask=ok)
+
+
+@triton.jit
+def _dq_q4_0(w, out, rows, row0, K, o_d, CB: tl.constexpr, HAS_IDS: tl.constexpr):
+    r, sr, e, ok = _elems(rows, row0, K, CB, HAS_IDS)
+    nb = K // 32
+    b = e // 32
+    k = e % 32
+    byte = tl.load(w + sr * nb * 16 + b * 16 + k % 16, mask=ok, other=0).to(tl.int32)
+    q = (((byte >> ((k // 16) * 4)) & 0x0F) - 8).to(tl.float32)
+    dp = (w + o_d + sr * nb * 2 + b * 2).to(tl.pointer_type(tl.float16))
+    d = tl.load(dp, mask=ok, other=0).to(tl.float32)
+    tl.store(out + r * K + e, d * q, mask=ok)
 
 
 @triton.jit
@@ -227,7 +363,14 @@ def _dq_float(w, out, rows, row0, K, CB: tl.constexpr, HAS_IDS: tl.constexpr, QT
     tl.store(out + r * K + e, v, mask=ok)
 
 
-_DEQUANT = {Q.Q4_K: _dq_q4_k, Q.Q6_K: _dq_q6_k, Q.Q8_0: _dq_q8_0}
+_DEQUANT = {
+    Q.Q4_K: _dq_q4_k,
+    Q.Q5_K: _dq_q5_k,
+    Q.Q6_K: _dq_q6_k,
+    Q.IQ4_XS: _dq_iq4_xs,
+    Q.Q8_0: _dq_q8_0,
+    Q.Q4_0: _dq_q4_0,
+}
 _CB = 1024  # elements per program
 assert int(Q.F32) == 0 and int(Q.F16) == 1  # _dq_float's QT tests
 

@@ -47,8 +47,8 @@ def bits_or_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
 
 
-def test_the_decode_types_have_a_kernel_layout() -> None:
-    assert {Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F32, Q.F16, Q.BF16} <= REPACKED_TYPES
+def test_every_supported_type_has_a_kernel_layout() -> None:
+    assert REPACKED_TYPES == reference.SUPPORTED_TYPES
     assert set(repack_kernels.KERNEL_TYPES) == REPACKED_TYPES
 
 
@@ -56,14 +56,47 @@ def test_the_decode_types_have_a_kernel_layout() -> None:
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_planes_are_aligned_disjoint_and_hold_every_field(qtype: Q, shape) -> None:
     lay = repacked_layout(qtype, shape)
-    ends = [off + shape[0] * rb for off, rb in zip(lay.offsets, lay.row_bytes, strict=True)]
+    planes = repack.PLANES[qtype]
+    sizes = [shape[0] * rb + p.fixed_bytes for p, rb in zip(planes, lay.row_bytes, strict=True)]
+    ends = [off + n for off, n in zip(lay.offsets, sizes, strict=True)]
     assert all(off % PLANE_ALIGN == 0 for off in lay.offsets)
     assert all(end <= nxt for end, nxt in zip(ends, lay.offsets[1:], strict=False))
     assert lay.nbytes == ends[-1]
+    # a plane is per block or per matrix, never both
+    assert all((p.block_bytes == 0) == (p.fixed_bytes > 0) for p in planes)
     # nothing lost: at least the file's bytes, at most a few hundred more per plane
     raw = tensor_nbytes(qtype, shape)
-    per_block = sum(p.block_bytes for p in repack.PLANES[qtype])
-    assert raw <= lay.nbytes <= raw // gguf.GGML_QUANT_SIZES[qtype][1] * per_block + 5 * 256
+    per_block = sum(p.block_bytes for p in planes)
+    fixed = sum(p.fixed_bytes for p in planes)
+    bound = raw // gguf.GGML_QUANT_SIZES[qtype][1] * per_block + fixed + 5 * 256
+    assert raw <= lay.nbytes <= bound
+
+
+def test_iq4_xs_levels_are_one_table_per_matrix_after_the_planes() -> None:
+    small, big = repacked_layout(Q.IQ4_XS, (1, QK_K)), repacked_layout(Q.IQ4_XS, (33, 3 * QK_K))
+    for lay in (small, big):
+        assert [p.name for p in repack.PLANES[Q.IQ4_XS]] == ["qs", "sc", "d", "lv"]
+        assert lay.row_bytes[3] == 0 and lay.nbytes == lay.offsets[3] + 64
+        raw = torch.zeros(tensor_nbytes(Q.IQ4_XS, (lay.rows, lay.cols)), dtype=torch.uint8)
+        packed = repack.repack(raw, Q.IQ4_XS, (lay.rows, lay.cols))
+        levels = lay.plane(packed, "lv").view(torch.float32)
+        assert levels.tolist() == list(reference.IQ4_NL_LEVELS)
+
+
+def test_q5_k_fifth_bits_are_one_word_per_sub_block(rng: np.random.Generator) -> None:
+    shape = (3, 2 * QK_K)
+    raw = torch.from_numpy(random_bytes(Q.Q5_K, shape, rng))
+    lay = repacked_layout(Q.Q5_K, shape)
+    words = lay.plane(repack.repack(raw, Q.Q5_K, shape), "qh").contiguous().view(torch.int32)
+    blocks = raw.reshape(-1, 176)
+    for row, blk, s, j in [(0, 0, 0, 0), (1, 1, 7, 31), (2, 0, 3, 17), (2, 1, 5, 8)]:
+        # the file: bit s of qh byte j (bytes 16..47) is the fifth bit of element 32 s + j
+        want = (int(blocks[row * 2 + blk, 16 + j]) >> s) & 1
+        assert (int(words[row, blk * 8 + s]) >> j) & 1 == want
+    dd = lay.plane(repack.repack(raw, Q.Q5_K, shape), "dd").contiguous().view(torch.float16)
+    assert torch.equal(
+        dd[1, 2:4], blocks[3, 0:4].contiguous().view(torch.float16)
+    )  # row 1, block 1
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -126,6 +159,31 @@ def test_triton_dequantiser_matches_the_reference_rows_and_ids(
     assert bits_or_nan(out, want[[8, 0]])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_32_element_blocks_on_rows_of_any_whole_block_count(
+    qtype: Q, rng: np.random.Generator
+) -> None:
+    shape = (5, 96)  # three blocks a row: not a whole 256
+    raw = arbitrary_bytes(qtype, shape, rng)
+    want = reference.dequantize(raw, qtype, shape)
+    lay = repacked_layout(qtype, shape)
+    packed = repack.repack(raw, qtype, shape)
+    assert bits_or_nan(repack.dequantize_repacked(packed, qtype, shape), want)
+    out = torch.zeros(lay.nbytes, dtype=torch.uint8, device=DEVICE)
+    repack_kernels.repack_into(out, raw.to(DEVICE), lay)
+    assert torch.equal(out.cpu(), packed)
+    assert bits_or_nan(repack_kernels.dequantize(out, lay), want)
+
+
+def test_an_iq4_xs_matrix_of_no_rows_still_holds_its_levels() -> None:
+    lay = repacked_layout(Q.IQ4_XS, (0, QK_K))
+    out = torch.zeros(lay.nbytes, dtype=torch.uint8, device=DEVICE)
+    repack_kernels.repack_into(out, torch.zeros(0, dtype=torch.uint8, device=DEVICE), lay)
+    want = repack.repack(torch.zeros(0, dtype=torch.uint8), Q.IQ4_XS, (0, QK_K))
+    assert torch.equal(out.cpu(), want) and bool(want.any())
+
+
 def test_rows_outside_the_matrix_are_an_error() -> None:
     lay = repacked_layout(Q.Q8_0, (4, 32))
     data = torch.zeros(lay.nbytes, dtype=torch.uint8, device=DEVICE)
@@ -136,8 +194,8 @@ def test_rows_outside_the_matrix_are_an_error() -> None:
 @pytest.mark.parametrize(
     ("qtype", "shape", "message"),
     [
-        (Q.Q5_K, (2, QK_K), "Q5_K has no kernel layout"),
-        (Q.IQ4_XS, (2, QK_K), "IQ4_XS has no kernel layout"),
+        (Q.Q5_0, (2, 32), "Q5_0 has no kernel layout"),
+        (Q.IQ2_XXS, (2, QK_K), "IQ2_XXS has no kernel layout"),
         (Q.Q4_K, (2, 100), "100 is not a multiple of 256"),
         (Q.Q8_0, (2, 3, 32), "only matrices are repacked"),
     ],

@@ -214,6 +214,25 @@ def test_full_size_q4k_preset_plan():
     assert len(experts) == 3 * 48 and experts[0].shape == (128, 768, 2048)
 
 
+def test_full_size_q5k_preset_is_llama_cpps_q5_k_m_recipe():
+    spec = synth.PRESETS["qwen3-30b-a3b-q5k"]
+    plan = synth.PRESET_TYPES["qwen3-30b-a3b-q5k"]
+    vocab = synth.pad_vocab(synth.vocab_for("qwen3moe"), spec.vocab_size)
+    descs = synth.tensor_descs(spec, plan, len(vocab.tokens))
+    by_kind: dict[Kind, set[Q]] = {}
+    for x in descs:
+        by_kind.setdefault(x.kind, set()).add(x.qtype)
+    assert by_kind[Kind.EXPERTS_GATE_UP] == by_kind[Kind.ATTN] == {Q.Q5_K}
+    assert by_kind[Kind.EXPERTS_DOWN] == by_kind[Kind.ATTN_V] == {Q.Q5_K, Q.Q6_K}
+    assert by_kind[Kind.OUTPUT] == {Q.Q6_K} and by_kind[Kind.TOKEN_EMBD] == {Q.Q5_K}
+    assert by_kind[Kind.NORM] == by_kind[Kind.ROUTER] == {Q.F32}
+    more = [i for i in range(spec.n_layer) if synth.use_more_bits(i, spec.n_layer)]
+    downs = {x.layer for x in descs if x.kind is Kind.EXPERTS_DOWN and x.qtype == Q.Q6_K}
+    assert downs == set(more)
+    assert plan.guessed_file_type() == gguf.LlamaFileType.MOSTLY_Q5_K_M
+    assert 19.5 * 2**30 < sum(x.nbytes for x in descs) < 21 * 2**30
+
+
 def test_demo_model_is_written_fast_once_and_deterministically(tmp_path):
     t0 = time.monotonic()
     path = demo.ensure_demo_model(tmp_path / "a")
