@@ -74,7 +74,7 @@ class StrataConfig(BaseSettings):
         None, ge=16, description="context window in tokens (unset: min(the model's, 16384))"
     )
     prefill_chunk_tokens: int = Field(
-        512, ge=1, le=65536, description="prompt tokens computed per prefill chunk (a safe point)"
+        1024, ge=1, le=65536, description="prompt tokens computed per prefill chunk (a safe point)"
     )
     kv_cache_type: KvCacheType = Field("f16", description="element type of the K/V cache")
     device: str = Field(
@@ -100,6 +100,11 @@ class StrataConfig(BaseSettings):
     )
     enforce_eager: bool = Field(
         False, description="run the GPU decode kernels without capturing a CUDA graph"
+    )
+    fast_prefill: bool = Field(
+        True,
+        description="run prompt chunks on a GPU as tensor-core matrix products (off: reference "
+        "path; needs fast_decode)",
     )
     vram_monitor: Literal["auto", "nvml", "simulated", "none"] = Field(
         "auto", description="how free VRAM is watched: auto (nvml on a GPU, else none)"

@@ -42,6 +42,7 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         reserve_mib=config.elastic_reserve_mib,
         fast_decode=config.fast_decode,
         enforce_eager=config.enforce_eager,
+        fast_prefill=config.fast_prefill,
     )
 
 

@@ -36,6 +36,7 @@ from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.layout import RUN_ALIGN, align, kernel_layout
 from strata.engine.experts.provider import ExpertProvider, FileExpertProvider
 from strata.engine.experts.table import MISSING, ExpertTablePlan, plan_table
+from strata.engine.fast_prefill import FastPrefill
 from strata.engine.kernels import moe
 from strata.engine.kernels.attention import DecodeAttention
 from strata.engine.kernels.matvec import Mat, matvec
@@ -126,6 +127,8 @@ class FastDecoder:
         self.wts = torch.zeros(L, K, dtype=f32, device=dev)
         self.eoffs = torch.zeros(L, K, dtype=torch.int64, device=dev)  # the chosen experts' slots
         self.counts = torch.zeros(L, E, dtype=torch.int32, device=dev)
+        # distinct experts each prefill chunk read from their homes, per layer (the stats' hits)
+        self.prefill_fetches = torch.zeros(L, dtype=torch.int64, device=dev)
         self.act = torch.zeros(K, a.n_ff_exp, dtype=f32, device=dev)
         self.logits = torch.zeros(a.vocab_size, dtype=f32, device=dev)
         # each step's greedy token: a two-slot ring on the device, read into pinned host memory
@@ -142,7 +145,8 @@ class FastDecoder:
         # experts: one slot layout per layer, staging slots for the misses of one layer
         self.slot_layouts = [kernel_layout(self.index.expert(layer, 0)) for layer in range(L)]
         # bytes a step reads from the experts when all of them hit: k per layer
-        self.step_expert_bytes = K * sum(self.index.expert(layer, 0).nbytes for layer in range(L))
+        self.expert_bytes = [self.index.expert(layer, 0).nbytes for layer in range(L)]
+        self.step_expert_bytes = K * sum(self.expert_bytes)
         self.staging_bytes = align(max(s.nbytes for s in self.slot_layouts), RUN_ALIGN)
         self.anchor = _aligned(RUN_ALIGN, dev)
         self.staging = _aligned(K * self.staging_bytes, dev)
@@ -158,6 +162,8 @@ class FastDecoder:
         self.steps = 0
         # the tuned block sizes on a GPU; the kernels' own defaults in the interpreter
         self.tuned = TUNED if dev.type == "cuda" else {k: (_INTERP_BN, None) for k in TUNED}
+        # prompt chunks on tensor cores (None: they take the reference path)
+        self.prefill: FastPrefill | None = FastPrefill(self)
 
     def _layer(self, b: Block) -> _Layer:
         q, k, v = (_mat(w) for w in (b.attn.q, b.attn.k, b.attn.v))
@@ -230,6 +236,12 @@ class FastDecoder:
         }
         if found:
             self.provider.record_counts(found)
+        fetched = self.prefill_fetches.tolist()
+        self.prefill_fetches.zero_()
+        stats = self.provider.stats
+        for n, nbytes in zip(fetched, self.expert_bytes, strict=True):
+            stats.hits += n
+            stats.bytes_from_cache += n * nbytes
 
     # -- one step --------------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ class EngineOptions:
 
     context_length: int | None = None  # None: min(the model's, 16384)
     threads: int | None = None  # None: physical cores - 1
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int = 1024
     kv_cache_type: str = "f16"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the dense weights, K/V and compute live
     cache_mib: int | None = 0  # expert cache budget; None: free VRAM - reserve on a GPU, 0 on CPU
@@ -60,6 +60,7 @@ class EngineOptions:
     arena_chunk_mib: int = 32
     reserve_mib: int = 500  # VRAM kept free when the cache size is automatic
     fast_decode: bool = True  # on a GPU: decode with the fused Triton kernels
+    fast_prefill: bool = True  # and prompt chunks on tensor cores (with fast_decode only)
     enforce_eager: bool = False  # the same kernels without CUDA graphs
 
 
@@ -239,7 +240,13 @@ class Engine:
         runner = Runner(model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens)
         decoder = None
         if why_not is None:
-            decoder = _build_decoder(model, runner, lambda what: step(4, what))
+            decoder = _build_decoder(
+                model,
+                runner,
+                lambda what: step(4, what),
+                options.fast_prefill,
+                not options.enforce_eager,
+            )
             if decoder is None:  # the kernels failed to build: the reference path, raw weights
                 del model, runner
                 torch.cuda.empty_cache()
@@ -286,6 +293,7 @@ class Engine:
         if device.type == "cuda":
             log.info("GPU weights dequantised by %s", quant.gpu_dequant_path())
             log.info("GPU decode: %s", decode_path(runner))
+            log.info("GPU prefill: %s", runner.prefill_path())
         return cls(index, tokenizer, template, runner, profile_file)
 
     # -- prompts --------------------------------------------------------------------------------
@@ -325,8 +333,9 @@ class Engine:
         """Generate up to ``params.max_tokens`` tokens after ``prompt``.
 
         ``on_text`` receives text as it becomes final (never text that a stop string may still
-        swallow); ``cancelled`` is polled at every safe point and ends the generation with
-        ``finish_reason="cancelled"``; ``safe_point`` runs between steps (cache resizes).
+        swallow); ``cancelled`` is polled at every safe point — between the prompt's chunks too —
+        and ends the generation with ``finish_reason="cancelled"``; ``safe_point`` runs between
+        steps (cache resizes).
         """
         if not prompt:
             raise EngineError("the prompt is empty: it needs at least one token")
@@ -343,9 +352,19 @@ class Engine:
             if safe_point is not None:
                 safe_point()
 
+        def prompt_boundary() -> None:  # a long prompt can be cancelled between its chunks
+            boundary()
+            if cancelled is not None and cancelled():
+                raise _Cancelled
+
         t0 = time.monotonic()
         todo = self.runner.start(prompt)
-        logits = self.runner.feed(todo, boundary)
+        try:
+            logits = self.runner.feed(todo, prompt_boundary)
+        except _Cancelled:  # the K/V keeps the chunks fed so far: a retry reuses them
+            result.prefill_s = time.monotonic() - t0
+            result.finish_reason = "cancelled"
+            return result
         result.prefill_s = time.monotonic() - t0
         t_first = None
         # greedy without a repeat penalty needs nothing from the host between steps: the fast
@@ -437,10 +456,15 @@ def fast_path_unavailable(
 
 
 def _build_decoder(
-    model: MoEDecoder, runner: Runner, progress: Callable[[str], None]
+    model: MoEDecoder,
+    runner: Runner,
+    progress: Callable[[str], None],
+    fast_prefill: bool = True,
+    graphs: bool = True,
 ) -> FastDecoder | None:
-    """The fast decoder with its kernels compiled (one eager step), or None after a warning
-    when they cannot be built here."""
+    """The fast decoder with its kernels compiled (one eager step, and one prefill chunk), or
+    None after a warning when they cannot be built here. Prefill kernels that fail to build
+    leave the decoder without its prefill path (one warning): prompts take the reference path."""
     from strata.engine.fast_decode import FastDecoder
 
     n = model.args.n_layer
@@ -459,6 +483,28 @@ def _build_decoder(
             "the GPU decode kernels failed to build (%s): decoding on the reference path", reason
         )
         return None
+    if not fast_prefill:
+        decoder.prefill = None
+        log.info("fast_prefill is off: prompt chunks take the reference path")
+        return decoder
+    try:
+        progress("compiling the GPU prefill kernels (first start only: then cached)")
+        assert decoder.prefill is not None
+        decoder.prefill.warm_up()
+        if graphs:
+            progress(f"capturing {runner.prefill_chunk}-token prompt chunks as CUDA graphs")
+            decoder.prefill.capture(runner.prefill_chunk)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # the same, for the tensor-core kernels alone
+        log.debug("building the prefill kernels failed", exc_info=True)
+        reason = f"{type(e).__name__}: {e}".splitlines()[0]
+        log.warning(
+            "the GPU prefill kernels failed to build (%s): prompt chunks take the reference "
+            "path (dequantise, then multiply)",
+            reason,
+        )
+        decoder.prefill = None
     return decoder
 
 
@@ -483,6 +529,10 @@ def _context_length(model_ctx: int, asked: int | None, path: Path) -> int:
             path.name,
         )
     return asked
+
+
+class _Cancelled(Exception):
+    """Raised at a prompt chunk's boundary when the caller cancelled (never leaves generate)."""
 
 
 class _StopMatcher:

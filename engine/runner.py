@@ -1,7 +1,8 @@
 """The runner owns all compute state — the model, its K/V cache, the thread count and, on a GPU,
-the fast decoder with its buffers, expert tables and graph — and runs the two kinds of step:
-prefill chunks (the reference path) and decode steps (the fast decoder where there is one). Every
-step boundary is a *safe point*, where the caller may resize the expert cache or cancel."""
+the fast decoder with its buffers, expert tables, graph and prefill path — and runs the two kinds
+of step: prefill chunks and decode steps (the fast decoder's where there is one, else the
+reference path's). Every step boundary is a *safe point*, where the caller may resize the expert
+cache or cancel."""
 
 from __future__ import annotations
 
@@ -57,14 +58,35 @@ class Runner:
         logits = None
         for i in range(0, len(ids), self.prefill_chunk):
             chunk = list(ids[i : i + self.prefill_chunk])
-            x = torch.tensor(chunk, dtype=torch.long, device=self.model.device)
-            logits = self.model.forward(x, len(self.tokens), self.kv, last_only=True)
+            logits = self._chunk(chunk, len(self.tokens), last_only=True)
             self.tokens.extend(chunk)
             self.steps += 1
             if safe_point is not None:
                 safe_point()
         assert logits is not None
+        self._prompt_done()
         return logits[-1].float()
+
+    def _prompt_done(self) -> None:
+        """The prefill path counts a prompt's expert uses on the device: hand them over (one
+        copy per prompt), so the profile and the hit rate see them."""
+        if self.decoder is not None and self.decoder.prefill is not None:
+            self.decoder.flush_usage()
+
+    def _chunk(self, ids: Sequence[int], start: int, last_only: bool = False) -> torch.Tensor:
+        """One prefill chunk at ``start``: on tensor cores where the fast decoder has a prefill
+        path, else the reference forward. [T, V] logits (or [1, V])."""
+        x = torch.tensor(list(ids), dtype=torch.long, device=self.model.device)
+        prefill = self.decoder.prefill if self.decoder is not None else None
+        if prefill is not None:
+            return prefill.forward(x, start, last_only)
+        return self.model.forward(x, start, self.kv, last_only=last_only)
+
+    def prefill_path(self) -> str:
+        """How prompt chunks run, for the log and the bench: a line of text."""
+        if self.decoder is not None and self.decoder.prefill is not None:
+            return "matrix products on tensor cores over the repacked weights, grouped by expert"
+        return "reference path (dequantise, then multiply; one launch per expert matrix)"
 
     def can_look_ahead(self) -> bool:
         """Whether ``greedy`` can run steps ahead of the host now."""
@@ -144,8 +166,8 @@ class Runner:
             raise ValueError(f"chunk sizes {sizes} do not add up to {len(ids)} tokens")
         out, pos = [], 0
         for n in sizes:
-            x = torch.tensor(list(ids[pos : pos + n]), dtype=torch.long, device=self.model.device)
-            out.append(self.model.forward(x, pos, self.kv))
+            out.append(self._chunk(ids[pos : pos + n], pos))
             self.tokens.extend(ids[pos : pos + n])
             pos += n
+        self._prompt_done()
         return torch.cat(out).float().cpu()

@@ -25,10 +25,15 @@ class Rope:
         angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # [T, d/2]
         cos = angles.cos().to(x.dtype)[:, None, :]  # [T, 1, d/2]
         sin = angles.sin().to(x.dtype)[:, None, :]
-        if self.neox:
-            half = self.head_dim // 2
-            a, b = x[..., :half], x[..., half:]
-            return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-        a, b = x[..., 0::2], x[..., 1::2]
-        out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)  # [T, H, d/2, 2]
-        return out.flatten(-2)
+        return rotate(x, cos, sin, self.neox)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x: [T, H, d] rotated by the angles whose cos and sin are [T, 1, d/2]."""
+    if neox:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)  # [T, H, d/2, 2]
+    return out.flatten(-2)

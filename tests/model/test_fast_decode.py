@@ -17,51 +17,24 @@ import gguf
 import pytest
 import torch
 
-from strata.engine import synth
+from strata.engine import generate, synth
 from strata.engine.experts.cache import ExpertCache
-from strata.engine.experts.provider import FileExpertProvider
 from strata.engine.experts.slots import SlotTagMismatch, Tag
 from strata.engine.generate import EngineOptions, fast_path_unavailable
 from strata.engine.gguf_index import GGUFIndex
-from strata.engine.models import architecture_module
+from strata.engine.quant import REPACKED_TYPES
 from strata.engine.runner import Runner
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed")
-from strata.engine.fast_decode import FastDecoder
+from fastpath import fast_runner, reference_runner
 
 Q = gguf.GGMLQuantizationType
 MiB = 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 1e-5  # max |fast - reference| / max |reference| of one step's logits
 PROMPT = [1, 5, 9, 100, 7]
-
-
-def reference_runner(path: Path) -> Runner:
-    index = GGUFIndex(path)
-    model = architecture_module(index.arch).Model(index, FileExpertProvider(index, DEVICE), DEVICE)
-    return Runner(model, 64, "f32", 512)
-
-
-def fast_runner(path: Path, cache_share: float | None = None) -> Runner:
-    """Dense weights repacked, the decoder's kernels warmed up, and an expert cache in the
-    kernel layout holding ``cache_share`` of the experts (None: no cache)."""
-    index = GGUFIndex(path)
-    model = architecture_module(index.arch).Model(
-        index, FileExpertProvider(index, DEVICE), DEVICE, repack=True
-    )
-    runner = Runner(model, 64, "f32", 512)
-    decoder = FastDecoder(model, runner.kv)
-    decoder.warm_up()
-    if cache_share is not None:
-        probe = ExpertCache.create(index, torch.device("cpu"), 1 << 40, None, 2 * MiB, kernel=True)
-        budget = int(probe.max_slots * cache_share) * probe.slot_bytes
-        probe.close()
-        model.provider = ExpertCache.create(index, DEVICE, budget, None, 2 * MiB, kernel=True)
-    decoder.bind(model.provider)
-    runner.decoder = decoder
-    return runner
 
 
 def decode(runner: Runner, steps: int, first: int) -> list[torch.Tensor]:
@@ -228,9 +201,13 @@ def test_the_fast_path_is_chosen_only_where_it_can_serve(q8: Path, tmp_path: Pat
     assert fast_path_unavailable(index, cuda, off) == "fast_decode is off"
     spec = synth.PRESETS["tiny-qwen3moe"]
     q5 = write(tmp_path, "q5", spec, replace(synth.TypePlan.uniform(Q.F32), experts_down=Q.Q5_K))
+    assert fast_path_unavailable(q5, cuda, EngineOptions()) is None
+    # every type the engine reads has a decode kernel now: pretend one had none
+    monkeypatch.setattr(generate, "REPACKED_TYPES", REPACKED_TYPES - {Q.Q5_K})
     assert fast_path_unavailable(q5, cuda, EngineOptions()) == (
         "expert tensors of type Q5_K have no decode kernel yet"
     )
+    monkeypatch.undo()
     odd = write(tmp_path, "odd", replace(spec, n_layer=1, head_dim=48), synth.TypePlan())
     assert fast_path_unavailable(odd, cuda, EngineOptions()) == (
         "the head dimension 48 is not a power of two"

@@ -84,6 +84,24 @@ def test_safe_point_runs_between_prefill_chunks_and_decode_steps(tiny_models) ->
     assert len(points) == prefill_chunks + 5  # the 6th token needs no further step
 
 
+def test_a_long_prompt_is_cancelled_between_its_chunks_and_keeps_them(tiny_models) -> None:
+    path = tiny_models.path("qwen3moe", "F32")
+    e = Engine.load(path, EngineOptions(kv_cache_type="f32", prefill_chunk_tokens=4))
+    prompt = e.encode_prompt("one two three four five six seven eight nine ten eleven twelve")
+    assert len(prompt) > 12
+    points: list[int] = []
+    result = e.generate(
+        prompt, GREEDY, cancelled=lambda: len(points) >= 2, safe_point=lambda: points.append(1)
+    )
+    assert result.finish_reason == "cancelled" and result.tokens == []
+    assert len(points) == 2, "cancelled at the second chunk's boundary, not after the prompt"
+    assert e.runner.tokens == prompt[:8]  # the two chunks fed stay in the K/V
+    assert e.runner.start(prompt) == prompt[8:]  # and a retry feeds only the rest
+    again = e.generate(prompt, GREEDY)
+    e.runner.rewind(0)
+    assert again.tokens == e.generate(prompt, GREEDY).tokens
+
+
 def test_prompt_plus_max_tokens_beyond_the_context_names_both(engine: Engine) -> None:
     prompt = engine.encode_prompt("word " * 200)
     with pytest.raises(ContextOverflow, match=rf"prompt of {len(prompt)} tokens \+ max_tokens 100"):

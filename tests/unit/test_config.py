@@ -176,7 +176,7 @@ def test_precedence_is_flag_then_environment_then_file_then_default(env: Path) -
     assert shown["threads"] == ("4", "environment STRATA_THREADS")
     assert shown["context_length"] == ("2048", f"file {env}")
     assert shown["log_level"] == ('"warning"', f"file {env}")
-    assert shown["prefill_chunk_tokens"] == ("512", "default")
+    assert shown["prefill_chunk_tokens"] == ("1024", "default")
     assert shown["host"] == ('"127.0.0.1"', "default")
 
 

@@ -1,0 +1,61 @@
+"""Runners for the fast-path tests: the reference path, and the fast decoder assembled by hand
+(``Engine.load`` takes the fast path on a GPU only), on the GPU when there is one, else on the
+CPU in Triton's interpreter (the importing test sets ``TRITON_INTERPRET`` first)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from strata.engine.experts.cache import ExpertCache
+from strata.engine.experts.provider import FileExpertProvider
+from strata.engine.fast_decode import FastDecoder
+from strata.engine.gguf_index import GGUFIndex
+from strata.engine.models import architecture_module
+from strata.engine.runner import Runner
+
+MiB = 2**20
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def reference_runner(path: Path) -> Runner:
+    index = GGUFIndex(path)
+    model = architecture_module(index.arch).Model(index, FileExpertProvider(index, DEVICE), DEVICE)
+    return Runner(model, 64, "f32", 512)
+
+
+def fast_runner(path: Path, cache_share: float | None = None, prefill: bool = False) -> Runner:
+    """Dense weights repacked, the decoder's kernels warmed up, and an expert cache in the
+    kernel layout holding ``cache_share`` of the experts (None: no cache). Prompts take the
+    reference path unless ``prefill`` (``test_fast_prefill`` tests that path)."""
+    index = GGUFIndex(path)
+    model = architecture_module(index.arch).Model(
+        index, FileExpertProvider(index, DEVICE), DEVICE, repack=True
+    )
+    runner = Runner(model, 64, "f32", 512)
+    decoder = FastDecoder(model, runner.kv)
+    decoder.warm_up()
+    if not prefill:
+        decoder.prefill = None
+    if cache_share is not None:
+        probe = ExpertCache.create(index, torch.device("cpu"), 1 << 40, None, 2 * MiB, kernel=True)
+        budget = int(probe.max_slots * cache_share) * probe.slot_bytes
+        probe.close()
+        model.provider = ExpertCache.create(index, DEVICE, budget, None, 2 * MiB, kernel=True)
+    decoder.bind(model.provider)
+    runner.decoder = decoder
+    return runner
+
+
+def worst(a: torch.Tensor, b: torch.Tensor, tol: float) -> float:
+    """The largest difference of two [T, V] logit tables, relative to each row's largest
+    value; asserts the top tokens agree wherever the first row's top-2 margin exceeds 2 tol."""
+    out = 0.0
+    for ra, rb in zip(a.cpu(), b.cpu(), strict=True):
+        scale = float(ra.abs().max())
+        out = max(out, float((ra - rb).abs().max()) / scale)
+        top2 = torch.topk(ra, 2).values
+        if float(top2[0] - top2[1]) > 2 * tol * scale:
+            assert int(ra.argmax()) == int(rb.argmax())
+    return out

@@ -1,0 +1,146 @@
+"""The GPU prefill path through ``Engine.load``: it is chosen and logged, a prompt's logits stay
+within a stated tolerance of the reference path's and of token-by-token decoding on every test
+file, the numbers are the same at every cache size, a long prompt is cancelled between chunks,
+and kernels that fail to build leave the reference prefill with one warning.
+
+Tolerance: the products run in float16 with float32 sums, so a prompt's logits differ from the
+reference path's by at most 1e-2 of their largest magnitude (``test_fast_prefill``'s bound), and
+the top token is the same wherever the reference's top-2 margin exceeds twice that.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from fastpath import worst
+
+from strata.engine.fast_prefill import FastPrefill
+from strata.engine.generate import Engine, EngineOptions
+from strata.engine.params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-2
+KINDS = ["F32", "Q8_0", "Q4_K_M", "Q6_K"]
+PROMPT = [1, 50, 300, 7, 9, 2000, 31, 4, 88, 1200, 17, 640, 3, 3, 95, 41, 700, 12, 5, 260]
+
+
+@pytest.fixture(scope="module")
+def cuda() -> str:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    return "cuda:0"
+
+
+def load(path: Path, cuda: str, **kw) -> Engine:
+    options = dict(device=cuda, context_length=256, arena_chunk_mib=2, cache_mib=1 << 20)
+    options.update(kw)
+    return Engine.load(path, EngineOptions(**options))  # type: ignore[arg-type]
+
+
+def test_the_gpu_prefills_on_tensor_cores_and_says_so(tiny_models, cuda, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="strata.engine.generate"):
+        e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda)
+    assert e.runner.decoder is not None and e.runner.decoder.prefill is not None
+    assert "GPU prefill: matrix products on tensor cores" in caplog.text
+    e.close()
+
+
+@pytest.mark.parametrize("model", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_prompt_logits_stay_within_tolerance_of_the_reference_path(
+    tiny_models, cuda, model, kind
+) -> None:
+    path = tiny_models.path(model, kind)
+    fast, ref = load(path, cuda), load(path, cuda, fast_decode=False)
+    assert fast.runner.decoder is not None and ref.runner.decoder is None
+    a, b = ref.runner.logits_all(PROMPT), fast.runner.logits_all(PROMPT)
+    err = worst(a, b, TOL)
+    print(f"\n{model} {kind}: worst relative logit difference {err:.2e}")
+    assert err < TOL
+    chunked = fast.runner.logits_all(PROMPT, chunks=[3, 9, 1, 7])
+    assert worst(a, chunked, TOL) < TOL
+    fast.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
+def test_a_prefill_agrees_with_token_by_token_decoding(tiny_models, cuda, kind) -> None:
+    e = load(tiny_models.path("qwen3moe", kind), cuda)
+    chunk = e.runner.logits_all(PROMPT)
+    e.runner.rewind(0)
+    steps = torch.stack([e.runner.feed([t]).cpu() for t in PROMPT])
+    err = worst(steps, chunk, TOL)
+    print(f"\n{kind}: prefill against decode steps {err:.2e}")
+    assert err < TOL
+    e.close()
+
+
+def test_a_prompts_numbers_are_the_same_at_every_cache_size(tiny_models, cuda) -> None:
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    every = load(path, cuda)
+    assert every.cache is not None
+    all_mib = -(-every.cache.n_slots * every.cache.slot_bytes // 2**20) + 2
+    want = every.runner.logits_all(PROMPT)
+    every.close()
+    for mib in (all_mib // 2, 0):
+        e = load(path, cuda, cache_mib=mib)
+        assert e.runner.decoder is not None and not e.runner.decoder.plan.complete
+        assert torch.equal(e.runner.logits_all(PROMPT), want), f"cache of {mib} MiB"
+        e.close()
+
+
+def test_chunk_graphs_give_the_numbers_of_eager_chunks(tiny_models, cuda) -> None:
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    graphs = load(path, cuda, prefill_chunk_tokens=8)
+    eager = load(path, cuda, prefill_chunk_tokens=8, enforce_eager=True)
+    assert graphs.runner.decoder is not None and eager.runner.decoder is not None
+    assert graphs.runner.decoder.prefill is not None and eager.runner.decoder.prefill is not None
+    assert set(graphs.runner.decoder.prefill.graphs) == {8}
+    assert not eager.runner.decoder.prefill.graphs
+    for prompt in (PROMPT, PROMPT[:16], PROMPT[:5]):  # 8 + 8 + 4 (padded), 8 + 8, 5 (padded)
+        graphs.runner.rewind(0)
+        eager.runner.rewind(0)
+        assert torch.equal(graphs.runner.feed(prompt), eager.runner.feed(prompt))
+        greedy = SamplingParams(max_tokens=6, temperature=0.0)
+        graphs.runner.rewind(0)
+        eager.runner.rewind(0)
+        assert graphs.generate(prompt, greedy).tokens == eager.generate(prompt, greedy).tokens
+    graphs.close()
+    eager.close()
+
+
+def test_a_long_prompt_is_cancelled_between_chunks(tiny_models, cuda) -> None:
+    e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda, prefill_chunk_tokens=16)
+    prompt = (PROMPT * 5)[:100]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    points: list[int] = []
+    r = e.generate(
+        prompt, greedy, cancelled=lambda: len(points) >= 2, safe_point=lambda: points.append(1)
+    )
+    assert r.finish_reason == "cancelled" and r.tokens == []
+    assert e.runner.tokens == prompt[:32]
+    resumed = e.generate(prompt, greedy).tokens  # feeds the 68 tokens left
+    e.runner.rewind(0)
+    assert resumed == e.generate(prompt, greedy).tokens
+    e.close()
+
+
+def test_prefill_kernels_that_fail_to_build_leave_the_reference_prefill(
+    tiny_models, cuda, caplog, monkeypatch
+) -> None:
+    def broken(self) -> None:
+        raise RuntimeError("no tensor-core compiler here")
+
+    monkeypatch.setattr(FastPrefill, "warm_up", broken)
+    with caplog.at_level(logging.WARNING):
+        e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda)
+    assert e.runner.decoder is not None and e.runner.decoder.prefill is None
+    warnings = [r for r in caplog.records if "prefill kernels failed to build" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "RuntimeError: no tensor-core compiler here" in warnings[0].getMessage()
+    assert e.runner.prefill_path().startswith("reference path")
+    assert len(e.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0)).tokens) == 4
+    e.close()
