@@ -34,12 +34,12 @@ log = logging.getLogger(__name__)
 MiB = 2**20
 
 
-def _engine(path: Path, fast: bool, eager: bool, n_ctx: int) -> Any:
+def _engine(path: Path, fast: bool, eager: bool, n_ctx: int, chunk: int = 512) -> Any:
     from strata.engine.generate import Engine, EngineOptions
 
     options = EngineOptions(
         device="cuda:0", cache_mib=10**7, context_length=n_ctx, fast_decode=fast,
-        enforce_eager=eager,
+        enforce_eager=eager, prefill_chunk_tokens=chunk,
     )  # fmt: skip
     return Engine.load(path, options)
 
@@ -93,6 +93,65 @@ def _kernel_bytes(engine: Any) -> dict[str, float]:
     return {"_matvec_kernel": dense + head, "_gate_up_kernel": gate_up, "_down_kernel": down}
 
 
+def _gpu_kernels(prof: Any) -> tuple[dict[str, list[float]], int, float]:
+    """Per kernel name [launches, GPU us] of a profiler trace, the launches, the busy us."""
+    per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    n_kernels, busy = 0, 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if t <= 0:
+            continue
+        per[e.name][0] += 1
+        per[e.name][1] += t
+        n_kernels += 1
+        busy += t
+    return per, n_kernels, busy
+
+
+def prefill_speed(engine: Any, sizes: list[int], reps: int = 3) -> list[dict[str, Any]]:
+    """tok/s of prompts of each size through ``Runner.feed`` (as the bench's pp test), and a
+    profile of one: kernels per prompt and the GPU time per kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.runner
+    vocab = runner.model.args.vocab_size
+    out = []
+    for n in sizes:
+        prompt = _prompt(n, vocab)
+        runner.rewind(0)
+        runner.feed(prompt)  # warm
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            runner.rewind(0)
+            t0 = time.perf_counter()
+            runner.feed(prompt)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        runner.rewind(0)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            runner.feed(prompt)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        per, n_kernels, busy = _gpu_kernels(prof)
+        top = sorted(per.items(), key=lambda kv: -kv[1][1])[:16]
+        row = {
+            "tokens": n,
+            "chunk": runner.prefill_chunk,
+            "tok_s": n / statistics.median(times),
+            "ms": [t * 1e3 for t in times],
+            "profiled_wall_ms": wall * 1e3,
+            "kernels": n_kernels,
+            "gpu_busy_ms": busy / 1e3,
+            "top": [{"name": k[:80], "launches": c, "ms": us / 1e3} for k, (c, us) in top],
+        }
+        out.append(row)
+    return out
+
+
 def profile_steps(engine: Any, steps: int = 5) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -110,18 +169,7 @@ def profile_steps(engine: Any, steps: int = 5) -> dict[str, Any]:
             tok = int(torch.argmax(runner.feed([tok])))
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    n_kernels, busy = 0, 0.0
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        if t <= 0:
-            continue
-        per[e.name][0] += 1
-        per[e.name][1] += t
-        n_kernels += 1
-        busy += t
+    per, n_kernels, busy = _gpu_kernels(prof)
     nbytes = _kernel_bytes(engine) if dec is not None else {}
     kernels = []
     for name, (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
@@ -301,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="time each kernel at a few block sizes")
     p.add_argument("--eager", action="store_true", help="no CUDA graph (enforce_eager)")
     p.add_argument("--json", type=Path, help="write everything here")
+    p.add_argument("--prefill", help="prompt sizes to time and profile, e.g. 512,4096")
+    p.add_argument("--chunk", default="512", help="prefill_chunk_tokens (a list: each in turn)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode measurements")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.model is None:
@@ -310,15 +361,40 @@ def main(argv: list[str] | None = None) -> int:
         from strata.engine.synth import ensure_synthetic
 
         args.model = ensure_synthetic(args.synthetic, paths.cache_dir())
-    n_ctx = 16 + args.tokens + 16
+    sizes = [int(v) for v in args.prefill.split(",")] if args.prefill else []
+    n_ctx = max(16 + args.tokens + 16, *sizes, 64)
     result: dict[str, Any] = {"model": str(args.model)}
     t0 = time.monotonic()
-    engine = _engine(args.model, fast=True, eager=args.eager, n_ctx=max(n_ctx, 64))
+    chunks = [int(v) for v in args.chunk.split(",")]
+    engine = _engine(args.model, fast=True, eager=args.eager, n_ctx=n_ctx, chunk=chunks[0])
     result["load_s"] = time.monotonic() - t0
     from strata.engine.generate import decode_path
 
     result["decode_path"] = decode_path(engine.runner)
+    result["prefill_path"] = engine.runner.prefill_path()
     result["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / MiB
+    if sizes:
+        result["prefill"] = []
+        for c in chunks:  # other chunk sizes on the same engine, each captured in turn
+            engine.runner.prefill_chunk = c
+            dec = engine.runner.decoder
+            if dec is not None and dec.prefill is not None and not args.eager:
+                dec.prefill.capture(c)
+            result["prefill"] += prefill_speed(engine, sizes)
+        for r in result["prefill"]:
+            print(
+                f"pp{r['tokens']} (chunk {r['chunk']}): {r['tok_s']:,.0f} tok/s, "
+                f"{r['kernels']} kernels, GPU busy {r['gpu_busy_ms']:.1f} ms of "
+                f"{r['profiled_wall_ms']:.1f} ms",
+                flush=True,
+            )
+            for k in r["top"]:
+                print(f"  {k['launches']:6.0f}x {k['ms']:9.2f} ms  {k['name']}")
+    if args.no_decode:
+        engine.close()
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        return 0
     result["speed"] = decode_speed(engine, args.tokens)
     print(json.dumps(result["speed"]), flush=True)
     if engine.runner.decoder is not None:
@@ -339,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the report is a diagnostic: never fail the run for it
         print(f"compiled kernels: not readable ({type(e).__name__}: {e})")
     if args.check:
-        result["check"] = check(args.model, engine, args.check, max(n_ctx, 64))
+        result["check"] = check(args.model, engine, args.check, n_ctx)
         print(json.dumps(result["check"]), flush=True)
     if args.sweep and engine.runner.decoder is not None:
         result["sweep"] = sweep(engine)

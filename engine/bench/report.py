@@ -184,6 +184,8 @@ def text_report(result: Mapping[str, Any]) -> str:
     dequant = f"dequantised by {dev['dequant']}, " if dev.get("dequant") else ""
     if dev.get("decode"):
         dequant += f"decode: {dev['decode']}, "
+    if dev.get("prefill"):
+        dequant += f"prefill: {dev['prefill']}, "
     lines = [
         f"strata bench: {m['name']} ({m['file_bytes'] / GiB:.2f} GiB, {m['n_experts']} experts "
         f"of {m['slot_bytes'] / MiB:.2f} MiB), {dev['name']}, threads {dev['threads']}, "

@@ -131,6 +131,7 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Resu
             result["strata"], result["resize"] = [], None
             result["device"]["dequant"] = None
             result["device"]["decode"] = None
+            result["device"]["prefill"] = None
         if settings.llama_bench is not None and not result["interrupted"]:
             _llama_phase(settings, result, vram, vram_reason, steps)
     finally:
@@ -168,6 +169,7 @@ def _strata_phase(
     result["device"]["threads"] = torch.get_num_threads()  # as the engine set them
     result["device"]["dequant"] = _dequant_path(device)
     result["device"]["decode"] = decode_path(engine.runner)
+    result["device"]["prefill"] = engine.runner.prefill_path()
     rows: list[Any] = []
     result["strata"] = rows
     result["resize"] = None
