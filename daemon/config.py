@@ -10,6 +10,7 @@ can say where each effective value came from.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
@@ -136,6 +137,19 @@ class StrataConfig(BaseSettings):
     cors_allow_origins: str | None = Field(
         None, description="comma-separated origins allowed by CORS (unset: CORS closed)"
     )
+    allowed_hosts: str | None = Field(
+        None,
+        description="comma-separated extra names a request's Host header may give (beside "
+        "127.0.0.1, localhost, [::1] and host)",
+    )
+    allow_remote_without_key: bool = Field(
+        False,
+        description="serve a non-loopback host without api_key (anyone who reaches it can "
+        "use the model)",
+    )
+    max_stop_sequences: int = Field(
+        4, ge=1, le=64, description="most stop strings one request may give (OpenAI's limit: 4)"
+    )
     max_request_kib: int = Field(
         1024, ge=1, le=1_048_576, description="largest HTTP request body in KiB"
     )
@@ -197,6 +211,36 @@ class StrataConfig(BaseSettings):
         if not value.strip():
             raise ValueError("expected a host name or address, not an empty string")
         return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _real_key(cls, value: str | None) -> str | None:
+        # an empty key must never mean "no key": that would turn authentication off silently
+        if value is not None and not value.strip():
+            raise ValueError("expected a key, not an empty or blank string (unset it for none)")
+        return value
+
+    @model_validator(mode="after")
+    def _remote_needs_a_key(self) -> StrataConfig:
+        if self.api_key is None and not self.allow_remote_without_key and not _loopback(self.host):
+            raise ValueError(
+                f"host {self.host!r} is reachable from other machines: set api_key (or "
+                "STRATA_API_KEY), or allow_remote_without_key = true to serve it without one"
+            )
+        return self
+
+
+SECRET_OPTIONS = frozenset({"api_key"})  # shown as set or unset, never in clear
+
+
+def _loopback(host: str) -> bool:
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:  # a host name: only localhost is known to stay on this machine
+        return False
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(StrataConfig.model_fields)
@@ -357,6 +401,8 @@ def describe_sources(loaded: LoadedConfig) -> list[str]:
         value = getattr(loaded.config, name)
         setting = loaded.sources[name]
         shown = "unset" if value is None else _toml_value(value)
+        if name in SECRET_OPTIONS and value is not None:
+            shown = '"********"'  # set, but never shown
         where = {
             Origin.DEFAULT: "default",
             Origin.FILE: f"file {loaded.config_file}",

@@ -1,8 +1,9 @@
 """The HTTP edge: parse, call one daemon method, map errors. No policy or state lives here.
 
 Routes: ``/health``, ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/vram``, ``/metrics`` (docs/http.md). Around them, outermost first: request counting, CORS
-(only when ``cors_allow_origins`` is set), the bearer key (only when ``api_key`` is set;
+``/v1/vram``, ``/metrics`` (docs/http.md). Around them, outermost first: request counting, the
+``Host`` and ``Origin`` checks that keep web pages out, CORS (only when ``cors_allow_origins`` is
+set), the bearer key (only when ``api_key`` is set;
 ``/health`` stays open), the body-size limit. Every error leaves as an OpenAI-shaped JSON body,
 mapped once, in :func:`as_api_error`.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -130,12 +132,16 @@ def create_app(daemon: Any) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         received = time.monotonic()
-        return await generate(request, parse_chat(await request.body()), received)
+        return await generate(
+            request, parse_chat(await request.body(), config.max_stop_sequences), received
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         received = time.monotonic()
-        return await generate(request, parse_completion(await request.body()), received)
+        return await generate(
+            request, parse_completion(await request.body(), config.max_stop_sequences), received
+        )
 
     @app.get("/v1/vram")
     async def get_vram() -> dict[str, Any]:
@@ -259,7 +265,95 @@ def _add_middleware(app: FastAPI, config: Any, metrics: Metrics) -> None:
             allow_headers=["*"],
             max_age=600,
         )
+    app.add_middleware(GuardHostAndOrigin, hosts=allowed_hosts(config), origins=origins)
     app.add_middleware(CountRequests, metrics=metrics)
+
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def allowed_hosts(config: Any) -> frozenset[str]:
+    """The names a request's ``Host`` may give (lower case, no port): the loopback names, the
+    configured ``host``, ``allowed_hosts``, and for a wildcard bind the machine's own names and
+    addresses."""
+    names = {*LOOPBACK_NAMES, config.host.strip().strip("[]").lower()}
+    names |= {h.strip().lower() for h in (config.allowed_hosts or "").split(",") if h.strip()}
+    if config.host.strip().strip("[]") in WILDCARDS:
+        names |= _machine_names()
+    return frozenset(names - {""})
+
+
+def _machine_names() -> set[str]:
+    names = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None):
+            names.add(str(info[4][0]).lower())
+    except OSError:  # a host name that does not resolve: the names alone
+        pass
+    return names
+
+
+def host_name(value: str) -> str:
+    """A Host or origin authority without port, brackets and case: ``[::1]:8427`` -> ``::1``."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class GuardHostAndOrigin:
+    """What keeps web pages out. A browser names the page's origin in ``Origin`` on every
+    cross-origin POST (``no-cors`` and form posts included, which need no preflight), so a
+    request with an ``Origin`` that is neither the daemon's own (http on an allowed host and
+    the port it serves) nor in ``cors_allow_origins`` gets 403. A ``Host`` that names another
+    machine (a page that rebinds its own name to 127.0.0.1) gets 400. Requests without an
+    ``Origin`` — curl, the ``openai`` client, scripts — are not affected by the first check."""
+
+    def __init__(self, app: ASGIApp, hosts: frozenset[str], origins: list[str]) -> None:
+        self.app = app
+        self.hosts = hosts
+        self.origins = frozenset(o.rstrip("/").lower() for o in origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        err = self._check(scope)
+        if err is not None:
+            await _error_response(err)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: Scope) -> ApiError | None:
+        host = _header(scope, b"host")
+        name = host_name(host.decode("latin-1")) if host is not None else None
+        if name is not None and name not in self.hosts:
+            shown = _shown(host.decode("latin-1")) if host is not None else ""
+            return ApiError(400, f"Host {shown} is not a name of this server (allowed_hosts)",
+                            "invalid_request_error", None, "host_not_allowed")  # fmt: skip
+        origin = _header(scope, b"origin")
+        if origin is None:
+            return None
+        value = origin.decode("latin-1").strip().rstrip("/").lower()
+        if value in self.origins or self._own(value, scope):
+            return None
+        return ApiError(403, f"cross-origin request from {_shown(value)} refused (an origin must "
+                        "be listed in cors_allow_origins)", "invalid_request_error", None,
+                        "origin_not_allowed")  # fmt: skip
+
+    def _own(self, origin: str, scope: Scope) -> bool:
+        scheme, sep, authority = origin.partition("://")
+        server = scope.get("server")
+        if scheme != "http" or not sep or server is None:
+            return False
+        port = authority.rsplit(":", 1)[1] if authority.count(":") == 1 or "]:" in authority else ""
+        return host_name(authority) in self.hosts and port == str(server[1])
+
+
+def _shown(value: str, limit: int = 80) -> str:
+    """A client's value in an error message: quoted, and cut so no reply echoes a large input."""
+    return repr(value if len(value) <= limit else value[:limit] + "…")
 
 
 class CountRequests:

@@ -210,7 +210,10 @@ class Parsed:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields the client set
 
 
-def parse_chat(body: bytes) -> Parsed:
+DEFAULT_MAX_STOP = 4  # OpenAI's limit (the option max_stop_sequences)
+
+
+def parse_chat(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
     raw = _json_object(body)
     _refuse_unsupported(raw, _CHAT_RULES)
     req = _validate(ChatRequest, raw)
@@ -232,11 +235,11 @@ def parse_chat(body: bytes) -> Parsed:
         messages=messages,
         max_tokens=max_tokens,
         max_tokens_param=which,
-        sampling=_sampling_fields(req),
+        sampling=_sampling_fields(req, max_stop),
     )
 
 
-def parse_completion(body: bytes) -> Parsed:
+def parse_completion(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
     raw = _json_object(body)
     _refuse_unsupported(raw, _COMPLETION_RULES)
     req = _validate(CompletionRequest, raw)
@@ -258,7 +261,7 @@ def parse_completion(body: bytes) -> Parsed:
         text=text,
         token_ids=ids,
         max_tokens=req.max_tokens,
-        sampling=_sampling_fields(req),
+        sampling=_sampling_fields(req, max_stop),
     )
 
 
@@ -336,11 +339,34 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", 
                     "seed")  # fmt: skip
 
 
-def _sampling_fields(req: _Sampling) -> dict[str, Any]:
+MAX_STOP_CHARS = 256  # longest stop string: the matcher's work per token grows with it
+
+
+def _sampling_fields(req: _Sampling, max_stop: int) -> dict[str, Any]:
     out = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
     if req.stop is not None:
-        out["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+        out["stop"] = _stops(req.stop, max_stop)
     return out
+
+
+def _stops(stop: str | list[str], max_stop: int) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > max_stop:
+        raise invalid(
+            f"stop: {len(stops)} stop sequences, at most {max_stop} are allowed "
+            "(max_stop_sequences)",
+            "stop",
+        )
+    for i, s in enumerate(stops):
+        where = "stop" if isinstance(stop, str) else f"stop[{i}]"
+        if len(s) > MAX_STOP_CHARS:
+            raise invalid(
+                f"{where}: a stop sequence of {len(s)} characters, at most {MAX_STOP_CHARS} "
+                "are allowed",
+                where,
+            )
+        _check_text(s, where)
+    return stops
 
 
 def _messages(items: list[Any]) -> list[dict[str, Any]]:
@@ -374,6 +400,7 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     if name is not None:
         if not isinstance(name, str):
             raise wrong_type(f"{where}.name", "a string", name)
+        _check_text(name, f"{where}.name")
         out["name"] = name
     return out
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MIN_TEMPERATURE = 1e-3  # a lower temperature samples greedily (the most likely token)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,7 +29,7 @@ class SamplingParams:
             ("top_k", self.top_k >= 0, "an integer >= 0 (0: off)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "a number in (0, 1]"),
             ("min_p", 0.0 <= self.min_p < 1.0, "a number in [0, 1)"),
-            ("repeat_penalty", 0.0 < self.repeat_penalty <= 100.0, "a number in (0, 100]"),
+            ("repeat_penalty", 0.01 <= self.repeat_penalty <= 100.0, "a number in [0.01, 100]"),
             ("repeat_last_n", self.repeat_last_n >= 0, "an integer >= 0"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "an integer in [0, 2^63)"),
         )
@@ -40,7 +42,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        # below the floor, logits / temperature would overflow: such a temperature is greedy
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 def _nan(value: object) -> bool:

@@ -1,7 +1,7 @@
 """Per-request sampling knobs and the sampler that applies them to one row of logits.
 
 The order follows llama.cpp's default chain: repetition penalty → top-k → top-p → min-p →
-temperature → draw. A temperature of 0 (or below) is greedy.
+temperature → draw. A temperature below ``MIN_TEMPERATURE`` (0.001) is greedy.
 
 The logits may live on the GPU: every filter is a device operation and the step hands the host
 one token id. The draw takes its uniform number from the request's own seeded generator on the
@@ -84,6 +84,7 @@ def top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
     # keep a token when the mass before it is still below p (the first token always stays)
     drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= p
+    drop_sorted[0] = False  # a p below float32's range would otherwise drop every token
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

@@ -343,7 +343,8 @@ def test_cors_is_closed_by_default(server: StrataDaemon) -> None:
     pre = httpx.options(server.url + CHAT, headers=ask, timeout=5)
     assert "access-control-allow-origin" not in pre.headers
     r = httpx.get(server.url + "/v1/models", headers={"Origin": "http://evil.example"}, timeout=5)
-    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert r.json()["error"]["code"] == "origin_not_allowed"
 
 
 # -- queueing and cancellation ------------------------------------------------------------------

@@ -93,6 +93,9 @@ def test_draws_follow_the_filtered_distribution() -> None:
         ("top_p", 1.5),
         ("min_p", 1.0),
         ("repeat_penalty", 0.0),
+        ("repeat_penalty", 1e-40),  # seen logits divided by it would overflow to inf
+        ("repeat_penalty", 0.009),
+        ("repeat_penalty", 101.0),
         ("seed", -5),
         ("max_tokens", True),
     ],
@@ -105,3 +108,16 @@ def test_invalid_sampling_values_raise_naming_the_field(field: str, value: objec
 def test_empty_stop_string_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"^stop: invalid value"):
         SamplingParams(stop=("",))
+
+
+@pytest.mark.parametrize("tiny", [1e-40, 1e-300, 5e-324])
+def test_values_at_the_edge_of_floats_sample_finite_numbers(tiny: float) -> None:
+    logits = torch.tensor([30.0, 29.0, -5.0, 2.0])
+    # a temperature below the floor is greedy (logits / 1e-40 would be inf)
+    assert SamplingParams(temperature=tiny).greedy
+    assert Sampler(SamplingParams(temperature=tiny, seed=1))(logits, []) == 0
+    # a top_p below float32's range keeps the most likely token, not none
+    kept = top_p(logits, tiny)
+    assert torch.isfinite(kept).tolist() == [True, False, False, False]
+    for field in ("top_p", "min_p"):
+        assert Sampler(SamplingParams(**{field: tiny}, seed=2))(logits, []) in range(4)

@@ -34,6 +34,9 @@ BAD_VALUES = [
     ("elastic_reserve_mib", "lots", "valid integer"),
     ("arena_chunk_mib", "3", "multiple of 2"),
     ("arena_chunk_mib", "1", "greater than or equal to 2"),
+    ("api_key", "", "not an empty or blank string"),  # an empty key must not turn auth off
+    ("api_key", "   ", "not an empty or blank string"),
+    ("max_stop_sequences", "0", "greater than or equal to 1"),
 ]
 
 
@@ -90,6 +93,7 @@ TOML_BAD = [
     ("context_length", "[1, 2]", "[1, 2]", "integer"),
     ("log_level", '"loud"', "'loud'", "debug, info, warning, error or critical"),
     ("kv_cache_type", "16", "16", "f16 or f32"),
+    ("api_key", '""', "''", "not an empty or blank string"),
 ]
 
 
@@ -202,3 +206,23 @@ def test_every_option_is_documented() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     missing = [name for name in OPTION_NAMES if f"| `{name}` |" not in doc]
     assert not missing, f"options missing from docs/configuration.md: {missing}"
+
+
+def test_a_non_loopback_host_needs_a_key_or_an_explicit_exposure(
+    env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for host in ("0.0.0.0", "192.168.1.20", "::", "example.lan"):
+        _fails_with(capsys, ["config", "show", "--host", host], repr(host), "api_key",
+                    "allow_remote_without_key")  # fmt: skip
+    for ok in (["--host", "0.0.0.0", "--api-key", "k"],
+               ["--host", "0.0.0.0", "--allow-remote-without-key"],
+               ["--host", "::1"], ["--host", "localhost"], ["--host", "127.0.0.2"]):  # fmt: skip
+        assert main(["config", "show", *ok]) == 0, ok
+        capsys.readouterr()
+
+
+def test_config_show_never_prints_the_key(env: Path) -> None:
+    xdg = {"XDG_CONFIG_HOME": str(env.parent.parent)}
+    shown = _show({**xdg, "STRATA_API_KEY": "sk-very-secret"})
+    assert shown["api_key"] == ('"********"', "environment STRATA_API_KEY")
+    assert _show(xdg)["api_key"] == ("unset", "default")

@@ -139,7 +139,7 @@ def loading_daemon(**config: Any) -> Any:
 
 
 def test_while_loading_generation_and_models_answer_503() -> None:
-    client = TestClient(create_app(loading_daemon()))
+    client = TestClient(create_app(loading_daemon()), base_url="http://localhost")
     chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     for r in (client.post("/v1/chat/completions", json=chat),
               client.post("/v1/completions", json={"model": "m", "prompt": "x"}),
