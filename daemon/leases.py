@@ -24,6 +24,12 @@ from typing import Any
 
 # D-Bus carries cookies as uint32 ('u'), so the book never hands out a larger one.
 COOKIE_MAX = 0xFFFF_FFFF
+# Every size the book takes fits what the status carries (int64 sums of many of them) and is far
+# beyond any device: 2^32 MiB = 4 PiB.
+MAX_MIB = 2**32
+MAX_TEXT = 256  # longest app id and reason, in characters (they travel in every status)
+MAX_LEASES_PER_OWNER = 16
+MAX_LEASES = 64
 
 
 class LeaseError(Exception):
@@ -88,7 +94,23 @@ def is_int(value: object) -> bool:
 def _mib(name: str, value: Any, *, positive: bool) -> int:
     if not is_int(value) or value < (1 if positive else 0):
         need = "a positive" if positive else "a non-negative"
-        raise InvalidArgument(f"{name}: expected {need} whole number of MiB, got {value!r}")
+        raise InvalidArgument(f"{name}: expected {need} whole number of MiB, got {_shown(value)}")
+    if value > MAX_MIB:
+        raise InvalidArgument(f"{name}: {value} MiB is beyond the limit of {MAX_MIB} MiB")
+    return value
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A caller's value in a message, cut: an error never echoes a large input back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name}: expected text, got {_shown(value)}")
+    if len(value) > MAX_TEXT:
+        raise InvalidArgument(f"{name}: {len(value)} characters, at most {MAX_TEXT} are allowed")
     return value
 
 
@@ -154,7 +176,7 @@ class LeaseBook:
     def set_hold(self, source: str, mib: int) -> None:
         """Hold ``mib`` free on behalf of ``source`` (e.g. ``"gamemode"``), replacing its hold."""
         if not isinstance(source, str) or not source:
-            raise InvalidArgument(f"hold source: expected a non-empty name, got {source!r}")
+            raise InvalidArgument(f"hold source: expected a non-empty name, got {_shown(source)}")
         self._holds[source] = _mib(f"hold {source!r}", mib, positive=False)
 
     def clear_hold(self, source: str) -> bool:
@@ -176,11 +198,19 @@ class LeaseBook:
         """Record a lease and return it with its new cookie."""
         _mib("lease size", mib, positive=True)
         if not isinstance(owner, str) or not owner:
-            raise InvalidArgument(f"owner: expected a non-empty name, got {owner!r}")
+            raise InvalidArgument(f"owner: expected a non-empty name, got {_shown(owner)}")
         if pid is not None and (not is_int(pid) or pid <= 0):
             raise InvalidArgument(f"pid: expected a positive process id or none, got {pid!r}")
-        if not isinstance(app_id, str) or not isinstance(reason, str):
-            raise InvalidArgument(f"app_id and reason must be text, got {app_id!r}, {reason!r}")
+        _text("app_id", app_id)
+        _text("reason", reason)
+        mine = sum(1 for lease in self._leases.values() if lease.owner == owner)
+        if mine >= MAX_LEASES_PER_OWNER:
+            raise LeaseError(
+                f"{owner} holds {mine} leases already, at most {MAX_LEASES_PER_OWNER} are "
+                "allowed per caller: return one first"
+            )
+        if len(self._leases) >= MAX_LEASES:
+            raise LeaseError(f"{len(self._leases)} leases are held, at most {MAX_LEASES} in all")
         if not is_int(since_us) or since_us < 0:
             raise InvalidArgument(f"since_us: expected Unix microseconds, got {since_us!r}")
         if tenant_used_mib is not None:

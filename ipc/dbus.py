@@ -286,6 +286,11 @@ class Vram1(ServiceInterface):
         return [cookie, why]
 
 
+def _cut(text: str, limit: int = 120) -> str:
+    """A caller's arguments in an error reply, cut: a reply never echoes a large call back."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def _in_signatures(iface: ServiceInterface) -> dict[str, str]:
     return {m.name: m.in_signature for m in ServiceInterface._get_methods(iface)}
 
@@ -527,7 +532,7 @@ class DbusEdge:
                     msg,
                     ERROR_INVALID_ARGUMENT,
                     f"{msg.member} takes arguments of D-Bus type ({want}), got "
-                    f"({msg.signature}): {msg.body!r}",
+                    f"({msg.signature}): {_cut(repr(msg.body))}",
                 )
                 return True if msg.flags & MessageFlag.NO_REPLY_EXPECTED else error
             return None

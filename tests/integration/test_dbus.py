@@ -397,7 +397,13 @@ def test_bad_arguments_give_named_errors_and_change_nothing(
             ("Borrow", "tss", [0, "a", "b"], "InvalidArgument", ["0"]),
             ("Borrow", "tss", [MAX_FREEABLE + 1, "a", "b"], "NotEnoughVram",
              [str(MAX_FREEABLE + 1), str(MAX_FREEABLE)]),
-            ("Borrow", "tss", [2**64 - 1, "a", "b"], "NotEnoughVram", [str(2**64 - 1)]),
+            ("Borrow", "tss", [2**64 - 1, "a", "b"], "InvalidArgument",
+             [str(2**64 - 1), "limit of 4294967296 MiB"]),
+            ("Borrow", "tss", [2**63, "a", "b"], "InvalidArgument", [str(2**63)]),
+            ("Borrow", "tss", [1, "x" * 200_000, "b"], "InvalidArgument",
+             ["app_id: 200000 characters, at most 256"]),
+            ("Borrow", "tss", [1, "a", "y" * 5000], "InvalidArgument", ["reason: 5000"]),
+            ("SetReserve", "t", [2**64 - 1], "InvalidArgument", [str(2**64 - 1), "limit"]),
             ("Borrow", "sss", ["512", "a", "b"], "InvalidArgument", ["(tss)", "(sss)", "'512'"]),
             ("Borrow", "iss", [512, "a", "b"], "InvalidArgument", ["(tss)", "(iss)"]),
             ("Borrow", "", [], "InvalidArgument", ["(tss)", "()"]),
@@ -406,10 +412,12 @@ def test_bad_arguments_give_named_errors_and_change_nothing(
             ("Revoke", "t", [1], "InvalidArgument", ["(u)", "(t)"]),
             ("SetReserve", "t", [MAX_FREEABLE + 1], "NotEnoughVram", [str(MAX_FREEABLE + 1)]),
             ("SetReserve", "i", [-5], "InvalidArgument", ["(t)", "(i)", "-5"]),
+            ("SetReserve", "s", ["z" * 100_000], "InvalidArgument", ["(t)", "(s)", "characters)"]),
         ]  # fmt: skip
         for member, signature, body, error, named in cases:
             name, text = error_of(await c.call(member, signature, body))
-            assert name == f"org.strata.Error.{error}", (member, body, name, text)
+            assert name == f"org.strata.Error.{error}", (member, body[:1], name, text[:200])
+            assert len(text) < 300, "an error reply never echoes a large argument"
             for value in named:
                 assert value in text, (member, body, text)
         await asyncio.sleep(0.3)  # anything a request started would show by now

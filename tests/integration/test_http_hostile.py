@@ -175,3 +175,13 @@ def test_stop_lists_are_limited(server: StrataDaemon, model: Path) -> None:
     r = httpx.post(server.url + "/v1/chat/completions",
                    json=chat(model, stop=["a", "b", "c", "d" * 256]), timeout=60)  # fmt: skip
     assert r.status_code == 200, r.text
+
+
+def test_a_reserve_beyond_any_device_is_refused_and_changes_nothing(server: StrataDaemon) -> None:
+    before = server.status()["reserve_mib"]
+    for mib in (10**30, 2**64 - 1, 2**32 + 1):
+        r = httpx.post(server.url + "/v1/vram", json={"reserve_mib": mib}, timeout=5)
+        assert r.status_code == 400, r.text
+        assert str(mib) in r.json()["error"]["message"]
+        assert "limit of 4294967296 MiB" in r.json()["error"]["message"]
+    assert server.status()["reserve_mib"] == before

@@ -9,6 +9,10 @@ import pytest
 
 from strata.daemon.leases import (
     COOKIE_MAX,
+    MAX_LEASES,
+    MAX_LEASES_PER_OWNER,
+    MAX_MIB,
+    MAX_TEXT,
     InvalidArgument,
     LeaseBook,
     LeaseError,
@@ -28,11 +32,11 @@ def test_cookies_are_unique_non_zero_and_never_reused() -> None:
     book = LeaseBook()
     seen = set()
     for i in range(50):
-        lease = _add(book)
+        lease = _add(book, owner=f":1.{7 + i // 10}")  # within the per-caller cap
         assert lease.cookie != 0 and lease.cookie not in seen
         seen.add(lease.cookie)
         if i % 2:  # returning leases must not free their cookies for reuse
-            book.remove(lease.cookie, ":1.7")
+            book.remove(lease.cookie, lease.owner)
     book.owner_vanished(":1.7")
     assert _add(book).cookie not in seen
     assert all(0 < c <= COOKIE_MAX for c in seen)
@@ -157,6 +161,13 @@ def test_check_request_allow_zero_for_clearing_the_reserve() -> None:
         (lambda b: b.add(":1.7", 0, "a", "r", 10, 0, None), "pid.*got 0"),
         (lambda b: b.add(":1.7", 1, "a", "r", 10, -1, None), "since_us.*got -1"),
         (lambda b: b.add(":1.7", 1, "a", "r", 10, 0, -2), "tenant usage.*got -2"),
+        # sizes the status cannot carry (D-Bus int64 sums), strings that travel in every status
+        (lambda b: b.set_reserve(2**64 - 1), "reserve: 18446744073709551615 MiB is beyond"),
+        (lambda b: b.add(":1.7", 1, "a", "r", 2**63, 0, None), "lease size: .* is beyond"),
+        (lambda b: b.set_hold("gamemode", 10**30), "is beyond the limit of 4294967296 MiB"),
+        (lambda b: b.add(":1.7", 1, "a" * 200_000, "r", 10, 0, None), "app_id: 200000 char"),
+        (lambda b: b.add(":1.7", 1, "a", "r" * (MAX_TEXT + 1), 10, 0, None), "reason: 257"),
+        (lambda b: b.add(":1.7", 1, b"a" * 100_000, "r", 10, 0, None), r"app_id: .*characters\)"),
     ],
 )
 def test_book_rejects_bad_values_and_changes_nothing(call, fragment) -> None:
@@ -165,6 +176,32 @@ def test_book_rejects_bad_values_and_changes_nothing(call, fragment) -> None:
     with pytest.raises(InvalidArgument, match=fragment):
         call(book)
     assert (book.reserve_mib, book.holds, book.leases()) == (700, {}, [])
+
+
+def test_sizes_up_to_the_limit_are_taken() -> None:
+    book = LeaseBook()
+    book.set_reserve(MAX_MIB)
+    _add(book, mib=MAX_MIB)
+    LeaseBook.check_request(MAX_MIB, MAX_MIB)
+    with pytest.raises(InvalidArgument, match="beyond the limit"):
+        LeaseBook.check_request(MAX_MIB + 1, 2 * MAX_MIB)
+
+
+def test_leases_are_capped_per_caller_and_in_all() -> None:
+    book = LeaseBook()
+    for _ in range(MAX_LEASES_PER_OWNER):
+        _add(book, owner=":1.7")
+    with pytest.raises(LeaseError, match=f":1.7 holds {MAX_LEASES_PER_OWNER} leases already"):
+        _add(book, owner=":1.7")
+    n = MAX_LEASES_PER_OWNER
+    while n < MAX_LEASES:
+        _add(book, owner=f":1.{100 + n // MAX_LEASES_PER_OWNER}")
+        n += 1
+    with pytest.raises(LeaseError, match=f"{MAX_LEASES} leases are held, at most {MAX_LEASES}"):
+        _add(book, owner=":1.999")
+    assert len(book.leases()) == MAX_LEASES
+    book.owner_vanished(":1.7")
+    _add(book, owner=":1.999")  # room again once a caller left
 
 
 def test_max_freeable() -> None:
