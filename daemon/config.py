@@ -173,6 +173,14 @@ class StrataConfig(BaseSettings):
     def _lowercase(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
+    @field_validator("model", "simulated_vram_file", mode="before")
+    @classmethod
+    def _non_empty_path(cls, value: Any) -> Any:
+        # "" would become Path("."): the current directory, never what was meant
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("expected a file path, not an empty string (unset it instead)")
+        return value
+
     @field_validator("model", mode="after")
     @classmethod
     def _expand_user(cls, value: Path | None) -> Path | None:
@@ -310,14 +318,26 @@ def file_settings(path: Path) -> dict[str, Setting]:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): not a TOML file") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the configuration file: {e.strerror}") from None
     out: dict[str, Setting] = {}
     for key, value in data.items():
         if key not in StrataConfig.model_fields:
             raise ConfigError(f"{key} (in {path}): unknown option (known: {_known(str)})")
-        out[key] = Setting(value, Origin.FILE, f"{key} (in {path})")
+        where = f"{key} (in {path})"
+        if isinstance(value, float) and _is_int(key):  # 1e3 would pass as 1000, silently
+            raise ConfigError(
+                f"{where}: invalid value {value!r} (expected an integer, not a float)"
+            )
+        out[key] = Setting(value, Origin.FILE, where)
     return out
+
+
+def _is_int(name: str) -> bool:
+    annotation = StrataConfig.model_fields[name].annotation
+    return annotation is int or annotation == int | None
 
 
 def _known(spell: Any) -> str:

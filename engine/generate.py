@@ -237,6 +237,7 @@ class Engine:
         threads = options.threads or default_threads()
         torch.set_num_threads(threads)
         step(3, "allocating the K/V cache")
+        _check_kv_fits(model.args, n_ctx, options.kv_cache_type, device, path)
         runner = Runner(model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens)
         decoder = None
         if why_not is None:
@@ -516,6 +517,27 @@ def _cache_budget_mib(options: EngineOptions, device: torch.device) -> int:
         return 0
     free, _ = torch.cuda.mem_get_info(device)
     return max(0, free // MiB - options.reserve_mib)
+
+
+def _check_kv_fits(args: Any, n_ctx: int, kind: str, device: torch.device, path: Path) -> None:
+    """A context whose K/V cache cannot fit the device's memory is an error naming the option
+    and both sizes, before anything is allocated (not an allocator's message from deep inside)."""
+    from strata.engine.kv import KV_DTYPES, PAGE_TOKENS
+
+    if kind not in KV_DTYPES:
+        return  # the K/V cache names the bad type itself
+    rows = -(-n_ctx // PAGE_TOKENS) * PAGE_TOKENS
+    need = 2 * args.n_layer * rows * args.n_head_kv * args.head_dim * KV_DTYPES[kind].itemsize
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the RAM"
+    if need > have:
+        raise ModelLoadError(
+            f"{path}: context_length {n_ctx} needs a K/V cache of {need / 2**30:,.1f} GiB "
+            f"({kind}), more than all of {where} ({have / 2**30:,.1f} GiB); the model was "
+            f"trained for {args.context_length} tokens"
+        )
 
 
 def _context_length(model_ctx: int, asked: int | None, path: Path) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata.engine.errors import ContextOverflow, EngineError
+from strata.engine.errors import ContextOverflow, EngineError, ModelLoadError
 from strata.engine.generate import Engine, EngineOptions, _StopMatcher
 from strata.engine.params import SamplingParams
 
@@ -129,3 +129,9 @@ def test_demo_model_answers_at_least_32_tokens_before_any_end_token(tmp_path) ->
     prompt = e.encode_chat([{"role": "user", "content": "Hello! Who are you?"}])
     result = e.generate(prompt, SamplingParams(max_tokens=48, temperature=0.0))
     assert result.finish_reason == "length" and result.completion_tokens == 48
+
+
+def test_a_context_whose_kv_cannot_fit_the_memory_names_the_option(tiny_models) -> None:
+    path = tiny_models.path("qwen3moe", "F32")
+    with pytest.raises(ModelLoadError, match=r"context_length 100000000000 needs a K/V cache of"):
+        Engine.load(path, EngineOptions(kv_cache_type="f32", context_length=100_000_000_000))

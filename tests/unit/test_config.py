@@ -37,6 +37,8 @@ BAD_VALUES = [
     ("api_key", "", "not an empty or blank string"),  # an empty key must not turn auth off
     ("api_key", "   ", "not an empty or blank string"),
     ("max_stop_sequences", "0", "greater than or equal to 1"),
+    ("model", "", "not an empty string"),  # "" would be the current directory
+    ("simulated_vram_file", " ", "not an empty string"),
 ]
 
 
@@ -94,6 +96,10 @@ TOML_BAD = [
     ("log_level", '"loud"', "'loud'", "debug, info, warning, error or critical"),
     ("kv_cache_type", "16", "16", "f16 or f32"),
     ("api_key", '""', "''", "not an empty or blank string"),
+    ("port", "8e3", "8000.0", "expected an integer, not a float"),  # would pass as 8000
+    ("cache_mib", "1e3", "1000.0", "expected an integer, not a float"),
+    ("context_length", "4096.0", "4096.0", "expected an integer, not a float"),
+    ("model", '""', "''", "not an empty string"),
 ]
 
 
@@ -226,3 +232,10 @@ def test_config_show_never_prints_the_key(env: Path) -> None:
     shown = _show({**xdg, "STRATA_API_KEY": "sk-very-secret"})
     assert shown["api_key"] == ('"********"', "environment STRATA_API_KEY")
     assert _show(xdg)["api_key"] == ("unset", "default")
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_it(
+    env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env.write_bytes(b"port = 9001\n# caf\xe9\n")
+    _fails_with(capsys, ["config", "show"], str(env), "not UTF-8")
