@@ -21,6 +21,7 @@ from strata.engine.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 EXPERT_KINDS = ("gate", "up", "down")
+MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,10 @@ class GGUFIndex:
         try:
             reader = gguf.GGUFReader(self.path, "c")
         except (ValueError, OSError, KeyError, IndexError) as e:
-            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({e})") from None
+            why = str(e)
+            if "cannot reshape array" in why:  # numpy's words for a tensor cut off by the end
+                why = "a tensor's data runs past the end of the file: truncated or damaged"
+            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({why})") from None
         self._data: np.memmap = reader.data
         self.metadata: dict[str, Any] = {
             name: field.contents() for name, field in reader.fields.items() if field.types
@@ -88,7 +92,9 @@ class GGUFIndex:
                     f"{self.path}: tensor {t.name} has unknown type id {int(t.tensor_type)}"
                 ) from None
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            self.tensors[t.name] = TensorInfo(t.name, qtype, shape, t.data_offset, int(t.n_bytes))
+            info = TensorInfo(t.name, qtype, shape, t.data_offset, int(t.n_bytes))
+            self._check_tensor(info, reader.data_offset, int(reader.alignment), self._data.size)
+            self.tensors[t.name] = info
         self.arch: str = str(self.metadata.get("general.architecture", ""))
         if not self.arch:
             raise ModelLoadError(f"{self.path}: no general.architecture in the metadata")
@@ -100,6 +106,29 @@ class GGUFIndex:
             len(self.tensors),
             len(self.experts),
         )
+
+    def _check_tensor(self, t: TensorInfo, data_start: int, alignment: int, size: int) -> None:
+        """A damaged tensor entry is refused at load, never found by the first request."""
+        where = f"{self.path}: tensor {t.name}"
+        if not 1 <= len(t.shape) <= MAX_DIMS:
+            raise ModelLoadError(f"{where} has {len(t.shape)} dimensions (GGUF allows 1 to 4)")
+        block = gguf.GGML_QUANT_SIZES[t.qtype][0]
+        if t.shape[-1] % block:
+            raise ModelLoadError(
+                f"{where}: its rows of {t.shape[-1]} elements are not whole {t.qtype.name} "
+                f"blocks of {block}"
+            )
+        rel = t.offset - data_start
+        if rel < 0 or rel % alignment:
+            raise ModelLoadError(
+                f"{where}: its data offset {rel} is not a multiple of the file's alignment "
+                f"{alignment}"
+            )
+        if t.offset + t.nbytes > size:
+            raise ModelLoadError(
+                f"{where}: its {t.nbytes} bytes at offset {t.offset} run past the end of the "
+                f"file ({size} bytes): the file is truncated or damaged"
+            )
 
     # -- metadata -------------------------------------------------------------------------------
 

@@ -79,6 +79,17 @@ def test_model_that_cannot_load_exits_2_naming_it(tmp_path: Path) -> None:
     assert "demo" not in d.log
 
 
+def test_a_model_with_a_misaligned_tensor_never_reports_ready(tmp_path: Path) -> None:
+    # it used to load, report ready and answer every request with a 500
+    from tests.model.test_gguf_damage import gguf_bytes
+
+    bad = tmp_path / "misaligned.gguf"
+    bad.write_bytes(gguf_bytes([("token_embd.weight", (32,), 0, 4)]))
+    d = StrataDaemon(tmp_path, ["--model", str(bad)], wait="none")
+    assert d.proc.wait(60) == 2
+    assert "not a multiple of the file's alignment 32" in d.log and "ready" not in d.log
+
+
 def test_bad_option_exits_2(tmp_path: Path) -> None:
     d = StrataDaemon(tmp_path, ["--elastic-period-ms", "soon"], wait="none")
     assert d.proc.wait(60) == 2
