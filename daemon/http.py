@@ -24,6 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata import __version__
@@ -55,6 +56,7 @@ OPEN_PATHS = frozenset({"/health"})
 ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions",
                        "/v1/completions", "/v1/vram"})  # fmt: skip
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_GONE = 499  # nginx's status for a request its client abandoned (never sent: it is gone)
 
 __all__ = ["as_api_error", "create_app", "error_body"]
 
@@ -217,6 +219,10 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, EngineError):
         log.error("generation failed: %s", exc)
         return ApiError(500, f"the engine failed: {exc}", "server_error")
+    if isinstance(exc, ClientDisconnect):  # nobody reads this reply: counted, not an error
+        log.debug("a client left while sending its request")
+        return ApiError(CLIENT_GONE, "the client closed the connection", "invalid_request_error",
+                        None, "client_closed_request")  # fmt: skip
     log.error("unexpected error: %r", exc, exc_info=exc)
     return ApiError(500, "internal error (see the daemon's log)", "server_error")
 
@@ -235,7 +241,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(exc)
 
     for kind in (ApiError, QueueFull, NotServing, StarletteHTTPException,
-                 RequestValidationError, EngineError, Exception):  # fmt: skip
+                 RequestValidationError, EngineError, ClientDisconnect, Exception):  # fmt: skip
         app.add_exception_handler(kind, handle)
 
 

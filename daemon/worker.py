@@ -86,8 +86,10 @@ class EngineWorker:
             self._cv.notify()
 
     def queued(self) -> int:
+        """Jobs that wait and can still run (a cancelled one stays in the deque until the
+        engine reaches it, but no longer counts)."""
         with self._cv:
-            return len(self._jobs)
+            return sum(1 for job in self._jobs if not job.cancel.is_set())
 
     def request_resize(
         self, n_slots: int, max_shrink: int | None, reason: str

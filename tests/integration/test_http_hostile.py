@@ -10,6 +10,8 @@ One daemon for the module.
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -185,3 +187,22 @@ def test_a_reserve_beyond_any_device_is_refused_and_changes_nothing(server: Stra
         assert str(mib) in r.json()["error"]["message"]
         assert "limit of 4294967296 MiB" in r.json()["error"]["message"]
     assert server.status()["reserve_mib"] == before
+
+
+def test_a_client_gone_mid_upload_is_counted_not_an_error(server: StrataDaemon) -> None:
+    host, port_ = server.url.removeprefix("http://").rsplit(":", 1)
+    for _ in range(3):
+        with socket.create_connection((host, int(port_)), timeout=5) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+                      b'{"model": "x", "messages": [')  # fmt: skip
+
+    def counted() -> bool:
+        metrics = httpx.get(server.url + "/metrics", timeout=5).text
+        return 'endpoint="/v1/chat/completions",status="499"} 3.0' in metrics
+
+    deadline = time.monotonic() + 30
+    while not counted():
+        assert time.monotonic() < deadline, "the abandoned uploads were never counted"
+        time.sleep(0.1)
+    assert "unexpected error" not in server.log and "Traceback" not in server.log
