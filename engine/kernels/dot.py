@@ -30,8 +30,6 @@ import gguf
 import triton
 import triton.language as tl
 
-from strata.engine.quant.repack import PLANES
-
 Q = gguf.GGMLQuantizationType
 # GGML type ids the kernels dispatch on (constexpr), from gguf's table.
 F32: tl.constexpr = tl.constexpr(int(Q.F32))
@@ -48,15 +46,7 @@ IQ4_XS: tl.constexpr = tl.constexpr(int(Q.IQ4_XS))
 # programs test the same code in a fraction of the time. On a GPU the tuned sizes apply.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-# The plane sizes the loops below are written for (bytes per 256- or 32-element block).
-assert [p.block_bytes for p in PLANES[Q.Q4_K]] == [128, 8, 8, 2, 2]
-assert [p.block_bytes for p in PLANES[Q.Q6_K]] == [128, 64, 16, 2]
-assert [p.block_bytes for p in PLANES[Q.Q8_0]] == [32, 2]
-assert [p.block_bytes for p in PLANES[Q.Q5_K]] == [128, 32, 8, 8, 4]
-assert [(p.block_bytes, p.fixed_bytes) for p in PLANES[Q.IQ4_XS]] == [
-    (128, 0), (8, 0), (2, 0), (0, 64)
-]  # fmt: skip
-assert [p.block_bytes for p in PLANES[Q.Q4_0]] == [16, 2]
+# The plane sizes the loops below are written for: repack.KERNEL_PLANE_BYTES, checked at import.
 # the types whose units are 32 elements, k_tile's (dot_rows and moe._down_kernel test them inline)
 UNIT32_TYPES = frozenset({Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
 

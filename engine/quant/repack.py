@@ -111,6 +111,20 @@ FIXED_PLANES: dict[tuple[Q, str], torch.Tensor] = {
     (Q.IQ4_XS, "lv"): torch.tensor(reference.IQ4_NL_LEVELS, dtype=torch.float32).view(torch.uint8)
 }
 REPACKED_TYPES: frozenset[Q] = frozenset(PLANES)
+
+# The plane sizes (bytes per block; a fixed plane's bytes per matrix) that the Triton kernels
+# (``repack_kernels``, ``kernels.dot``, ``kernels.gemm``) are written for: they compute offsets
+# from these numbers, so a change to PLANES must fail here first, at import.
+KERNEL_PLANE_BYTES: dict[Q, tuple[tuple[int, int], ...]] = {
+    Q.Q4_K: ((128, 0), (8, 0), (8, 0), (2, 0), (2, 0)),
+    Q.Q5_K: ((128, 0), (32, 0), (8, 0), (8, 0), (4, 0)),
+    Q.Q6_K: ((128, 0), (64, 0), (16, 0), (2, 0)),
+    Q.IQ4_XS: ((128, 0), (8, 0), (2, 0), (0, 64)),
+    Q.Q8_0: ((32, 0), (2, 0)),
+    Q.Q4_0: ((16, 0), (2, 0)),
+}
+for _qtype, _sizes in KERNEL_PLANE_BYTES.items():
+    assert tuple((p.block_bytes, p.fixed_bytes) for p in PLANES[_qtype]) == _sizes, _qtype
 FLOAT_TYPES: frozenset[Q] = frozenset({Q.F32, Q.F16, Q.BF16})
 
 for _qtype, _planes in PLANES.items():  # the planes hold exactly a block's bytes (or more)

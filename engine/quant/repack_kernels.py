@@ -24,22 +24,13 @@ import triton.language as tl
 from strata.engine.quant.repack import (
     FIXED_PLANES,
     FLOAT_TYPES,
-    PLANES,
     RepackedLayout,
     repacked_layout,
 )
 
 Q = gguf.GGMLQuantizationType
 
-# The block sizes and bytes per plane the kernels below are written for, from the tables.
-assert [p.block_bytes for p in PLANES[Q.Q4_K]] == [128, 8, 8, 2, 2]
-assert [p.block_bytes for p in PLANES[Q.Q6_K]] == [128, 64, 16, 2]
-assert [p.block_bytes for p in PLANES[Q.Q8_0]] == [32, 2]
-assert [p.block_bytes for p in PLANES[Q.Q5_K]] == [128, 32, 8, 8, 4]
-assert [(p.block_bytes, p.fixed_bytes) for p in PLANES[Q.IQ4_XS]] == [
-    (128, 0), (8, 0), (2, 0), (0, 64)
-]  # fmt: skip
-assert [p.block_bytes for p in PLANES[Q.Q4_0]] == [16, 2]
+# The block sizes the kernels below are written for (their planes: repack.KERNEL_PLANE_BYTES).
 assert gguf.GGML_QUANT_SIZES[Q.Q4_K] == (256, 144)
 assert gguf.GGML_QUANT_SIZES[Q.Q5_K] == (256, 176)
 assert gguf.GGML_QUANT_SIZES[Q.Q6_K] == (256, 210)
