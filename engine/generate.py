@@ -522,12 +522,11 @@ def _cache_budget_mib(options: EngineOptions, device: torch.device) -> int:
 def _check_kv_fits(args: Any, n_ctx: int, kind: str, device: torch.device, path: Path) -> None:
     """A context whose K/V cache cannot fit the device's memory is an error naming the option
     and both sizes, before anything is allocated (not an allocator's message from deep inside)."""
-    from strata.engine.kv import KV_DTYPES, PAGE_TOKENS
+    from strata.engine.kv import KV_DTYPES, KVCache
 
     if kind not in KV_DTYPES:
         return  # the K/V cache names the bad type itself
-    rows = -(-n_ctx // PAGE_TOKENS) * PAGE_TOKENS
-    need = 2 * args.n_layer * rows * args.n_head_kv * args.head_dim * KV_DTYPES[kind].itemsize
+    need = KVCache.nbytes_for(args.n_layer, n_ctx, args.n_head_kv, args.head_dim, kind)
     if device.type == "cuda":
         have, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
     else:

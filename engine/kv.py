@@ -77,3 +77,11 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    @staticmethod
+    def nbytes_for(
+        n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, kind: str, page: int = PAGE_TOKENS
+    ) -> int:
+        """What a cache of these sizes holds (K and V), before allocating it."""
+        rows = -(-n_ctx // page) * page
+        return 2 * n_layer * rows * n_head_kv * head_dim * KV_DTYPES[kind].itemsize

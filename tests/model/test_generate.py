@@ -135,3 +135,11 @@ def test_a_context_whose_kv_cannot_fit_the_memory_names_the_option(tiny_models) 
     path = tiny_models.path("qwen3moe", "F32")
     with pytest.raises(ModelLoadError, match=r"context_length 100000000000 needs a K/V cache of"):
         Engine.load(path, EngineOptions(kv_cache_type="f32", context_length=100_000_000_000))
+
+
+def test_the_kv_size_checked_at_load_is_what_the_cache_allocates() -> None:
+    from strata.engine.kv import KVCache
+
+    for n_ctx, kind in ((1, "f32"), (100, "f16"), (4096, "f32")):
+        kv = KVCache(3, n_ctx, 2, 8, kind)
+        assert KVCache.nbytes_for(3, n_ctx, 2, 8, kind) == kv.nbytes
