@@ -93,6 +93,12 @@ class StrataConfig(BaseSettings):
     elastic_reserve_mib: int = Field(
         500, ge=0, description="VRAM in MiB kept free for other programs"
     )
+    host_budget_mib: int | None = Field(
+        None,
+        ge=0,
+        description="RAM in MiB for the host tier, the experts no VRAM slot holds (unset: "
+        "MemAvailable at load minus max(4 GiB, RAM/8); 0: read them from the file)",
+    )
     arena_chunk_mib: int = Field(
         32, ge=2, le=1024, description="arena mapping granularity in MiB (a multiple of 2)"
     )

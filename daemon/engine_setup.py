@@ -43,6 +43,7 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         fast_decode=config.fast_decode,
         enforce_eager=config.enforce_eager,
         fast_prefill=config.fast_prefill,
+        host_budget_mib=config.host_budget_mib,
     )
 
 

@@ -134,6 +134,7 @@ class Daemon:
             "max_cache_mib": cache.max_slots * cache.slot_bytes // MiB if cache else 0,
             "cache_experts": cache.cached_experts if cache else 0,
             "total_experts": cache.max_slots if cache else None,
+            **_host_tier_status(cache),
             "total_mib": sample.total_bytes // MiB if sample else None,
             "free_mib": sample.free_bytes // MiB if sample else None,
             "ours_mib": sample.ours_bytes // MiB if sample else None,
@@ -438,3 +439,19 @@ def run(loaded: LoadedConfig, args: Any) -> int:
     except ServiceError as e:
         log.error("%s", e)
         return e.code
+
+
+def _host_tier_status(cache: Any) -> dict[str, Any]:
+    """The host tier's part of the status (docs/status.md): RAM homes, the room kept, the
+    experts left on the file, and what this process has read from the drive."""
+    from strata.engine.experts.host import drive_read_bytes
+
+    tier = cache.tier_stats() if cache is not None else None
+    drive = drive_read_bytes()
+    return {
+        "host_tier_mib": tier.bytes // MiB if tier else 0,
+        "host_experts": tier.experts if tier else 0,
+        "host_room_experts": tier.slots - tier.experts if tier else 0,
+        "file_experts": cache.file_experts if cache is not None else None,
+        "drive_read_mib": drive // MiB if drive is not None else None,
+    }

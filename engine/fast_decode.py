@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from strata.engine.experts.cache import ExpertCache
+from strata.engine.experts.host import HostTier
 from strata.engine.experts.layout import RUN_ALIGN, align, kernel_layout
 from strata.engine.experts.provider import ExpertProvider, FileExpertProvider
-from strata.engine.experts.table import MISSING, ExpertTablePlan, plan_table
+from strata.engine.experts.table import FILE, HOST, MISSING, VRAM, ExpertTablePlan, plan_table
 from strata.engine.fast_prefill import FastPrefill
 from strata.engine.kernels import moe
 from strata.engine.kernels.attention import DecodeAttention
@@ -127,8 +128,10 @@ class FastDecoder:
         self.wts = torch.zeros(L, K, dtype=f32, device=dev)
         self.eoffs = torch.zeros(L, K, dtype=torch.int64, device=dev)  # the chosen experts' slots
         self.counts = torch.zeros(L, E, dtype=torch.int32, device=dev)
-        # distinct experts each prefill chunk read from their homes, per layer (the stats' hits)
-        self.prefill_fetches = torch.zeros(L, dtype=torch.int64, device=dev)
+        # the prefill path's uses (token assignments, not reads) and the distinct experts each
+        # chunk read, per table entry (the reads are classified by home at the flush)
+        self.prefill_uses = torch.zeros(L, E, dtype=torch.int32, device=dev)
+        self.prefill_fetches = torch.zeros(L * E, dtype=torch.int64, device=dev)
         self.act = torch.zeros(K, a.n_ff_exp, dtype=f32, device=dev)
         self.logits = torch.zeros(a.vocab_size, dtype=f32, device=dev)
         # each step's greedy token: a two-slot ring on the device, read into pinned host memory
@@ -153,6 +156,13 @@ class FastDecoder:
         base = self.staging.data_ptr() - self.anchor.data_ptr()
         self.staging_offsets = [base + j * self.staging_bytes for j in range(K)]
         self.table = torch.full((L * E,), MISSING, dtype=torch.int64, device=dev)
+        # the same with only the VRAM slots (RAM homes MISSING), and each layer's RAM homes
+        # (expert, host slot): prompt chunks copy those into VRAM instead of reading them
+        # over PCIe tile by tile
+        self.vram_table = torch.full((L * E,), MISSING, dtype=torch.int64, device=dev)
+        self.host_homes: list[list[tuple[int, int]]] = [[] for _ in range(L)]
+        self.tier: HostTier | None = None
+        self.host_count = 0
         self.plan: ExpertTablePlan = plan_table(L, E, None, lambda s: MISSING)
         self._said_mode = False  # whether the log has said how steps run (graph or staging)
         self.provider: ExpertProvider = model.provider
@@ -185,7 +195,10 @@ class FastDecoder:
         self.rebuild_table()
 
     def rebuild_table(self) -> None:
-        """Plan the tables from the cache's slot table (tags checked) and copy them over."""
+        """Plan the tables from the cache's slot table and its host tier's (tags checked) and
+        copy them over. The uses counted so far are classified first, by the plan they ran
+        under."""
+        self.flush_usage()
         cache = self.provider if isinstance(self.provider, ExpertCache) else None
         anchor = self.anchor.data_ptr()
         a = self.args
@@ -193,55 +206,93 @@ class FastDecoder:
         if cache is None:
             self.plan = plan_table(a.n_layer, a.n_expert, None, lambda s: MISSING)
         else:
+            tier = cache.tier
+            if tier is not None and self.device.type == "cuda" and not tier.pinned:
+                raise FastPathError("the host tier is not page-locked: the GPU cannot read it")
             offset = lambda s: cache.slot_address(s) - anchor  # noqa: E731
-            self.plan = plan_table(a.n_layer, a.n_expert, cache.table, offset)
+            host = None if tier is None else (lambda s: tier.address(s) - anchor)
+            self.plan = plan_table(
+                a.n_layer, a.n_expert, cache.table, offset,
+                None if tier is None else tier.table, host,
+            )  # fmt: skip
         self._write_table()
         if self.plan.complete != was_complete or not self._said_mode:
             self._said_mode = True
+            vram, host = self.plan.count(VRAM), self.plan.count(HOST)
             if self.plan.complete:
-                log.info("every expert is cached: decode steps stage nothing")
+                log.info(
+                    "every expert has a home the kernels read (%d in VRAM, %d in RAM over "
+                    "PCIe): decode steps stage nothing",
+                    vram,
+                    host,
+                )
             else:
                 log.info(
-                    "%d of %d experts cached: decode steps run eagerly and stage each miss",
-                    self.plan.resident,
-                    a.n_layer * a.n_expert,
+                    "%d experts in VRAM, %d in RAM, %d only on the file: decode steps run "
+                    "eagerly and stage each miss from the file",
+                    vram,
+                    host,
+                    self.plan.count(FILE),
                 )
 
     def _write_table(self) -> None:
-        self.table.copy_(torch.tensor(self.plan.offsets, dtype=torch.int64))
+        plan = self.plan
+        self.table.copy_(torch.tensor(plan.offsets, dtype=torch.int64))
+        vram = [o if w == VRAM else MISSING for o, w in zip(plan.offsets, plan.where, strict=True)]
+        self.vram_table.copy_(torch.tensor(vram, dtype=torch.int64))
+        cache = self.provider if isinstance(self.provider, ExpertCache) else None
+        self.tier = cache.tier if cache is not None else None
+        self.host_homes = [[] for _ in range(self.args.n_layer)]
+        self.host_count = plan.count(HOST)
+        if self.tier is not None:
+            for slot, tag in self.tier.table:
+                self.host_homes[tag.layer].append((tag.expert, slot))
+            for homes in self.host_homes:
+                homes.sort(key=lambda es: es[1])  # host slot order: neighbours copy as one
 
     def _stage_misses(self, layer: int) -> None:
         """Eager steps with misses: after the layer's top-k, stage each chosen expert that has no
         readable home into a staging slot and point its chosen-expert offset there (the table
         itself is not touched: it only ever holds homes)."""
-        stats = self.provider.stats
         for j, e in enumerate(self.ids[layer].tolist()):
-            blob = self.index.expert(layer, e)
-            if self.plan.is_resident(layer, e):
-                stats.hits += 1
-                stats.bytes_from_cache += blob.nbytes
-                continue
-            stats.misses += 1
-            stats.bytes_from_file += blob.nbytes
-            self.file.upload_kernel(blob, self.staging[j * self.staging_bytes :])
-            self.eoffs[layer, j].fill_(self.staging_offsets[j])
+            if not self.plan.is_resident(layer, e):
+                blob = self.index.expert(layer, e)
+                self.file.upload_kernel(blob, self.staging[j * self.staging_bytes :])
+                self.eoffs[layer, j].fill_(self.staging_offsets[j])
 
     def flush_usage(self) -> None:
-        """Hand the expert uses counted on the device to the provider's usage counts."""
-        counts = self.counts.to("cpu", copy=True)
+        """Hand the expert uses counted on the device to the provider's usage counts, and count
+        the reads they made in its stats by where each expert's home is in the current plan
+        (every plan change flushes first, so that is the plan they ran under): a decode step
+        reads each chosen expert once, a prefill chunk each distinct one once."""
+        steps = self.counts.to("cpu", copy=True).reshape(-1)
+        prompts = self.prefill_uses.to("cpu", copy=True).reshape(-1)
+        fetched = self.prefill_fetches.to("cpu", copy=True)
         self.counts.zero_()
-        E = self.args.n_expert
-        found = {
-            (i // E, i % E): int(n) for i, n in zip(*_nonzero(counts.reshape(-1)), strict=True)
-        }
-        if found:
-            self.provider.record_counts(found)
-        fetched = self.prefill_fetches.tolist()
+        self.prefill_uses.zero_()
         self.prefill_fetches.zero_()
-        stats = self.provider.stats
-        for n, nbytes in zip(fetched, self.expert_bytes, strict=True):
-            stats.hits += n
-            stats.bytes_from_cache += n * nbytes
+        E = self.args.n_expert
+        uses = dict(zip(*_nonzero(steps + prompts), strict=True))
+        if uses:
+            self.provider.record_counts({(i // E, i % E): int(n) for i, n in uses.items()})
+        self._count_reads(dict(zip(*_nonzero(steps), strict=True)))
+        self._count_reads(dict(zip(*_nonzero(fetched), strict=True)))
+
+    def _count_reads(self, reads: dict[int, int]) -> None:
+        """reads: table entry -> times read."""
+        stats, plan, E = self.provider.stats, self.plan, self.args.n_expert
+        for i, n in reads.items():
+            nbytes = n * self.expert_bytes[i // E]
+            where = plan.where[i]
+            if where == VRAM:
+                stats.hits += n
+                stats.bytes_from_cache += nbytes
+            elif where == HOST:
+                stats.misses += n
+                stats.bytes_from_ram += nbytes
+            else:
+                stats.misses += n
+                stats.bytes_from_file += nbytes
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -352,7 +403,6 @@ class FastDecoder:
                 self.graph.replay()
             else:
                 self._forward(None)
-            self._count_all_hits()
         else:
             self._forward(self._stage_misses)
         self.steps += 1
@@ -397,14 +447,8 @@ class FastDecoder:
 
     def accept(self) -> None:
         """A step of a greedy run whose token the host took: count it as ``step`` does."""
-        self._count_all_hits()
         self.steps += 1
         self.provider.step()
-
-    def _count_all_hits(self) -> None:
-        s = self.provider.stats
-        s.hits += self.args.n_expert_used * self.args.n_layer
-        s.bytes_from_cache += self.step_expert_bytes
 
     # -- set-up ----------------------------------------------------------------------------------
 

@@ -51,6 +51,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_GRAPH_TOKENS = 64  # the smallest captured chunk: shorter ones replay it, padded
+# From this many tokens a chunk copies the experts it uses from their RAM homes into VRAM (at
+# the copy engines' ~50 GB/s) instead of reading them over PCIe tile by tile (zero-copy reads
+# from tensor-core tiles reach a fraction of that); shorter chunks replay their graphs.
+STAGE_MIN_TOKENS = 32
+STAGE_SLOTS = 64  # VRAM slots the copies go into (a layer's RAM homes in rounds of these)
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -75,6 +80,7 @@ class FastPrefill:
         self.graphs: dict[int, _ChunkGraph] = {}  # chunk size -> its captured segments
         self.pool: tuple[int, int] | None = None  # their one memory pool (run one at a time)
         self.capturing = False
+        self._stage: torch.Tensor | None = None  # staging slots for the experts in RAM homes
 
     # -- products --------------------------------------------------------------------------------
 
@@ -157,7 +163,7 @@ class FastPrefill:
         h = h32.half()
         tile = gemm.MOE_TILE
         g = gemm.group_by_expert(ids, E, tile.bm, n_rows)
-        dec.counts[layer] += g.counts
+        dec.prefill_uses[layer] += g.counts
         lay = dec.slot_layouts[layer]
         act = torch.empty(g.rows.numel(), a.n_ff_exp, dtype=torch.float16, device=x.device)
         y = torch.zeros(T * K, a.n_embd, dtype=torch.float32, device=x.device)  # padding: 0
@@ -167,13 +173,60 @@ class FastPrefill:
             gemm.moe_gate_up(act, h, g, table, dec.anchor, lay.gate, lay.up, lay.up_offset, tile)
             gemm.moe_down(y, act, g, flat_w, table, dec.anchor, lay.down, lay.down_offset, tile)
 
-        table = dec.table[layer * E : (layer + 1) * E]
-        run(table)
-        if self.capturing or dec.plan.complete:  # a graph is replayed only when complete
-            dec.prefill_fetches[layer] += (g.counts > 0).sum()
+        if self._stages(T) and dec.host_homes[layer]:
+            run(dec.vram_table[layer * E : (layer + 1) * E])  # the VRAM slots' experts
+            self._from_host(layer, g.counts, run)  # then the RAM homes', copied into VRAM
         else:
+            run(dec.table[layer * E : (layer + 1) * E])
+        dec.prefill_fetches[layer * E : (layer + 1) * E] += g.counts > 0  # each read once
+        if not (self.capturing or dec.plan.complete):  # a graph is replayed only when complete
             self._misses(layer, g.counts, run)
         x.add_(y.view(T, K, a.n_embd).sum(dim=1))  # the k outputs in a fixed order
+
+    def _stages(self, T: int) -> bool:
+        """Whether a chunk of T tokens copies its experts from RAM homes into VRAM (eagerly)."""
+        return not self.capturing and T >= STAGE_MIN_TOKENS and self.dec.host_count > 0
+
+    def _from_host(
+        self, layer: int, counts: torch.Tensor, run: Callable[[torch.Tensor], None]
+    ) -> None:
+        """The chosen experts whose home is in RAM: copied into the staging slots (neighbouring
+        homes as one copy) and run in rounds of STAGE_SLOTS (a table of MISSING skips the
+        others). The same bytes as their homes, so the same numbers as reading them there."""
+        dec, E = self.dec, self.args.n_expert
+        tier = dec.tier
+        assert tier is not None
+        used = counts.tolist()
+        homes = [(e, s) for e, s in dec.host_homes[layer] if used[e]]
+        if not homes:
+            return
+        stage = self._stage_buffer(tier.slot_bytes)
+        base = stage.data_ptr() - dec.anchor.data_ptr()
+        n = tier.slot_bytes
+        for i in range(0, len(homes), STAGE_SLOTS):
+            group = homes[i : i + STAGE_SLOTS]
+            j = 0
+            while j < len(group):
+                k = j + 1
+                while (
+                    k < len(group)
+                    and group[k][1] == group[j][1] + k - j
+                    and group[k][1] % tier.piece_slots  # never across two page-locked pieces
+                ):
+                    k += 1
+                stage[j * n : k * n].copy_(tier.view(group[j][1], (k - j) * n), non_blocking=True)
+                j = k
+            offsets = [MISSING] * E
+            for j, (e, _) in enumerate(group):
+                offsets[e] = base + j * n
+            run(torch.tensor(offsets, dtype=torch.int64).to(self.device, non_blocking=True))
+
+    def _stage_buffer(self, slot_bytes: int) -> torch.Tensor:
+        if self._stage is None or self._stage.numel() != STAGE_SLOTS * slot_bytes:
+            from strata.engine.fast_decode import _aligned
+
+            self._stage = _aligned(STAGE_SLOTS * slot_bytes, self.device)
+        return self._stage
 
     def _misses(
         self, layer: int, counts: torch.Tensor, run: Callable[[torch.Tensor], None]
@@ -181,18 +234,10 @@ class FastPrefill:
         """The chosen experts without a readable home, staged and run in rounds of the staging
         slots (the cached ones ran already; a table of MISSING skips them now)."""
         dec = self.dec
-        stats = dec.provider.stats
         E = self.args.n_expert
-        used = [e for e, n in enumerate(counts.tolist()) if n]
-        missing = [e for e in used if not dec.plan.is_resident(layer, e)]
-        for e in used:
-            blob = dec.index.expert(layer, e)
-            if e in missing:
-                stats.misses += 1
-                stats.bytes_from_file += blob.nbytes
-            else:
-                stats.hits += 1
-                stats.bytes_from_cache += blob.nbytes
+        missing = [
+            e for e, n in enumerate(counts.tolist()) if n and not dec.plan.is_resident(layer, e)
+        ]
         slots = len(dec.staging_offsets)
         for i in range(0, len(missing), slots):
             offsets = [MISSING] * E
@@ -219,7 +264,8 @@ class FastPrefill:
                 f"a chunk of {T} tokens at position {start} does not fit the context "
                 f"of {self.kv.n_ctx}"
             )
-        graph = self._graph_for(T, start) if last_only and self.dec.plan.complete else None
+        replay = last_only and self.dec.plan.complete and not self._stages(T)
+        graph = self._graph_for(T, start) if replay else None
         if graph is not None:
             logits = graph.replay(tokens, start)
         else:
@@ -308,7 +354,7 @@ class FastPrefill:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file = before
-        dec.counts.zero_()
+        dec.prefill_uses.zero_()
         dec.prefill_fetches.zero_()
         self.kv.length = 0
 
@@ -342,7 +388,7 @@ class _ChunkGraph:
         pool = p.pool
         stats = p.dec.provider.stats
         saved = (stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file)
-        counts = p.dec.counts.clone()
+        counts = p.dec.prefill_uses.clone()
         p.dec.prefill_fetches.zero_()
 
         def capture(i: int, run: Callable[[], None]) -> None:
@@ -361,7 +407,7 @@ class _ChunkGraph:
         finally:
             p.capturing = False
         torch.cuda.synchronize(p.device)
-        p.dec.counts.copy_(counts)
+        p.dec.prefill_uses.copy_(counts)
         p.dec.prefill_fetches.zero_()
         stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file = saved
 

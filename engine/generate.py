@@ -33,9 +33,11 @@ from strata.engine.sampling import Sampler
 from strata.engine.tokenizer import Tokenizer
 from strata.engine.vocab import Vocab
 from strata.vmm.arena import ElasticArena
+from strata.vmm.errors import VmmError
 
 if TYPE_CHECKING:
     from strata.engine.fast_decode import FastDecoder
+    from strata.vmm.pinned import Pinner
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,9 @@ class EngineOptions:
     fast_decode: bool = True  # on a GPU: decode with the fused Triton kernels
     fast_prefill: bool = True  # and prompt chunks on tensor cores (with fast_decode only)
     enforce_eager: bool = False  # the same kernels without CUDA graphs
+    # RAM for the host tier (the experts no VRAM slot holds); None: what is available less what
+    # the desktop keeps (``host.default_budget_bytes``); 0: no tier, misses read from the file
+    host_budget_mib: int | None = None
 
 
 @dataclass
@@ -258,18 +263,28 @@ class Engine:
         profile = UsageProfile.load(profile_file, model_key(index)) if profile_file else None
         # The cache is sized last, so that an automatic size sees what the model already holds.
         budget = _cache_budget_mib(options, device)
-        if budget > 0:
-            step(total - 2 if decoder else 4, "filling the expert cache")
-            model.provider = ExpertCache.create(
-                index,
-                device,
-                budget * MiB,
-                None if options.elastic_tail_mib is None else options.elastic_tail_mib * MiB,
-                options.arena_chunk_mib * MiB,
-                profile,
-                arena_factory,
-                kernel=decoder is not None,
-            )
+        host_budget = _host_budget_mib(options)
+        # On the GPU fast path the cache exists even at 0 MiB, for its host tier (the decode
+        # graph reads misses there) and to grow into free VRAM later.
+        if budget > 0 or (decoder is not None and host_budget > 0):
+            at = total - 2 if decoder else 4
+            step(at, "filling the expert cache")
+            try:
+                model.provider = ExpertCache.create(
+                    index,
+                    device,
+                    budget * MiB,
+                    None if options.elastic_tail_mib is None else options.elastic_tail_mib * MiB,
+                    options.arena_chunk_mib * MiB,
+                    profile,
+                    arena_factory,
+                    kernel=decoder is not None,
+                    host_budget_bytes=host_budget * MiB,
+                    pinner=_pinner(device) if host_budget > 0 else None,
+                    progress=lambda done, n, what: report(at, total, what),
+                )
+            except VmmError as e:  # page-locking refused or partial, no CUDA driver bindings
+                raise ModelLoadError(f"{path}: {e}") from None
         if decoder is not None:
             decoder.bind(model.provider)
             if not options.enforce_eager:
@@ -517,6 +532,25 @@ def _cache_budget_mib(options: EngineOptions, device: torch.device) -> int:
         return 0
     free, _ = torch.cuda.mem_get_info(device)
     return max(0, free // MiB - options.reserve_mib)
+
+
+def _host_budget_mib(options: EngineOptions) -> int:
+    from strata.engine.experts.host import default_budget_bytes
+
+    if options.host_budget_mib is not None:
+        if options.host_budget_mib < 0:
+            raise EngineError(f"host_budget_mib={options.host_budget_mib} is negative")
+        return options.host_budget_mib
+    return default_budget_bytes() // MiB
+
+
+def _pinner(device: torch.device) -> Pinner | None:
+    """What page-locks the host tier for ``device`` (None on the CPU: plain memory)."""
+    if device.type != "cuda":
+        return None
+    from strata.vmm.pinned import CudaPinner
+
+    return CudaPinner(device.index or 0)
 
 
 def _check_kv_fits(args: Any, n_ctx: int, kind: str, device: torch.device, path: Path) -> None:

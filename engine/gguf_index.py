@@ -7,7 +7,7 @@ are handed out as zero-copy uint8 views and stay quantised until a layer dequant
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from strata.engine.errors import ModelLoadError
+from strata.vmm import pagecache
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,12 @@ class GGUFIndex:
             return self.tensors[name]
         except KeyError:
             raise ModelLoadError(f"{self.path}: tensor {name} is missing") from None
+
+    def release(self, runs: Iterable[tuple[int, int]]) -> int:
+        """Give the page cache's copies of these byte runs (offset, bytes) back to the system,
+        our mapping's included: only whole pages inside the runs. Returns the bytes released;
+        raises OSError when the kernel refuses."""
+        return pagecache.release(self.path, int(self._data.ctypes.data), runs)
 
     def raw(self, offset: int, nbytes: int) -> torch.Tensor:
         """Zero-copy uint8 view of ``nbytes`` at ``offset`` of the mapped file."""

@@ -27,10 +27,12 @@ from strata.engine.bench.settings import (
     BenchSettings,
     Budget,
 )
+from strata.engine.experts.host import drive_read_bytes
 from strata.engine.experts.provider import ProviderStats
 from strata.engine.generate import Engine
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.params import SamplingParams
+from strata.vmm import pagecache
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,8 @@ class StrataBench:
         return rng.integers(0, self.vocab, size=n).tolist()
 
     def _counts(self) -> dict[str, int]:
+        # the fast path counts reads on the device: hand them over first
+        self.engine.runner.flush_usage()
         return _counts(self.engine.provider.stats)
 
     def _sync(self) -> None:
@@ -127,11 +131,15 @@ class StrataBench:
         self.engine.runner.rewind(0)
         self._sync()
         before = self._counts()
+        drive = drive_read_bytes()
         t0 = time.perf_counter()
         self.engine.runner.feed(ids)
         self._sync()  # the logits stay on the device: wait for them
         seconds = time.perf_counter() - t0
-        return {"tokens": n, "seconds": seconds, **_delta(before, self._counts())}
+        after = drive_read_bytes()
+        read = None if drive is None or after is None else after - drive
+        return {"tokens": n, "seconds": seconds, "drive_read_bytes": read,
+                **_delta(before, self._counts())}  # fmt: skip
 
     def decode_run(
         self, n_tokens: int, at_step: int | None = None, action: Callable[[], Any] | None = None
@@ -278,6 +286,7 @@ class StrataBench:
         m: Row = {"peak_rss_bytes": probes.peak_rss_bytes()}
         m["peak_rss_scope"] = "this budget" if self._rss_reset else "the whole process"
         m.update(probes.rss_parts())
+        m.update(self._ram_parts())
         if not self.cuda:
             m.update(peak_vram_bytes=None, peak_vram_source=None, vram_reason="CPU run: no VRAM")
             return m
@@ -296,6 +305,20 @@ class StrataBench:
             m["peak_vram_bytes"], m["peak_vram_source"] = m["strata_peak_bytes"], "torch+arena"
         return m
 
+    def _ram_parts(self) -> Row:
+        """Where the experts outside VRAM are: the host tier, and the GGUF's expert runs in the
+        page cache (``mincore``), and what the process has read from the drive so far."""
+        cache = self.engine.cache
+        tier = cache.tier_stats() if cache is not None else None
+        runs = [(r.offset, r.nbytes) for b in self.engine.index.iter_experts() for r in b.runs]
+        return {
+            "host_tier_bytes": tier.bytes if tier else 0,
+            "host_experts": tier.experts if tier else 0,
+            "file_experts": cache.file_experts if cache is not None else len(runs) // 3,
+            "expert_page_cache_bytes": pagecache.resident_bytes(self.engine.index.path, runs),
+            "drive_read_bytes": drive_read_bytes(),
+        }
+
     # -- resizing under load --------------------------------------------------------------------
 
     def resize_test(self) -> Row:
@@ -312,16 +335,18 @@ class StrataBench:
         out: Row = {"from_slots": n0, "to_slots": target, "nvml_reason": self.vram_reason}
         free0 = self.vram.free() if self.vram is not None else None
         t0 = time.perf_counter()
-        cache.resize(target)
+        down = cache.resize(target)
         out["shrink_call_s"] = time.perf_counter() - t0
+        out["shrink_to_host"], out["shrink_to_file"] = down.to_host, down.to_file
         out["shrink_bytes"] = freed = mapped0 - cache.arena.mapped_bytes
         out["shrink_to_nvml_free_s"] = self._wait_free(
             lambda f: f + NVML_SLACK >= free0 + freed, t0, free0
         )
         free1 = self.vram.free() if self.vram is not None else None
         t0 = time.perf_counter()
-        cache.resize(n0)
+        up = cache.resize(n0)
         out["grow_to_refilled_s"] = time.perf_counter() - t0
+        out["grow_from_host"] = up.from_host
         out["refilled"] = cache.cached_experts == n0
         out["grow_bytes"] = cache.arena.mapped_bytes - (mapped0 - freed)
         free2 = self.vram.free() if self.vram is not None else None

@@ -8,6 +8,14 @@ with exactly the values a miss is: residency never changes the numbers. The slot
 slot with (layer, expert, generation); a lookup whose tag does not match raises instead of
 computing with the wrong expert.
 
+Behind the slots stands the host tier (``host.HostTier``): RAM homes, in the same layout, for the
+experts no slot holds, up to the RAM budget; what fits neither is read from the mapped file. Every
+expert has one home. A shrink moves the evicted experts' bytes into free host slots before their
+chunks are unmapped; a grow fills the new slots from their host homes (the file only for experts
+that had none) and then frees those homes. Whenever bytes have been copied out of the file into
+a slot or a home, the file's pages of those runs are given back (``GGUFIndex.release``), so RAM
+holds each expert once.
+
 Resizing happens only at safe points (between forward steps): ``resize`` grows by filling the new
 tail slots with the hottest missing experts, and shrinks by first moving the hottest experts of the
 removed slots into the coldest surviving ones, then unmapping. Whoever keeps device-side tables
@@ -25,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.engine.experts.host import HostTier, HostTierStats, tier_slots
 from strata.engine.experts.layout import (
     align,
     kernel_layout,
@@ -46,6 +55,9 @@ from strata.engine.experts.slots import (
 from strata.engine.gguf_index import ExpertBlob, GGUFIndex
 from strata.engine.layers.weights import QWeight, RepackedWeight
 from strata.vmm.arena import ElasticArena, create_arena
+from strata.vmm.pinned import Pinner
+
+Progress = Callable[[int, int, str], None]  # (done, total, what)
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +80,14 @@ class ResizeResult:
     to_slots: int
     copied: int
     seconds: float
+    to_host: int = 0  # experts a shrink moved into host homes
+    to_file: int = 0  # experts a shrink left with no home but the file (the host tier was full)
+    from_host: int = 0  # experts a grow filled from their host homes
 
 
 class ExpertCache:
-    """An :class:`ExpertProvider` that serves cached experts from arena slots and the rest from
-    the file (the RAM tier is the file's page cache for now)."""
+    """An :class:`ExpertProvider` that serves cached experts from arena slots, the rest from
+    their host homes, and those beyond the RAM budget from the file."""
 
     def __init__(
         self,
@@ -105,6 +120,10 @@ class ExpertCache:
         self.listeners: list[Callable[[], None]] = []
         # run before each plan: lets the decoder hand over the expert use counted on the device
         self.before_plan: Callable[[], None] | None = None
+        self.tier: HostTier | None = None  # RAM homes of the experts no slot holds
+        self.released_bytes = 0  # file pages given back after their runs were copied
+        self._scratch: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._next_scratch = 0
 
     # -- creation -------------------------------------------------------------------------------
 
@@ -119,11 +138,19 @@ class ExpertCache:
         profile: UsageProfile | None = None,
         arena_factory: Callable[[int, int], ElasticArena] | None = None,
         kernel: bool = False,
+        host_budget_bytes: int = 0,
+        pinner: Pinner | None = None,
+        progress: Progress | None = None,
     ) -> ExpertCache:
         """A cache of the most whole slots that fit ``budget_bytes`` (at most every expert),
         filled in the profile's order. The arena reserves room for every expert, so the cache can
         later grow to the whole set without its addresses moving. ``kernel``: slots hold the
-        kernel layout of the GPU decode kernels."""
+        kernel layout of the GPU decode kernels.
+
+        ``host_budget_bytes`` > 0: a host tier of at most that much holds the experts the slots
+        do not (the hottest first), and keeps the rest of its room for what a shrink evicts;
+        ``pinner`` page-locks it for the device (a partial registration is a ``PinError``).
+        ``progress(done, total, what)`` hears of each layer of the tier's fill."""
         slot_bytes = kernel_slot_bytes_for(index) if kernel else slot_bytes_for(index)
         sizes = plan_sizes(budget_bytes, slot_bytes, len(index.experts), tail_bytes)
         reserved = max(align(len(index.experts) * slot_bytes, chunk_bytes), chunk_bytes)
@@ -134,7 +161,15 @@ class ExpertCache:
             arena = create_arena(backend, reserved, chunk_bytes, device.index or 0)
         order = profile.ranked() if profile else []
         cache = cls(index, arena, sizes, slot_bytes, device, order, kernel)
-        cache.resize(sizes.total_slots)
+        try:
+            cache.resize(sizes.total_slots)
+            n_host = tier_slots(host_budget_bytes, slot_bytes, len(index.experts), sizes.core_slots)
+            if n_host:
+                cache.tier = HostTier(n_host, slot_bytes, pinner)
+                cache._build_tier(progress)
+        except BaseException:
+            cache.close()
+            raise
         log.info(
             "expert cache: %d of %d experts (%.0f MiB; core %d slots, tail %d) of %.2f MiB each, "
             "%s arena of %.0f MiB reserved in %d MiB chunks%s",
@@ -149,7 +184,65 @@ class ExpertCache:
             chunk_bytes // MiB,
             ", kernel layout" if kernel else "",
         )
+        cache._log_tier()
         return cache
+
+    def tier_stats(self) -> HostTierStats | None:
+        """The host tier's slots and homes, and the experts left on the file (None: no tier)."""
+        if self.tier is None:
+            return None
+        return self.tier.stats(self.file_experts)
+
+    @property
+    def file_experts(self) -> int:
+        """Experts with no home in VRAM or RAM: read from the mapped file when routed to."""
+        held = len(self.table) + (len(self.tier.table) if self.tier is not None else 0)
+        return len(self.index.experts) - held
+
+    def _log_tier(self) -> None:
+        t = self.tier_stats()
+        if t is None:
+            log.info("no host tier: the %d experts no slot holds are read from the file",
+                     self.file_experts)  # fmt: skip
+            return
+        log.info(
+            "host tier: %d experts in RAM (%.0f MiB%s), room for %d more (%.0f MiB); %d experts "
+            "(%.0f MiB) beyond the RAM budget are read from the file; %.0f MiB of file pages "
+            "given back",
+            t.experts,
+            t.expert_bytes / MiB,
+            ", page-locked for the GPU" if self.tier is not None and self.tier.pinned else "",
+            t.slots - t.experts,
+            (t.slots - t.experts) * t.slot_bytes / MiB,
+            t.file_experts,
+            t.file_experts * self.slot_bytes / MiB,
+            self.released_bytes / MiB,
+        )
+
+    def _build_tier(self, progress: Progress | None) -> None:
+        """Fill the tier with the hottest experts no slot holds, layer by layer, giving the
+        file's pages of each layer back once its experts are copied."""
+        tier = self.tier
+        assert tier is not None
+        ranked = self.usage.ranked(self.order)
+        want = [k for k in ranked if self.table.slot_of(k) is None][: tier.n_slots]
+        by_layer: dict[int, list[ExpertKey]] = {}
+        for key in want:
+            by_layer.setdefault(key[0], []).append(key)
+        slots = tier.take(len(want))
+        n_layers = len(by_layer)
+        i = 0
+        for n, layer in enumerate(sorted(by_layer), 1):
+            keys = sorted(by_layer[layer])
+            for key in keys:
+                self._write_home(slots[i], self.index.expert(*key))
+                i += 1
+            self._sync()  # every byte is in its home before its tag says so
+            for j, key in enumerate(keys):
+                tier.assign(slots[i - len(keys) + j], key)
+            self._release(keys)
+            if progress is not None:
+                progress(n, n_layers, f"host tier: layer {n} of {n_layers}")
 
     # -- the provider protocol ------------------------------------------------------------------
 
@@ -164,21 +257,34 @@ class ExpertCache:
         self.file.record(key)
         blob = self.index.expert(layer, expert)
         slot = self.table.slot_of(key)
-        if slot is None:
+        if slot is not None:
+            self.table.check(slot, key)  # a wrong expert is an error, never a plausible answer
+            self.stats.hits += 1
+            self.stats.bytes_from_cache += blob.nbytes
+            return self._weights(blob, self.arena.view(slot * self.slot_bytes, self.slot_bytes))
+        home = self.tier.slot_of(key) if self.tier is not None else None
+        if home is None:
             return self.file.from_file(blob)
-        self.table.check(slot, key)  # a wrong expert is an error, never a plausible answer
-        self.stats.hits += 1
-        self.stats.bytes_from_cache += blob.nbytes
-        base = slot * self.slot_bytes
+        assert self.tier is not None
+        self.tier.table.check(home, key)
+        self.stats.misses += 1
+        self.stats.bytes_from_ram += blob.nbytes
+        data = self.tier.view(home, self._expert_bytes(blob))
+        if self.device.type != "cpu":  # the reference path on a GPU: one copy of the home
+            data = data.to(self.device, non_blocking=True)
+        return self._weights(blob, data)
+
+    def _weights(self, blob: ExpertBlob, data: torch.Tensor) -> ExpertWeights:
+        """The expert's three matrices over ``data``, its bytes in this cache's layout."""
         if self.kernel:
             lay = kernel_layout(blob)
             gate, up, down = (
-                RepackedWeight(self.arena.view(base + off, m.nbytes), m)
+                RepackedWeight(data[off : off + m.nbytes], m)
                 for off, m in zip(lay.offsets, lay.layouts, strict=True)
             )
             return ExpertWeights(gate, up, down)
         gate, up, down = (
-            QWeight.of_run(self.arena.view(base + off, run.nbytes), run)
+            QWeight.of_run(data[off : off + run.nbytes], run)
             for off, run in zip(run_offsets(blob), blob.runs, strict=True)
         )
         return ExpertWeights(gate, up, down)
@@ -240,13 +346,21 @@ class ExpertCache:
         before = self.table.n_slots
         if max_shrink is not None:
             n_slots = max(n_slots, before - max_shrink)
-        copied = self._grow(n_slots) if n_slots > before else self._shrink(n_slots)
-        result = ResizeResult(before, self.table.n_slots, copied, time.perf_counter() - t0)
+        to_host = to_file = from_host = 0
+        if n_slots > before or (n_slots == before and self.table.free_slots()):
+            # (at creation with no elastic tail the core is the whole size: it fills here)
+            copied, from_host = self._grow(n_slots)
+        else:
+            copied, to_host, to_file = self._shrink(n_slots)
+        result = ResizeResult(
+            before, self.table.n_slots, copied, time.perf_counter() - t0, to_host, to_file,
+            from_host,
+        )  # fmt: skip
         if result.from_slots != result.to_slots:
             self.resizes += 1
         return result
 
-    def _grow(self, n_slots: int) -> int:
+    def _grow(self, n_slots: int) -> tuple[int, int]:
         self.arena.resize(max(self.arena.mapped_bytes, self.mapped_bytes_for(n_slots)))
         got = min(n_slots, self.arena.mapped_bytes // self.slot_bytes)
         if got < n_slots:
@@ -254,26 +368,54 @@ class ExpertCache:
         ranked = self.usage.ranked(self.order)
         # empty slots below the old top first (the core at creation), then the new tail slots;
         # one plan's fills are executed before the next plan is made
-        copied = self._fill(self.table.plan_fill(ranked))
-        copied += self._fill(self.table.plan_grow(got, self.usage.ranked(self.order)))
+        copied, from_host = self._fill(self.table.plan_fill(ranked))
+        more, more_host = self._fill(self.table.plan_grow(got, self.usage.ranked(self.order)))
         self._sync()
         self._changed()
-        return copied
+        return copied + more, from_host + more_host
 
     def _changed(self) -> None:
         self.version += 1
         for listener in self.listeners:
             listener()
 
-    def _fill(self, fills: Sequence[Fill]) -> int:
-        for fill in fills:
-            # bytes first, then the tag: until assign() the slot is a miss, never a wrong expert
-            self._copy_in(fill.slot, self.index.expert(*fill.key))
-            self.table.assign(fill.slot, fill.key)
-        return len(fills)
+    def _fill(self, fills: Sequence[Fill]) -> tuple[int, int]:
+        """Copy each fill's expert into its slot: from its host home (one copy over PCIe, then
+        the home is freed) or from the file (then the file's pages of it are given back).
+        Returns (fills, fills from host homes)."""
+        tier = self.tier
+        homed = [f for f in fills if tier is not None and tier.slot_of(f.key) is not None]
+        from_file = [f for f in fills if tier is None or tier.slot_of(f.key) is None]
+        if homed:
+            assert tier is not None
+            pairs = []
+            for f in homed:
+                home = tier.slot_of(f.key)
+                assert home is not None
+                tier.table.check(home, f.key)
+                pairs.append((home, f.slot))
+            self._copy_slots(pairs, tier.view, self._slot_view, src_piece=tier.piece_slots)
+            self._sync()  # the bytes are in the slots before the homes go
+            for f in homed:
+                self.table.assign(f.slot, f.key)
+                tier.drop(f.key)
+        for _, group in _by_layer(from_file):
+            for fill in group:
+                # bytes first, then the tag: until assign() the slot is a miss, never a wrong one
+                self._copy_in(fill.slot, self.index.expert(*fill.key))
+                self.table.assign(fill.slot, fill.key)
+            self._release([f.key for f in group])  # read already: staging copies synchronously
+        return len(fills), len(homed)
 
-    def _shrink(self, n_slots: int) -> int:
+    def _shrink(self, n_slots: int) -> tuple[int, int, int]:
+        """Returns (moves within VRAM, experts moved into host homes, experts left to the file)."""
+        before = {t.key: s for s, t in self.table}
         moves = self.table.plan_shrink(n_slots, self.usage.hotness)
+        # evicted: the removed slots' experts that did not move, and the survivors' experts
+        # that moves overwrite; copied out first (in stream order, before any move writes)
+        kept = self.table.cached_keys()
+        leaving = {k: s for k, s in before.items() if k not in kept}
+        to_host = self._evict_to_tier(leaving)
         for move in moves:
             blob = self.index.expert(*move.key)
             n = self._expert_bytes(blob)
@@ -283,7 +425,68 @@ class ExpertCache:
         self._changed()  # and every device-side table is rewritten
         self._sync()
         self.arena.resize(self.mapped_bytes_for(n_slots))
-        return len(moves)
+        to_file = len(leaving) - to_host
+        if to_file:
+            log.info(
+                "%d evicted experts have no room in the host tier: they are read from the file",
+                to_file,
+            )
+        return len(moves), to_host, to_file
+
+    def _evict_to_tier(self, leaving: dict[ExpertKey, int]) -> int:
+        """Copy the evicted experts (key -> the removed slot that holds it) into free host
+        slots, the hottest first where there is not room for all; their tags are set (the
+        caller synchronises before anything reads them). Returns how many found a home."""
+        tier = self.tier
+        if tier is None or not leaving:
+            return 0
+        free = tier.take(len(leaving))
+        keys = list(leaving)
+        if len(free) < len(keys):
+            heat = self.usage.hotness
+            keys.sort(key=lambda k: -float(heat.get(k, 0.0)))
+        keys = sorted(keys[: len(free)], key=lambda k: leaving[k])  # slot order: runs coalesce
+        pairs = [(leaving[k], h) for k, h in zip(keys, free, strict=True)]
+        try:
+            self._copy_slots(pairs, self._slot_view, tier.view, dst_piece=tier.piece_slots)
+        except RuntimeError as e:  # a copy the driver refused: they go back to the file
+            self._sync()
+            log.warning("could not copy %d evicted experts into the host tier (%s): they are "
+                        "read from the file", len(keys), str(e).splitlines()[0])  # fmt: skip
+            return 0
+        for key, home in zip(keys, free, strict=True):
+            tier.assign(home, key)
+        return len(keys)
+
+    def _slot_view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
+        n = self.slot_bytes if nbytes is None else nbytes
+        return self.arena.view(slot * self.slot_bytes, n)
+
+    def _copy_slots(
+        self,
+        pairs: Sequence[tuple[int, int]],
+        src: Callable[[int, int], torch.Tensor],
+        dst: Callable[[int, int], torch.Tensor],
+        src_piece: int = 0,
+        dst_piece: int = 0,
+    ) -> None:
+        """Copy whole slots (src slot, dst slot), asynchronously where the device allows; runs
+        of consecutive slots on both sides go as one copy, unless a run would cross a boundary
+        of ``src_piece`` (``dst_piece``) slots on its side (separately page-locked pieces)."""
+        pairs = sorted(pairs)
+        i = 0
+        while i < len(pairs):
+            j = i + 1
+            while (
+                j < len(pairs)
+                and pairs[j] == (pairs[i][0] + j - i, pairs[i][1] + j - i)
+                and not (src_piece and pairs[j][0] % src_piece == 0)
+                and not (dst_piece and pairs[j][1] % dst_piece == 0)
+            ):
+                j += 1
+            n = (j - i) * self.slot_bytes
+            dst(pairs[i][1], n).copy_(src(pairs[i][0], n), non_blocking=True)
+            i = j
 
     def _copy_in(self, slot: int, blob: ExpertBlob) -> None:
         base = slot * self.slot_bytes
@@ -294,10 +497,70 @@ class ExpertCache:
             dst = self.arena.view(base + off, run.nbytes)
             dst.copy_(self.index.raw(run.offset, run.nbytes), non_blocking=False)
 
+    def _write_home(self, home: int, blob: ExpertBlob) -> None:
+        """Write ``blob`` from the file into host slot ``home``, in this cache's layout."""
+        tier = self.tier
+        assert tier is not None
+        n = self._expert_bytes(blob)
+        if not self.kernel:
+            dst = tier.view(home, n)
+            for off, run in zip(run_offsets(blob), blob.runs, strict=True):
+                dst[off : off + run.nbytes].copy_(self.index.raw(run.offset, run.nbytes))
+            return
+        if self.device.type == "cpu":
+            self.file.upload_kernel(blob, tier.view(home, n))
+            return
+        # repacked on the device (one launch per matrix), then copied down into the home
+        scratch, done = self._scratch_slot()
+        self.file.upload_kernel(blob, scratch)
+        tier.view(home, n).copy_(scratch[:n], non_blocking=True)
+        if done is not None:
+            done.record()
+
+    def _scratch_slot(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """One of a ring of device slots the tier's fill repacks into; waits for the copy that
+        last read it."""
+        if not self._scratch:
+            self._scratch = [
+                (torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device),
+                 torch.cuda.Event())
+                for _ in range(SCRATCH_SLOTS)
+            ]  # fmt: skip
+        slot, done = self._scratch[self._next_scratch]
+        self._next_scratch = (self._next_scratch + 1) % len(self._scratch)
+        if done is not None:
+            done.synchronize()
+        return slot, done
+
+    def _release(self, keys: Sequence[ExpertKey]) -> None:
+        """Give back the file's pages of these experts' runs (their bytes are in a slot or a
+        home now). A refusal is logged, never fatal: the pages are only cache."""
+        runs = [(r.offset, r.nbytes) for k in keys for r in self.index.expert(*k).runs]
+        try:
+            self.released_bytes += self.index.release(runs)
+        except OSError as e:
+            log.warning("could not give back the file pages of %d experts: %s", len(keys), e)
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
+        self._sync()
         self.file.close()
         self.arena.close()
+        self._scratch = []
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
+
+
+SCRATCH_SLOTS = 4  # device slots the tier's fill repacks into, used in turn
+
+
+def _by_layer(fills: Sequence[Fill]) -> list[tuple[int, list[Fill]]]:
+    """Fills grouped by layer, layers ascending (each group's file pages go back together)."""
+    groups: dict[int, list[Fill]] = {}
+    for f in fills:
+        groups.setdefault(f.key[0], []).append(f)
+    return sorted(groups.items())

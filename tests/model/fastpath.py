@@ -25,10 +25,13 @@ def reference_runner(path: Path) -> Runner:
     return Runner(model, 64, "f32", 512)
 
 
-def fast_runner(path: Path, cache_share: float | None = None, prefill: bool = False) -> Runner:
+def fast_runner(
+    path: Path, cache_share: float | None = None, prefill: bool = False, host: bool = False
+) -> Runner:
     """Dense weights repacked, the decoder's kernels warmed up, and an expert cache in the
-    kernel layout holding ``cache_share`` of the experts (None: no cache). Prompts take the
-    reference path unless ``prefill`` (``test_fast_prefill`` tests that path)."""
+    kernel layout holding ``cache_share`` of the experts (None: no cache), with a host tier
+    holding the rest when ``host``. Prompts take the reference path unless ``prefill``
+    (``test_fast_prefill`` tests that path)."""
     index = GGUFIndex(path)
     model = architecture_module(index.arch).Model(
         index, FileExpertProvider(index, DEVICE), DEVICE, repack=True
@@ -42,7 +45,15 @@ def fast_runner(path: Path, cache_share: float | None = None, prefill: bool = Fa
         probe = ExpertCache.create(index, torch.device("cpu"), 1 << 40, None, 2 * MiB, kernel=True)
         budget = int(probe.max_slots * cache_share) * probe.slot_bytes
         probe.close()
-        model.provider = ExpertCache.create(index, DEVICE, budget, None, 2 * MiB, kernel=True)
+        pinner = None
+        if host and DEVICE.type == "cuda":
+            from strata.vmm.pinned import CudaPinner
+
+            pinner = CudaPinner(DEVICE.index or 0)
+        model.provider = ExpertCache.create(
+            index, DEVICE, budget, None, 2 * MiB, kernel=True,
+            host_budget_bytes=1 << 40 if host else 0, pinner=pinner,
+        )  # fmt: skip
     decoder.bind(model.provider)
     runner.decoder = decoder
     return runner

@@ -47,6 +47,7 @@ def load(
         elastic_tail_mib=tail_mib,
         arena_chunk_mib=CHUNK_MIB,
         context_length=512,
+        host_budget_mib=0,  # the VRAM cache alone (test_host_tier tests the tier behind it)
     )
     return Engine.load(model_path, options)
 

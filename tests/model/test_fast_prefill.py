@@ -71,6 +71,24 @@ def test_residency_never_changes_a_prompts_numbers(q8: Path) -> None:
         assert not rows, f"{name}: rows {rows} differ, by up to {float(diff.max()):.3e}"
 
 
+def test_experts_in_ram_homes_give_a_prompt_the_same_numbers(q8: Path, monkeypatch) -> None:
+    from strata.engine import fast_prefill
+
+    monkeypatch.setattr(fast_prefill, "STAGE_SLOTS", 3)  # several rounds of copies per layer
+    prompt = [(7 * i + 3) % 500 for i in range(fast_prefill.STAGE_MIN_TOKENS + 4)]
+    staged = fast_runner(q8, None, prefill=True)  # every expert staged from the file
+    want, short = staged.logits_all(prompt), staged.logits_all(prompt[:12])
+    for share in (0.5, 0.0):
+        runner = fast_runner(q8, share, prefill=True, host=True)
+        assert runner.decoder is not None and runner.decoder.plan.complete
+        assert runner.decoder.host_count > 0
+        # long chunks copy their RAM homes into VRAM; short ones read them where they are
+        assert torch.equal(runner.logits_all(prompt), want), f"cache share {share}"
+        assert torch.equal(runner.logits_all(prompt[:12]), short), f"short, {share}"
+        stats = runner.model.provider.stats
+        assert stats.bytes_from_ram > 0 and stats.bytes_from_file == 0
+
+
 def test_uneven_chunks_agree_with_one_chunk(q8: Path) -> None:
     fast = fast_runner(q8, 1.0, prefill=True)
     one = fast.logits_all(PROMPT)

@@ -86,10 +86,13 @@ def test_a_prompts_numbers_are_the_same_at_every_cache_size(tiny_models, cuda) -
     want = every.runner.logits_all(PROMPT)
     every.close()
     for mib in (all_mib // 2, 0):
-        e = load(path, cuda, cache_mib=mib)
-        assert e.runner.decoder is not None and not e.runner.decoder.plan.complete
-        assert torch.equal(e.runner.logits_all(PROMPT), want), f"cache of {mib} MiB"
-        e.close()
+        for host in (0, 256):  # misses staged from the file; read from host homes over PCIe
+            e = load(path, cuda, cache_mib=mib, host_budget_mib=host)
+            assert e.runner.decoder is not None
+            assert e.runner.decoder.plan.complete == (host > 0)
+            got = e.runner.logits_all(PROMPT)
+            assert torch.equal(got, want), f"cache of {mib} MiB, host tier of {host} MiB"
+            e.close()
 
 
 def test_chunk_graphs_give_the_numbers_of_eager_chunks(tiny_models, cuda) -> None:

@@ -29,6 +29,8 @@ BAD_VALUES = [
     ("device", "tpu", "auto, cpu, cuda or cuda:N"),
     ("device", "cuda:x", "auto, cpu, cuda or cuda:N"),
     ("cache_mib", "-1", "greater than or equal to 0"),
+    ("host_budget_mib", "-5", "greater than or equal to 0"),
+    ("host_budget_mib", "lots", "valid integer"),
     ("cache_mib", "4GB", "valid integer"),
     ("elastic_tail_mib", "-5", "greater than or equal to 0"),
     ("elastic_reserve_mib", "lots", "valid integer"),

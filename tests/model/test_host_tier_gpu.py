@@ -1,0 +1,126 @@
+"""The host tier on a GPU: page-locked homes the decode graph reads over PCIe (zero-copy, no host
+round trip, no re-capture), the same tokens and logits from every tier, and resizes that move
+experts between VRAM and RAM instead of dropping them. Resize times are printed, never asserted
+(``strata bench`` measures them against their targets).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from strata.engine.generate import Engine, EngineOptions
+from strata.engine.params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+MiB = 2**20
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def cuda() -> str:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    return "cuda:0"
+
+
+def load(path: Path, cuda: str, **kw) -> Engine:
+    options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=2)
+    options.update(kw)
+    return Engine.load(path, EngineOptions(**options))  # type: ignore[arg-type]
+
+
+def run(e: Engine) -> tuple[list[int], list[torch.Tensor]]:
+    text = e.generate([1, 2, 3, 4, 5], GREEDY).tokens
+    e.runner.rewind(0)
+    logits = [e.runner.feed([9, 8, 7]).cpu()]
+    for tok in (17, 2230, 40, 5):
+        logits.append(e.runner.feed([tok]).cpu())
+    return text, logits
+
+
+def same(a: tuple[list[int], list[torch.Tensor]], b: tuple[list[int], list[torch.Tensor]]) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
+def test_the_decode_graph_reads_misses_from_page_locked_homes(tiny_models, cuda, kind) -> None:
+    path = tiny_models.path("qwen3moe", kind)
+    every = load(path, cuda, cache_mib=1 << 20, host_budget_mib=0)
+    want = run(every)
+    full = -(-every.cache.n_slots * every.cache.slot_bytes // MiB) + 2
+    every.close()
+    for mib in (full // 2, 0):
+        e = load(path, cuda, cache_mib=mib, host_budget_mib=256)
+        cache, dec = e.cache, e.runner.decoder
+        assert cache is not None and cache.tier is not None and cache.tier.pinned
+        assert dec is not None and dec.plan.complete and dec.graph is not None
+        assert e.runner.can_look_ahead()
+        assert cache.file_experts == 0 and len(cache.tier.table) == cache.max_slots - cache.n_slots
+        before = e.provider.stats.bytes_from_ram
+        got = run(e)
+        assert got[0] == want[0], f"cache {mib} MiB: tokens differ"
+        for a, b in zip(want[1], got[1], strict=True):
+            assert torch.equal(a, b), f"cache {mib} MiB: logits differ"
+        e.runner.flush_usage()
+        assert e.provider.stats.bytes_from_ram > before  # read over PCIe from the homes
+        assert e.provider.stats.bytes_from_file == 0
+        e.close()
+
+
+def test_resizes_move_experts_between_vram_and_ram_and_change_no_token(tiny_models, cuda):
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    e = load(path, cuda, cache_mib=1 << 20, elastic_tail_mib=1 << 20, host_budget_mib=256)
+    cache, dec = e.cache, e.runner.decoder
+    assert cache is not None and cache.tier is not None and dec is not None
+    steady = run(e)
+    graph = dec.graph
+    calls = 0
+
+    def resize() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            r = cache.resize(cache.sizes.core_slots)
+            assert r.to_host == r.from_slots - r.to_slots and r.to_file == 0
+            assert dec.plan.complete  # every evicted expert found a home
+        elif calls == 12:
+            r = cache.resize(cache.max_slots)
+            assert r.from_host == r.to_slots - r.from_slots
+            assert len(cache.tier.table) == 0
+
+    text = e.generate([1, 2, 3, 4, 5], GREEDY, safe_point=resize).tokens
+    assert text == steady[0] and calls > 12
+    assert dec.graph is graph  # never re-captured
+    # the timings of a whole shrink and grow, for the log (the bench measures them at size)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    down = cache.resize(0)
+    t1 = time.perf_counter()
+    up = cache.resize(cache.max_slots)
+    t2 = time.perf_counter()
+    mib = (down.from_slots - down.to_slots) * cache.slot_bytes / MiB
+    print(f"\nshrink of {mib:.0f} MiB ({down.to_host} to RAM) {1e3 * (t1 - t0):.1f} ms, "
+          f"grow back ({up.from_host} from RAM) {1e3 * (t2 - t1):.1f} ms")  # fmt: skip
+    assert same(run(e), steady)
+    e.close()
+
+
+def test_without_room_evicted_experts_go_back_to_the_file(tiny_models, cuda) -> None:
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    probe = load(path, cuda, cache_mib=1 << 20, host_budget_mib=0)
+    slot = probe.cache.slot_bytes
+    want = run(probe)
+    probe.close()
+    e = load(path, cuda, cache_mib=1 << 20, elastic_tail_mib=1 << 20,
+             host_budget_mib=-(-4 * slot // MiB))  # fmt: skip
+    cache = e.cache
+    assert cache is not None and cache.tier is not None
+    r = cache.resize(0)
+    assert r.to_host == cache.tier.n_slots and r.to_file == r.from_slots - r.to_host
+    assert not e.runner.decoder.plan.complete  # the misses on the file are staged again
+    assert same(run(e), want)
+    e.close()
