@@ -53,6 +53,9 @@ class Setting:
     spelling: str
 
 
+MAX_ADAPT_SWAPS = 256  # each swap holds one expert slot of VRAM while it passes through
+
+
 class StrataConfig(BaseSettings):
     """Every option of Strata. Field docs are the option's help text."""
 
@@ -98,6 +101,18 @@ class StrataConfig(BaseSettings):
         ge=0,
         description="RAM in MiB for the host tier, the experts no VRAM slot holds (unset: "
         "MemAvailable at load minus max(4 GiB, RAM/8); 0: read them from the file)",
+    )
+    adapt_swaps: int = Field(
+        4,
+        ge=0,
+        le=MAX_ADAPT_SWAPS,
+        description="most exchanges of a hot expert in RAM with a cold one in VRAM at each "
+        "adaptation point (every 64 decode steps; 0: never)",
+    )
+    verify_experts: bool = Field(
+        False,
+        description="checksum every expert at load and check it after every fill and move "
+        "between VRAM and RAM, and on samples at use (costs a wait per resize)",
     )
     arena_chunk_mib: int = Field(
         32, ge=2, le=1024, description="arena mapping granularity in MiB (a multiple of 2)"

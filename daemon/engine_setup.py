@@ -44,6 +44,8 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         enforce_eager=config.enforce_eager,
         fast_prefill=config.fast_prefill,
         host_budget_mib=config.host_budget_mib,
+        adapt_swaps=config.adapt_swaps,
+        verify_experts=config.verify_experts,
     )
 
 

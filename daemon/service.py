@@ -453,5 +453,7 @@ def _host_tier_status(cache: Any) -> dict[str, Any]:
         "host_experts": tier.experts if tier else 0,
         "host_room_experts": tier.slots - tier.experts if tier else 0,
         "file_experts": cache.file_experts if cache is not None else None,
+        "swaps": cache.swaps if cache is not None else 0,
+        "corrupt_copies": cache.corrupt if cache is not None else 0,
         "drive_read_mib": drive // MiB if drive is not None else None,
     }

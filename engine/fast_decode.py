@@ -27,6 +27,7 @@ steps and before every cache plan.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.host import HostTier
 from strata.engine.experts.layout import RUN_ALIGN, align, kernel_layout
 from strata.engine.experts.provider import ExpertProvider, FileExpertProvider
+from strata.engine.experts.slots import ExpertKey
 from strata.engine.experts.table import FILE, HOST, MISSING, VRAM, ExpertTablePlan, plan_table
 from strata.engine.fast_prefill import FastPrefill
 from strata.engine.kernels import moe
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 _INTERP_BN = 128  # rows per program in Triton's interpreter: few, wide programs
 
 USAGE_FLUSH_STEPS = 64
+VERIFY_SAMPLE = 8  # experts whose copies each adapt() checks, with verify_experts
 
 # Rows per program and warps (None: one thread per unit of a step) of each launch, measured on an
 # H200 with the profile tool's --sweep (``python -m strata.engine.bench.profile``) on the
@@ -170,6 +173,8 @@ class FastDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_reason: str | None = "not captured"
         self.steps = 0
+        self.counts_dirty = False  # a step or a chunk ran since the last flush of the counts
+        self.adapt_swaps = 0  # exchanges at each adapt() (set from the options at load)
         # the tuned block sizes on a GPU; the kernels' own defaults in the interpreter
         self.tuned = TUNED if dev.type == "cuda" else {k: (_INTERP_BN, None) for k in TUNED}
         # prompt chunks on tensor cores (None: they take the reference path)
@@ -237,9 +242,12 @@ class FastDecoder:
 
     def _write_table(self) -> None:
         plan = self.plan
-        self.table.copy_(torch.tensor(plan.offsets, dtype=torch.int64))
         vram = [o if w == VRAM else MISSING for o, w in zip(plan.offsets, plan.where, strict=True)]
-        self.vram_table.copy_(torch.tensor(vram, dtype=torch.int64))
+        for dst, values in ((self.table, plan.offsets), (self.vram_table, vram)):
+            src = torch.tensor(values, dtype=torch.int64)
+            if dst.is_cuda:  # page-locked: the copy queues behind a resize's copies, no wait
+                src = src.pin_memory()
+            dst.copy_(src, non_blocking=True)
         cache = self.provider if isinstance(self.provider, ExpertCache) else None
         self.tier = cache.tier if cache is not None else None
         self.host_homes = [[] for _ in range(self.args.n_layer)]
@@ -260,11 +268,15 @@ class FastDecoder:
                 self.file.upload_kernel(blob, self.staging[j * self.staging_bytes :])
                 self.eoffs[layer, j].fill_(self.staging_offsets[j])
 
-    def flush_usage(self) -> None:
+    def flush_usage(self) -> list[ExpertKey]:
         """Hand the expert uses counted on the device to the provider's usage counts, and count
         the reads they made in its stats by where each expert's home is in the current plan
         (every plan change flushes first, so that is the plan they ran under): a decode step
-        reads each chosen expert once, a prefill chunk each distinct one once."""
+        reads each chosen expert once, a prefill chunk each distinct one once. Nothing to do
+        (and no wait for the device) when no step ran since the last flush."""
+        if not self.counts_dirty:
+            return []
+        self.counts_dirty = False
         steps = self.counts.to("cpu", copy=True).reshape(-1)
         prompts = self.prefill_uses.to("cpu", copy=True).reshape(-1)
         fetched = self.prefill_fetches.to("cpu", copy=True)
@@ -277,6 +289,21 @@ class FastDecoder:
             self.provider.record_counts({(i // E, i % E): int(n) for i, n in uses.items()})
         self._count_reads(dict(zip(*_nonzero(steps), strict=True)))
         self._count_reads(dict(zip(*_nonzero(fetched), strict=True)))
+        return sorted((i // E, i % E) for i in uses)
+
+    def adapt(self) -> int:
+        """At a safe point: hand the counts over, then let the cache exchange up to
+        ``adapt_swaps`` hot RAM-homed experts with cold tail experts (the tables follow).
+        Returns the exchanges made."""
+        used = self.flush_usage()
+        cache = self.provider if isinstance(self.provider, ExpertCache) else None
+        if cache is None:
+            return 0
+        if cache.verify and used:  # a sample of what the steps just read, checked where it is
+            cache.check_sample(
+                random.Random(self.steps).sample(used, min(VERIFY_SAMPLE, len(used)))
+            )
+        return cache.exchange(self.adapt_swaps) if self.adapt_swaps else 0
 
     def _count_reads(self, reads: dict[int, int]) -> None:
         """reads: table entry -> times read."""
@@ -398,6 +425,7 @@ class FastDecoder:
             raise ValueError(f"position {pos} is outside the context of {self.kv.n_ctx}")
         self.tok.fill_(token)
         self.pos.fill_(pos)
+        self.counts_dirty = True
         if self.plan.complete:
             if self.graph is not None:
                 self.graph.replay()
@@ -408,7 +436,7 @@ class FastDecoder:
         self.steps += 1
         self.provider.step()
         if self.steps % USAGE_FLUSH_STEPS == 0:
-            self.flush_usage()
+            self.adapt()
         return self.logits
 
     # -- greedy steps, one ahead of the host ------------------------------------------------------
@@ -429,6 +457,7 @@ class FastDecoder:
     def launch(self, n: int) -> None:
         """Queue step n of a greedy run (its input is on the device already) and the copy of
         its token to the host; nothing waits."""
+        self.counts_dirty = True
         if self.graph is not None:
             self.graph.replay()
         else:

@@ -253,6 +253,7 @@ class FastPrefill:
     def forward(self, tokens: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
         """Logits of the chunk ``tokens`` [T] at positions start..start+T-1 (the K/V of
         0..start-1 already written): [T, V] float32, or [1, V] with ``last_only``."""
+        self.dec.counts_dirty = True
         logits = self._run(tokens, start, last_only)
         self.dec.provider.step()
         return logits

@@ -67,6 +67,10 @@ class EngineOptions:
     # RAM for the host tier (the experts no VRAM slot holds); None: what is available less what
     # the desktop keeps (``host.default_budget_bytes``); 0: no tier, misses read from the file
     host_budget_mib: int | None = None
+    # at each safe point where uses are handed over (every 64 decode steps and after a greedy
+    # run), exchange up to this many hot RAM-homed experts with cold tail experts; 0: never
+    adapt_swaps: int = 4
+    verify_experts: bool = False  # checksum experts at load; check every fill, move, and samples
 
 
 @dataclass
@@ -282,10 +286,14 @@ class Engine:
                     host_budget_bytes=host_budget * MiB,
                     pinner=_pinner(device) if host_budget > 0 else None,
                     progress=lambda done, n, what: report(at, total, what),
+                    verify=options.verify_experts,
                 )
             except VmmError as e:  # page-locking refused or partial, no CUDA driver bindings
                 raise ModelLoadError(f"{path}: {e}") from None
         if decoder is not None:
+            if options.adapt_swaps < 0:
+                raise EngineError(f"adapt_swaps={options.adapt_swaps} is negative")
+            decoder.adapt_swaps = options.adapt_swaps
             decoder.bind(model.provider)
             if not options.enforce_eager:
                 step(total - 1, "capturing the decode step as a CUDA graph")

@@ -124,7 +124,7 @@ class Runner:
                 self._fed(nxt, dec)
                 n += 1
         finally:
-            dec.flush_usage()
+            dec.adapt()
 
     def _fed(self, token: int, dec: FastDecoder) -> None:
         self.tokens.append(int(token))

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from strata.vmm.arena import ArenaBase, ChunkUnavailable
 from strata.vmm.errors import BackendError, BackendUnavailable
+from strata.vmm.libc import LIBC, MAP_FAILED
 
 if TYPE_CHECKING:
     import torch
@@ -43,31 +44,12 @@ _MAP_FIXED = 0x10
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # in the mmap module from Python 3.13
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
-_MAP_FAILED = ctypes.c_void_p(-1).value
 # errnos that mean "no memory for this chunk right now", as opposed to a broken call.
 _NO_MEMORY = frozenset({errno.ENOMEM, errno.ENOSPC})
 
 CommitFn = Callable[[int, int, int], None]
 """``commit(fd, offset, length)``: give the file real pages for that range (``os.posix_fallocate``
 by default); raises ``OSError`` on failure. The seam through which tests inject failures."""
-
-
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.fallocate.restype = ctypes.c_int
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    return libc
 
 
 class HostArena(ArenaBase):
@@ -80,10 +62,10 @@ class HostArena(ArenaBase):
         if not hasattr(os, "memfd_create"):
             raise BackendUnavailable("the host arena needs os.memfd_create (Linux)")
         self._commit = commit or os.posix_fallocate
-        self._libc = _libc()
+        self._libc = LIBC
         self._reserve_flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         addr = self._libc.mmap(None, reserved_bytes, _PROT_NONE, self._reserve_flags, -1, 0)
-        if addr in (None, _MAP_FAILED):
+        if addr in (None, MAP_FAILED):
             raise BackendError(f"mmap reservation of {reserved_bytes} bytes: {_errno_text()}")
         self.base = addr
         try:

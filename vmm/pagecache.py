@@ -19,34 +19,11 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from strata.vmm.libc import LIBC, MADV_DONTNEED, MAP_FAILED
+
 PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 Run = tuple[int, int]  # (file offset, bytes)
-
-
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.restype = ctypes.c_int
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.mincore.restype = ctypes.c_int
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
-
-
-_LIBC = _libc()
 
 
 def merged(runs: Iterable[Run]) -> list[Run]:
@@ -81,7 +58,7 @@ def release(path: Path, mapping_address: int, runs: Iterable[Run]) -> int:
         raise ValueError(f"mapping address {mapping_address:#x} is not page-aligned")
     pages = whole_pages(runs)
     for offset, n in pages:
-        if _LIBC.madvise(mapping_address + offset, n, _MADV_DONTNEED) != 0:
+        if LIBC.madvise(mapping_address + offset, n, MADV_DONTNEED) != 0:
             err = ctypes.get_errno()
             raise OSError(
                 err, f"madvise(MADV_DONTNEED) of {n} bytes at {offset}: {os.strerror(err)}"
@@ -107,8 +84,8 @@ def resident_bytes(path: Path, runs: Iterable[Run]) -> int:
         size = os.fstat(fd).st_size
         if size == 0:
             return 0
-        addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
+        addr = LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, MAP_FAILED):
             err = ctypes.get_errno()
             raise OSError(err, f"mmap of {path} ({size} bytes): {os.strerror(err)}")
     finally:
@@ -121,10 +98,10 @@ def resident_bytes(path: Path, runs: Iterable[Run]) -> int:
             if hi <= lo:
                 continue
             vec = (ctypes.c_ubyte * ((hi - lo) // PAGE))()
-            if _LIBC.mincore(addr + lo, hi - lo, vec) != 0:
+            if LIBC.mincore(addr + lo, hi - lo, vec) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"mincore of {hi - lo} bytes at {lo}: {os.strerror(err)}")
             total += sum(b & 1 for b in vec) * PAGE
         return total
     finally:
-        _LIBC.munmap(addr, size)
+        LIBC.munmap(addr, size)

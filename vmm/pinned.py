@@ -27,17 +27,15 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from strata.vmm.errors import BackendUnavailable, CudaError, VmmError
+from strata.vmm.libc import LIBC, MADV_DONTNEED, MADV_HUGEPAGE, MAP_FAILED
 
 if TYPE_CHECKING:
     import torch
 
 MiB = 2**20
 PIECE_BYTES = 1 << 30  # registered one piece at a time: a refusal names how far it got
-_MADV_DONTNEED = 4
-_MADV_HUGEPAGE = 14
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_PRIVATE_ANON = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-_MAP_FAILED = ctypes.c_void_p(-1).value
 # cuda.h: CU_MEMHOSTREGISTER_PORTABLE (every context sees it pinned), _DEVICEMAP (device address)
 _REGISTER_PORTABLE, _REGISTER_DEVICEMAP = 0x01, 0x02
 
@@ -70,22 +68,6 @@ class PinRefused(VmmError):
     """One registration the driver refused; ``HostMemory`` turns it into a :class:`PinError`."""
 
 
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.restype = ctypes.c_int
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
-    ]  # fmt: skip
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
-
-
-_LIBC = _libc()
-
-
 class HostMemory:
     """``nbytes`` of anonymous host memory, page-locked in pieces of ``piece_bytes`` (a multiple
     of the page size) when a pinner is given."""
@@ -99,8 +81,8 @@ class HostMemory:
             raise ValueError(f"piece of {piece_bytes} bytes is not a positive number of pages")
         self.nbytes = nbytes
         self.piece_bytes = piece_bytes
-        addr = _LIBC.mmap(None, nbytes, _PROT_RW, _MAP_PRIVATE_ANON, -1, 0)
-        if addr in (None, _MAP_FAILED):
+        addr = LIBC.mmap(None, nbytes, _PROT_RW, _MAP_PRIVATE_ANON, -1, 0)
+        if addr in (None, MAP_FAILED):
             err = ctypes.get_errno()
             raise MemoryError(f"mmap of {nbytes} bytes for the host tier: {os.strerror(err)}")
         self.address = int(addr)
@@ -113,7 +95,7 @@ class HostMemory:
         self._free = weakref.finalize(self, _unmap, pinner, self._pieces, self.address, nbytes)
         if pinner is not None:
             # fewer, larger pages: faster to register, fewer entries for the device to walk
-            _LIBC.madvise(self.address, nbytes, _MADV_HUGEPAGE)
+            LIBC.madvise(self.address, nbytes, MADV_HUGEPAGE)
             self._pin(pinner)
 
     @property
@@ -156,6 +138,19 @@ class HostMemory:
                 return dev + (self.address + offset - host)
         raise VmmError("host memory that is not page-locked has no device address")
 
+    def device_view(self, offset: int, nbytes: int, device: int) -> torch.Tensor:
+        """A uint8 CUDA tensor over ``[offset, offset + nbytes)``, read over PCIe (page-locked
+        memory only; the range must lie in one registered piece)."""
+        import torch
+
+        from strata.vmm.cuda_arena import _CudaBytes
+
+        self._check(offset, nbytes)
+        dev = self.device_address(offset)
+        if nbytes and self.device_address(offset + nbytes - 1) != dev + nbytes - 1:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) spans two registrations")
+        return torch.as_tensor(_CudaBytes(dev, nbytes), device=torch.device("cuda", device))
+
     def release(self, offset: int, nbytes: int) -> None:
         """Give the whole pages of a range back to the system (not page-locked memory only:
         page-locked pages stay, as the room kept for later). They read as zeros afterwards."""
@@ -165,7 +160,7 @@ class HostMemory:
         lo = -(-(self.address + offset) // mmap.PAGESIZE) * mmap.PAGESIZE
         hi = (self.address + offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if hi > lo:
-            _LIBC.madvise(lo, hi - lo, _MADV_DONTNEED)
+            LIBC.madvise(lo, hi - lo, MADV_DONTNEED)
 
     def close(self) -> None:
         """Unregister and unmap (views of the memory must be gone by now)."""
@@ -177,7 +172,7 @@ def _unmap(pinner: Pinner | None, pieces: list[tuple[int, int, int]], address: i
         host, _, _ = pieces.pop()
         assert pinner is not None
         pinner.unregister(host)
-    _LIBC.munmap(address, n)
+    LIBC.munmap(address, n)
 
 
 # -- CUDA -------------------------------------------------------------------------------------

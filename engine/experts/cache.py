@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.engine.experts.checksum import ExpertCorrupt, checksums
 from strata.engine.experts.host import HostTier, HostTierStats, tier_slots
 from strata.engine.experts.layout import (
     align,
@@ -115,6 +116,13 @@ class ExpertCache:
         seen = set(order)
         self.order = list(order) + sorted(k for k in index.experts if k not in seen)
         self.resizes = 0
+        self.swaps = 0  # exchanges of a hot RAM-homed expert with a cold tail expert
+        # verify_experts: each expert's checksum from its first copy at load, checked after
+        # every later fill and move (and on samples at use); copies that disagree are dropped
+        self.verify = False
+        self.sums: dict[ExpertKey, int] = {}
+        self.corrupt = 0
+        self._exchange: torch.Tensor | None = None  # device slots the exchanges pass through
         self.version = 0  # bumped at every change of which slot holds what
         # run after each change (before a shrink unmaps): device-side tables rewrite themselves
         self.listeners: list[Callable[[], None]] = []
@@ -141,6 +149,7 @@ class ExpertCache:
         host_budget_bytes: int = 0,
         pinner: Pinner | None = None,
         progress: Progress | None = None,
+        verify: bool = False,
     ) -> ExpertCache:
         """A cache of the most whole slots that fit ``budget_bytes`` (at most every expert),
         filled in the profile's order. The arena reserves room for every expert, so the cache can
@@ -150,7 +159,8 @@ class ExpertCache:
         ``host_budget_bytes`` > 0: a host tier of at most that much holds the experts the slots
         do not (the hottest first), and keeps the rest of its room for what a shrink evicts;
         ``pinner`` page-locks it for the device (a partial registration is a ``PinError``).
-        ``progress(done, total, what)`` hears of each layer of the tier's fill."""
+        ``progress(done, total, what)`` hears of each layer of the tier's fill. ``verify``:
+        checksum every expert at load and check it after every fill and move."""
         slot_bytes = kernel_slot_bytes_for(index) if kernel else slot_bytes_for(index)
         sizes = plan_sizes(budget_bytes, slot_bytes, len(index.experts), tail_bytes)
         reserved = max(align(len(index.experts) * slot_bytes, chunk_bytes), chunk_bytes)
@@ -161,6 +171,7 @@ class ExpertCache:
             arena = create_arena(backend, reserved, chunk_bytes, device.index or 0)
         order = profile.ranked() if profile else []
         cache = cls(index, arena, sizes, slot_bytes, device, order, kernel)
+        cache.verify = verify
         try:
             cache.resize(sizes.total_slots)
             n_host = tier_slots(host_budget_bytes, slot_bytes, len(index.experts), sizes.core_slots)
@@ -240,6 +251,7 @@ class ExpertCache:
             self._sync()  # every byte is in its home before its tag says so
             for j, key in enumerate(keys):
                 tier.assign(slots[i - len(keys) + j], key)
+            self._verify([(k, "home", slots[i - len(keys) + j]) for j, k in enumerate(keys)])
             self._release(keys)
             if progress is not None:
                 progress(n, n_layers, f"host tier: layer {n} of {n_layers}")
@@ -329,6 +341,122 @@ class ExpertCache:
         """What the arena maps to hold ``n_slots`` slots (whole chunks)."""
         return align(n_slots * self.slot_bytes, self.arena.chunk_bytes) if n_slots else 0
 
+    def exchange(self, max_swaps: int) -> int:
+        """Swap up to ``max_swaps`` experts whose home is in RAM, hottest first, with the
+        coldest experts of the elastic tail (call at a safe point only): each promoted expert
+        takes the victim's slot, and the victim takes the home the promoted one left, so every
+        expert keeps exactly one home. A pair swaps only when the promoted expert's decayed use
+        is more than ``SWAP_MARGIN`` times the victim's (no churn between equals). The copies
+        queue on the compute stream (through ``max_swaps`` device slots), in the order that
+        keeps every byte until it is copied; the device tables follow. Returns the swaps made."""
+        if max_swaps < 0:
+            raise ValueError(f"max_swaps={max_swaps} is negative")
+        tier = self.tier
+        if tier is None or max_swaps == 0 or not len(tier.table):
+            return 0
+        heat = self.usage.hotness
+        hot = sorted(((float(heat.get(t.key, 0.0)), s, t.key) for s, t in tier.table),
+                     reverse=True)[:max_swaps]  # fmt: skip
+        cold = sorted(
+            (float(heat.get(t.key, 0.0)) if (t := self.table.tag(s)) else -1.0, s)
+            for s in self.table.tail_slots()
+        )
+        pairs = []
+        for (h_heat, home, key), (v_heat, slot) in zip(hot, cold, strict=False):
+            if h_heat <= 0 or h_heat <= SWAP_MARGIN * max(v_heat, 0.0):
+                break  # hotness only falls along `hot` and rises along `cold`
+            pairs.append((home, key, slot))
+        if not pairs:
+            return 0
+        if self.before_plan is not None:
+            self.before_plan()  # uses so far are classified by the homes they ran under
+        buf = self._exchange_slots(max_swaps)
+        n = self.slot_bytes
+        for j, (home, key, slot) in enumerate(pairs):
+            x = buf[j * n : (j + 1) * n]
+            victim = self.table.tag(slot)
+            tier.table.check(home, key)
+            x.copy_(tier.view(home), non_blocking=True)  # the promoted expert, up
+            if victim is not None:
+                tier.view(home).copy_(self._slot_view(slot), non_blocking=True)  # victim, down
+            self._slot_view(slot).copy_(x, non_blocking=True)
+            self.table.assign(slot, key)
+            if victim is not None:
+                tier.assign(home, victim.key)
+            else:
+                tier.drop(key)  # into an empty tail slot: the home becomes room
+        self.swaps += len(pairs)
+        moved = [(key, "slot", slot) for _, key, slot in pairs]
+        moved += [(k, "home", h) for h, _, _ in pairs if (t := tier.table.tag(h)) and (k := t.key)]
+        self._verify(moved)
+        self._changed()
+        return len(pairs)
+
+    # -- verify_experts -------------------------------------------------------------------------
+
+    def _home_view(self, home: int, nbytes: int) -> torch.Tensor:
+        """A host home's bytes where the compute device reads them (over PCIe on a GPU)."""
+        tier = self.tier
+        assert tier is not None
+        if tier.pinned and self.device.type == "cuda":
+            return tier.memory.device_view(home * tier.slot_bytes, nbytes, self.device.index or 0)
+        return tier.view(home, nbytes)
+
+    def _verify(self, copies: Sequence[tuple[ExpertKey, str, int]]) -> list[ExpertKey]:
+        """With ``verify``: checksum each new copy (key, "slot" or "home", its slot) where it
+        lies; the first copy of an expert records its sum, a later one that disagrees is
+        dropped at once (its tag cleared: those bytes are never used) and logged, naming the
+        expert. Returns the experts whose copy was dropped."""
+        if not self.verify or not copies:
+            return []
+        views = []
+        for key, where, slot in copies:
+            n = self._expert_bytes(self.index.expert(*key))
+            views.append(self._slot_view(slot, n) if where == "slot" else self._home_view(slot, n))
+        bad = []
+        for (key, where, slot), got in zip(copies, checksums(views), strict=True):
+            want = self.sums.setdefault(key, got)
+            if got == want:
+                continue
+            bad.append(key)
+            self.corrupt += 1
+            if where == "slot":
+                if self.table.slot_of(key) == slot:
+                    self.table.clear(slot)
+            elif self.tier is not None and self.tier.slot_of(key) == slot:
+                self.tier.drop(key)
+            log.error(
+                "(layer %d, expert %d): its bytes in %s %d do not match its checksum from load; "
+                "that copy is dropped and never used, the expert is read from the file",
+                key[0], key[1], "VRAM slot" if where == "slot" else "host slot", slot,
+            )  # fmt: skip
+        return bad
+
+    def check_sample(self, keys: Sequence[ExpertKey]) -> None:
+        """With ``verify``: check the copies the kernels read now for ``keys`` (sampled from
+        recent use). A mismatch drops the copy and raises :class:`ExpertCorrupt` naming the
+        expert: the bytes a step just read were wrong, so the request stops."""
+        copies = []
+        for key in keys:
+            if (slot := self.table.slot_of(key)) is not None:
+                copies.append((key, "slot", slot))
+            elif self.tier is not None and (home := self.tier.slot_of(key)) is not None:
+                copies.append((key, "home", home))
+        copies = [c for c in copies if c[0] in self.sums]
+        bad = self._verify(copies)
+        if bad:
+            self._changed()
+            names = ", ".join(f"(layer {k[0]}, expert {k[1]})" for k in bad)
+            raise ExpertCorrupt(
+                f"expert bytes in use do not match their checksum from load: {names}; the "
+                "copies are dropped and the experts are read from the file from now on"
+            )
+
+    def _exchange_slots(self, n: int) -> torch.Tensor:
+        if self._exchange is None or self._exchange.numel() < n * self.slot_bytes:
+            self._exchange = torch.empty(n * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        return self._exchange
+
     def resize(self, n_slots: int, max_shrink: int | None = None) -> ResizeResult:
         """Grow or shrink to ``n_slots`` (call at a safe point only). A shrink removes at most
         ``max_shrink`` slots per call when given; a grow that cannot get all its memory stops at
@@ -399,11 +527,13 @@ class ExpertCache:
             for f in homed:
                 self.table.assign(f.slot, f.key)
                 tier.drop(f.key)
+            self._verify([(f.key, "slot", f.slot) for f in homed])
         for _, group in _by_layer(from_file):
             for fill in group:
                 # bytes first, then the tag: until assign() the slot is a miss, never a wrong one
                 self._copy_in(fill.slot, self.index.expert(*fill.key))
                 self.table.assign(fill.slot, fill.key)
+            self._verify([(f.key, "slot", f.slot) for f in group])
             self._release([f.key for f in group])  # read already: staging copies synchronously
         return len(fills), len(homed)
 
@@ -421,8 +551,14 @@ class ExpertCache:
             n = self._expert_bytes(blob)
             src = self.arena.view(move.src * self.slot_bytes, n)
             self.arena.view(move.dst * self.slot_bytes, n).copy_(src)
-        self._sync()  # every copy lands before a chunk goes away
-        self._changed()  # and every device-side table is rewritten
+        checked = [(m.key, "slot", m.dst) for m in moves]
+        if self.tier is not None:
+            checked += [(k, "home", h) for k in leaving if (h := self.tier.slot_of(k)) is not None]
+        self._verify(checked)
+        # The device-side tables are rewritten in stream order behind the copies (the host
+        # plans them while the copies run), then every copy and rewrite lands before a chunk
+        # goes away.
+        self._changed()
         self._sync()
         self.arena.resize(self.mapped_bytes_for(n_slots))
         to_file = len(leaving) - to_host
@@ -556,6 +692,9 @@ class ExpertCache:
 
 
 SCRATCH_SLOTS = 4  # device slots the tier's fill repacks into, used in turn
+# A RAM-homed expert replaces a tail expert only when used more than this many times as often
+# (decayed counts): two experts of about the same heat never trade places back and forth.
+SWAP_MARGIN = 2.0
 
 
 def _by_layer(fills: Sequence[Fill]) -> list[tuple[int, list[Fill]]]:

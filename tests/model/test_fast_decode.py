@@ -94,6 +94,28 @@ def test_a_shrink_and_a_grow_mid_generation_keep_the_numbers(q8: Path) -> None:
         assert torch.equal(a, b)
 
 
+def test_exchanges_with_ram_homes_mid_generation_keep_the_numbers(q8: Path) -> None:
+    steady = decode(fast_runner(q8, 1.0), 4, 5)
+    runner = fast_runner(q8, 0.5, host=True)
+    cache, dec = runner.model.provider, runner.decoder
+    assert isinstance(cache, ExpertCache) and dec is not None and dec.plan.complete
+    dec.adapt_swaps = 4
+    runner.rewind(0)
+    got = [runner.feed(PROMPT)]
+    tok = 5
+    for i in range(4):
+        got.append(runner.feed([tok]).cpu())
+        tok = (tok * 31 + 7) % 500
+        if i == 0:  # three RAM-homed experts turn hot: they take cold tail slots
+            hot = sorted(cache.tier.table.cached_keys())[:3]
+            cache.usage.record_counts(dict.fromkeys(hot, 1000))
+            assert 3 <= dec.adapt() <= 4  # and used ones beat never-used tail experts
+            assert set(hot) <= cache.table.cached_keys()
+            assert dec.plan.complete
+    for a, b in zip(steady[1:], got[1:], strict=True):
+        assert torch.equal(a, b)
+
+
 def argmax_steps(runner: Runner, first: int, n: int) -> list[int]:
     """n greedy successors of ``first``, one ``feed`` and argmax at a time."""
     out, tok = [], first

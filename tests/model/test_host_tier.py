@@ -138,6 +138,42 @@ def test_beyond_the_budget_experts_stay_on_the_file_and_a_shrink_says_so(q8: Pat
         cache.close()
 
 
+def slot_matches_file(cache: ExpertCache, key: tuple[int, int]) -> bool:
+    slot = cache.table.slot_of(key)
+    assert slot is not None
+    blob = cache.index.expert(*key)
+    got = cache.arena.view(slot * cache.slot_bytes, packed_bytes(blob))
+    return all(
+        torch.equal(got[off : off + r.nbytes], cache.index.raw(r.offset, r.nbytes))
+        for off, r in zip((0, *_ups(blob)), blob.runs, strict=True)
+    )
+
+
+def test_an_exchange_keeps_one_home_and_moves_the_bytes(q8: Path) -> None:
+    cache = create(q8, 0.5, GiB, tail=None)
+    try:
+        with pytest.raises(ValueError, match="max_swaps=-1 is negative"):
+            cache.exchange(-1)
+        homed = sorted(cache.tier.table.cached_keys())[:3]
+        tail = [cache.table.tag(s).key for s in cache.table.tail_slots()]
+        cache.usage.record_counts({homed[0]: 50, homed[1]: 40, homed[2]: 30})
+        cache.usage.record_counts({k: 1 for k in tail})
+        before = cache.version
+        assert cache.exchange(2) == 2 and cache.swaps == 2 and cache.version > before
+        vram, host, _ = homes(cache)
+        assert homed[0] in vram and homed[1] in vram and homed[2] in host  # at most 2
+        assert len(vram & set(tail)) == len(tail) - 2  # two cold tail experts went down
+        check_one_home(cache)
+        assert all(slot_matches_file(cache, k) for k in vram)
+        assert all(home_bytes_match(cache, k) for k in host)
+        # equals never trade places: 30 against a victim of 1 swaps; 1 against 1 does not
+        assert cache.exchange(8) == 1
+        cache.usage.record_counts({k: 1 for k in cache.tier.table.cached_keys()})
+        assert cache.exchange(8) == 0
+    finally:
+        cache.close()
+
+
 def test_tier_sizes_and_the_automatic_budget() -> None:
     assert tier_slots(10 * MiB, MiB, 100, 20) == 10
     assert tier_slots(GiB, MiB, 100, 20) == 80  # never more than the core leaves out
@@ -340,5 +376,59 @@ def test_a_copy_never_crosses_from_one_page_locked_piece_into_the_next(q8: Path)
         seen.clear()
         cache._copy_slots([(s, s + 1) for s in range(6)], src, dst, dst_piece=3)
         assert seen == [(0, 2), (2, 3), (5, 1)]  # dst 3 starts a piece
+    finally:
+        cache.close()
+
+
+# -- verify_experts ----------------------------------------------------------------------------
+
+
+def flip(view: torch.Tensor, at: int = 100) -> None:
+    view[at : at + 1].bitwise_xor_(1)
+
+
+def test_a_flipped_byte_in_a_home_is_found_at_the_fill_and_never_used(q8: Path, caplog) -> None:
+    cache = create(q8, 0.5, GiB, tail=None, verify=True)
+    try:
+        assert len(cache.sums) == cache.max_slots  # every expert summed at load
+        key = sorted(cache.tier.table.cached_keys())[0]
+        flip(cache.tier.view(cache.tier.slot_of(key)))
+        cache.usage.record_counts({key: 100})  # it ranks first: the grow fills it from RAM
+        with caplog.at_level("ERROR"):
+            cache.resize(cache.sizes.core_slots + cache.sizes.tail_slots + 1)
+        assert cache.corrupt == 1 and key not in cache.table.cached_keys()
+        assert f"(layer {key[0]}, expert {key[1]})" in caplog.text
+        check_one_home(cache, want_file=1)  # its home is the file again
+        assert all(slot_matches_file(cache, k) for k in cache.table.cached_keys())
+    finally:
+        cache.close()
+
+
+def test_a_flipped_byte_in_a_slot_is_found_when_it_moves_down(q8: Path) -> None:
+    cache = create(q8, 0.5, GiB, tail=None, verify=True)
+    try:
+        top = cache.n_slots - 1
+        key = cache.table.tag(top).key
+        flip(cache.arena.view(top * cache.slot_bytes, cache.slot_bytes))
+        r = cache.resize(top)  # evicts it into a home: the home's copy disagrees
+        assert r.to_host == 1 and cache.corrupt == 1
+        assert cache.tier.slot_of(key) is None and key not in cache.table.cached_keys()
+        check_one_home(cache, want_file=1)
+    finally:
+        cache.close()
+
+
+def test_a_flipped_byte_found_at_use_stops_with_the_expert_named(q8: Path) -> None:
+    from strata.engine.experts.checksum import ExpertCorrupt
+
+    cache = create(q8, 0.5, GiB, verify=True)
+    try:
+        slot, tag = next(iter(cache.table))
+        flip(cache.arena.view(slot * cache.slot_bytes, cache.slot_bytes), at=7)
+        healthy = sorted(cache.tier.table.cached_keys())[:3]
+        cache.check_sample(healthy)  # untouched copies pass
+        with pytest.raises(ExpertCorrupt, match=rf"\(layer {tag.layer}, expert {tag.expert}\)"):
+            cache.check_sample([*healthy, tag.key])
+        assert tag.key not in cache.table.cached_keys()  # dropped: never read again
     finally:
         cache.close()

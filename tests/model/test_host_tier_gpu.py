@@ -124,3 +124,19 @@ def test_without_room_evicted_experts_go_back_to_the_file(tiny_models, cuda) -> 
     assert not e.runner.decoder.plan.complete  # the misses on the file are staged again
     assert same(run(e), want)
     e.close()
+
+
+def test_checksums_on_the_gpu_find_a_flipped_byte_in_a_home(tiny_models, cuda) -> None:
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    e = load(path, cuda, cache_mib=0, host_budget_mib=256, verify_experts=True)
+    cache = e.cache
+    assert cache is not None and cache.tier is not None and cache.verify
+    want = run(e)
+    key = sorted(cache.tier.table.cached_keys())[0]
+    home = cache.tier.view(cache.tier.slot_of(key))
+    home[64:65].bitwise_xor_(4)  # summed over PCIe by the GPU: the grow's check finds it
+    cache.usage.record_counts({key: 100})
+    cache.resize(1)
+    assert cache.corrupt == 1 and cache.file_experts == 1
+    assert same(run(e), want)  # the expert is read from the file: the same numbers
+    e.close()
