@@ -30,6 +30,8 @@ BAD_VALUES = [
     ("device", "cuda:x", "auto, cpu, cuda or cuda:N"),
     ("cache_mib", "-1", "greater than or equal to 0"),
     ("host_budget_mib", "-5", "greater than or equal to 0"),
+    ("adapt_swaps", "-1", "greater than or equal to 0"),
+    ("adapt_swaps", "257", "less than or equal to 256"),
     ("host_budget_mib", "lots", "valid integer"),
     ("cache_mib", "4GB", "valid integer"),
     ("elastic_tail_mib", "-5", "greater than or equal to 0"),
