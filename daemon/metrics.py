@@ -86,6 +86,8 @@ class _StatusCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.daemon.status()
+        link = s.get("dbus") or {}
+        bus_up = link.get("state") == "up"
         gauges = (
             ("strata_queue_length", "generations waiting for the engine", s.get("queued")),
             ("strata_busy", "1 while a generation runs", int(bool(s.get("busy")))),
@@ -97,12 +99,14 @@ class _StatusCollector(Collector):
             ("strata_ours_vram_mib", "VRAM Strata holds in MiB", s.get("ours_mib")),
             ("strata_reserve_mib", "run-time VRAM reserve in MiB", s.get("reserve_mib")),
             ("strata_borrowed_mib", "VRAM lent out by leases in MiB", s.get("borrowed_mib")),
+            ("strata_dbus_up", "1 while on the session bus, owning the name", int(bus_up)),
         )
         for name, doc, value in gauges:
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=value)
         counters = (
             ("strata_cache_resizes", "expert cache resizes", s.get("resizes")),
+            ("strata_dbus_reconnects", "bus connections re-established", link.get("reconnects")),
             # safe points passed (prefill chunks and decode steps): the engine's work
             ("strata_engine_steps", "engine steps", getattr(self.daemon.worker, "steps", None)),
         )

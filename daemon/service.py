@@ -20,6 +20,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,21 @@ class ServiceError(Exception):
         self.code = code
 
 
+@dataclass
+class BusLink:
+    """The D-Bus edge's connection as the status shows it; ``ipc.dbus`` keeps it current.
+
+    ``state``: ``off`` (no session bus when the daemon started: HTTP only), ``up`` (on the bus,
+    owning the name), ``down`` (the connection was lost: reconnecting with backoff)."""
+
+    state: str = "off"
+    problem: str | None = None  # why it is off or down, or what the last attempt met
+    reconnects: int = 0  # connections re-established since start
+
+    def status(self) -> dict[str, Any]:
+        return {"state": self.state, "problem": self.problem, "reconnects": self.reconnects}
+
+
 class Daemon:
     """The daemon API: what HTTP, D-Bus and ``strata-ctl`` call. Thin over the worker and the
     control plane; ``status()`` is the one status schema all of them return."""
@@ -70,6 +86,7 @@ class Daemon:
         self.listen_url = ""
         self.stopping = False
         self.started = time.time()
+        self.dbus = BusLink()
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -128,6 +145,7 @@ class Daemon:
                 "healthy": monitor.healthy,
                 "problem": monitor.problem,
             },
+            "dbus": self.dbus.status(),
             "cache_mib": cache.arena.mapped_bytes // MiB if cache else 0,
             "core_mib": cache.core_bytes // MiB if cache else 0,
             "tail_mib": (cache.size_bytes - cache.core_bytes) // MiB if cache else 0,
