@@ -2,7 +2,9 @@
 
 Counters and histograms are fed as requests end and generations finish; the gauges (queue, cache,
 hit rate, resizes, free VRAM, engine steps) are read from ``daemon.status()`` at scrape time, so
-they never go stale.
+they never go stale. So are the counted sizes: each thing that grows with requests (a
+:class:`Bounded`) is a gauge ``strata_<name>`` and, where it has one, its bound
+``strata_<name>_limit``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from strata.daemon.bounded import Sizes
 from strata.daemon.generation import Finished
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -30,7 +33,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 
 
 class Metrics:
-    def __init__(self, daemon: Any) -> None:
+    def __init__(self, daemon: Any, sizes: Sizes | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -58,6 +61,8 @@ class Metrics:
             buckets=ITL_BUCKETS, registry=r,
         )  # fmt: skip
         r.register(_StatusCollector(daemon))
+        if sizes is not None:
+            r.register(_SizesCollector(sizes))
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -113,3 +118,21 @@ class _StatusCollector(Collector):
         for name, doc, value in counters:
             if value is not None:
                 yield CounterMetricFamily(name, doc, value=value)
+
+
+class _SizesCollector(Collector):
+    """The counted sizes, read at scrape time."""
+
+    def __init__(self, sizes: Sizes) -> None:
+        self.sizes = sizes
+
+    def collect(self) -> Iterator[Metric]:
+        for b in self.sizes():
+            unit = f" ({b.unit})" if b.unit else ""
+            if b.size is not None:
+                yield GaugeMetricFamily(f"strata_{b.name}", f"{b.help}{unit}", value=b.size)
+            if b.limit is not None:
+                yield GaugeMetricFamily(
+                    f"strata_{b.name}_limit", f"the most strata_{b.name} can reach{unit}",
+                    value=b.limit,
+                )  # fmt: skip

@@ -52,6 +52,7 @@ from dbus_fast.annotations import DBusDict, DBusSignature, DBusStr, DBusUInt32, 
 from dbus_fast.constants import PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_method, dbus_property, dbus_signal
 
+from strata.daemon.bounded import Bounded
 from strata.daemon.leases import LeaseError
 
 if TYPE_CHECKING:
@@ -400,6 +401,7 @@ class DbusEdge:
 
         self.daemon.controller.listeners.append(self._on_event)
         self.daemon.worker.ready.add_done_callback(self._ready_changed)  # engine thread
+        self.daemon.size_sources.append(self._sizes)
         taken = await self._attach(self.bus)
         if taken is not None:
             await self.close()
@@ -433,6 +435,8 @@ class DbusEdge:
         self._closed = True
         with contextlib.suppress(ValueError):
             self.daemon.controller.listeners.remove(self._on_event)
+        with contextlib.suppress(ValueError):
+            self.daemon.size_sources.remove(self._sizes)
         self._cancel_pending()
         if self._supervisor is not None:
             self._supervisor.cancel()
@@ -447,6 +451,11 @@ class DbusEdge:
                 await asyncio.wait_for(
                     asyncio.shield(self.bus.wait_for_disconnect()), CLOSE_TIMEOUT_S
                 )
+
+    def _sizes(self) -> list[Bounded]:
+        return [Bounded("dbus_watched_callers", "bus connections whose leaving the D-Bus edge "
+                        "watches: those with a lease or a Borrow in progress",
+                        len(self._watched), None)]  # fmt: skip
 
     def _cancel_pending(self) -> None:
         for tasks in list(self._pending.values()):
@@ -597,6 +606,7 @@ class DbusEdge:
                 tasks.discard(task)
                 if not tasks:
                     del self._pending[owner]
+            self._forget_if_idle(owner)
         log.info(
             "Borrow(%d MiB) from %s: cookie %d in %.1f ms",
             mib, owner, cookie, (time.perf_counter() - started) * 1000,
@@ -613,12 +623,14 @@ class DbusEdge:
             self.daemon.return_lease(cookie, owner or "")
         except Exception as e:
             raise _dbus_error(e) from None
+        self._forget_if_idle(owner or "")
 
     def revoke(self, cookie: int) -> None:
         try:
-            self.daemon.revoke(cookie)
+            lease = self.daemon.revoke(cookie)
         except Exception as e:
             raise _dbus_error(e) from None
+        self._forget_if_idle(lease.owner)
 
     async def set_reserve(self, mib: int) -> None:
         try:
@@ -647,6 +659,17 @@ class DbusEdge:
             log.debug("no PID for %s: %s", owner, e.text)
             return None
         return int(pid) if pid else None
+
+    def _forget_if_idle(self, owner: str) -> None:
+        """Stop watching a caller with no lease and no Borrow in progress: the callers watched
+        stay as many as the leases (at most MAX_LEASES) and the Borrows under way."""
+        if owner not in self._watched or owner in self._pending:
+            return
+        if any(lease["owner"] == owner for lease in self.daemon.status()["leases"]):
+            return
+        self._watched.discard(owner)
+        if self.bus.connected:
+            self.bus.send(self._match("RemoveMatch", owner))
 
     def _match(self, member: str, owner: str) -> Message:
         return Message(

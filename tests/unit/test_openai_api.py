@@ -133,7 +133,7 @@ def loading_daemon(**config: Any) -> Any:
               "free_mib": None, "resizes": 0}  # fmt: skip
     return SimpleNamespace(
         config=StrataConfig(**config), state="loading", model_id="", model_path=None,
-        device="cpu", started=0.0, status=lambda: status,
+        device="cpu", started=0.0, status=lambda: status, sizes=lambda: [],
         worker=SimpleNamespace(engine=None, steps=0), controller=None,
     )  # fmt: skip
 
