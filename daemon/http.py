@@ -270,7 +270,7 @@ def _error_response(exc: BaseException) -> JSONResponse:
 def _add_error_handlers(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, StarletteHTTPException) and exc.status_code in (404, 405):
-            where = f"{request.method} {request.url.path}"
+            where = _cut(f"{request.method} {request.url.path}")
             what = "no such endpoint" if exc.status_code == 404 else "method not allowed"
             exc = StarletteHTTPException(exc.status_code, f"{what}: {where}")
         return _error_response(exc)
@@ -391,6 +391,11 @@ class GuardHostAndOrigin:
             return False
         port = authority.rsplit(":", 1)[1] if authority.count(":") == 1 or "]:" in authority else ""
         return host_name(authority) in self.hosts and port == str(server[1])
+
+
+def _cut(value: str, limit: int = 120) -> str:
+    """A client's text in an error message, cut: no reply echoes a large input back."""
+    return value if len(value) <= limit else f"{value[:limit]}… ({len(value)} characters)"
 
 
 def _shown(value: str, limit: int = 80) -> str:
