@@ -181,6 +181,15 @@ class StrataConfig(BaseSettings):
         description="how long a reserve or Borrow waits for its room (below D-Bus's 25 s)",
     )
 
+    # -- bounded memory (issue 16): what requests in progress may hold at once --------------------
+    max_requests_in_progress: int = Field(
+        64,
+        ge=1,
+        le=65_536,
+        description="HTTP requests served at once (beyond: 503); with max_request_kib it bounds "
+        "the request bodies held",
+    )
+
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_coercion(cls, value: Any, info: Any) -> Any:

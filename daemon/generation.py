@@ -16,6 +16,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -138,6 +139,7 @@ class Generations:
         self.mean_generation_s: float | None = None
         self._lock = threading.Lock()
         self._in_flight = 0  # admitted and not finished (or given up before starting)
+        self._live: weakref.WeakSet[Generation] = weakref.WeakSet()  # for buffered()
 
     async def submit(
         self,
@@ -175,7 +177,13 @@ class Generations:
             raise
         if receive is not None:
             gen._watch = loop.create_task(gen._watch_disconnect(receive))
+        self._live.add(gen)
         return gen
+
+    def buffered(self) -> int:
+        """Text pieces generated and not yet taken by their responses, over every generation
+        still referenced (each holds at most max_tokens + 1: the pieces and the end)."""
+        return sum(gen._queue.qsize() for gen in list(self._live))
 
     async def _check_vram(self) -> None:
         # The policy looks at VRAM at each request's start too; a resize it asks for applies at

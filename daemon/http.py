@@ -4,8 +4,12 @@ Routes: ``/health``, ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions
 ``/v1/vram``, ``/metrics`` (docs/http.md). Around them, outermost first: request counting, the
 ``Host`` and ``Origin`` checks that keep web pages out, CORS (only when ``cors_allow_origins`` is
 set), the bearer key (only when ``api_key`` is set;
-``/health`` stays open), the body-size limit. Every error leaves as an OpenAI-shaped JSON body,
-mapped once, in :func:`as_api_error`.
+``/health`` stays open), the cap on requests in progress, the body-size limit. Every error leaves
+as an OpenAI-shaped JSON body, mapped once, in :func:`as_api_error`.
+
+What requests in progress hold is counted (:class:`HttpLoad`) and shown in ``/metrics`` with its
+bound: at most ``max_requests_in_progress`` requests, each with a body of at most
+``max_request_kib``, each streaming at most max_tokens pieces of text not yet sent.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata import __version__
+from strata.daemon.bounded import Bounded
 from strata.daemon.generation import Generation, Generations, NotServing, QueueFull
 from strata.daemon.leases import LeaseError, NotEnoughVram, Timeout
 from strata.daemon.metrics import CONTENT_TYPE, Metrics
@@ -66,9 +71,39 @@ class VramRequest(BaseModel):
     reserve_mib: StrictInt = Field(ge=0)
 
 
+class HttpLoad:
+    """What the requests in progress hold, counted by the middleware (on the loop)."""
+
+    def __init__(self, max_requests: int, max_body_bytes: int) -> None:
+        self.max_requests = max_requests
+        self.max_body_bytes = max_body_bytes  # per request
+        self.requests = 0
+        self.body_bytes = 0  # of the bodies received by requests still in progress
+
+    def sizes(self) -> list[Bounded]:
+        return [
+            Bounded("http_requests_in_progress", "HTTP requests being served (not /health, "
+                    "/metrics)", self.requests, self.max_requests),
+            Bounded("http_body_bytes", "request bodies held by the requests in progress",
+                    self.body_bytes, self.max_requests * self.max_body_bytes, "bytes"),
+        ]  # fmt: skip
+
+
 def create_app(daemon: Any) -> FastAPI:
     config = daemon.config
-    metrics = Metrics(daemon)
+    load = HttpLoad(config.max_requests_in_progress, config.max_request_kib * 1024)
+    generations: Generations | None = None
+
+    def sizes() -> list[Bounded]:
+        engine = daemon.worker.engine
+        n_ctx = engine.n_ctx if engine is not None else None
+        buffered = generations.buffered() if generations is not None else 0
+        limit = load.max_requests * (n_ctx + 1) if n_ctx is not None else None
+        stream = Bounded("stream_pieces", "generated text pieces not yet sent to their clients",
+                         buffered, limit)  # fmt: skip
+        return [*daemon.sizes(), *load.sizes(), stream]
+
+    metrics = Metrics(daemon, sizes)
     generations = Generations(
         daemon.worker, daemon.controller, config.max_queued_requests, metrics.generation
     )
@@ -78,7 +113,7 @@ def create_app(daemon: Any) -> FastAPI:
     app.state.generations = generations
     app.state.metrics = metrics
     _add_error_handlers(app)
-    _add_middleware(app, config, metrics)
+    _add_middleware(app, config, metrics, load)
 
     def engine() -> Any:
         """The loaded engine, or a 503 while loading or stopping."""
@@ -235,7 +270,7 @@ def _error_response(exc: BaseException) -> JSONResponse:
 def _add_error_handlers(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, StarletteHTTPException) and exc.status_code in (404, 405):
-            where = f"{request.method} {request.url.path}"
+            where = _cut(f"{request.method} {request.url.path}")
             what = "no such endpoint" if exc.status_code == 404 else "method not allowed"
             exc = StarletteHTTPException(exc.status_code, f"{what}: {where}")
         return _error_response(exc)
@@ -257,9 +292,10 @@ def _first_error(e: ValueError) -> str:
 # -- middleware ---------------------------------------------------------------------------------
 
 
-def _add_middleware(app: FastAPI, config: Any, metrics: Metrics) -> None:
+def _add_middleware(app: FastAPI, config: Any, metrics: Metrics, load: HttpLoad) -> None:
     # add_middleware puts each new one outside the ones before it
-    app.add_middleware(LimitBody, max_bytes=config.max_request_kib * 1024)
+    app.add_middleware(LimitBody, max_bytes=config.max_request_kib * 1024, load=load)
+    app.add_middleware(LimitInProgress, load=load)
     if config.api_key:
         app.add_middleware(RequireKey, key=config.api_key)
     origins = [o.strip() for o in (config.cors_allow_origins or "").split(",") if o.strip()]
@@ -357,6 +393,11 @@ class GuardHostAndOrigin:
         return host_name(authority) in self.hosts and port == str(server[1])
 
 
+def _cut(value: str, limit: int = 120) -> str:
+    """A client's text in an error message, cut: no reply echoes a large input back."""
+    return value if len(value) <= limit else f"{value[:limit]}… ({len(value)} characters)"
+
+
 def _shown(value: str, limit: int = 80) -> str:
     """A client's value in an error message: quoted, and cut so no reply echoes a large input."""
     return repr(value if len(value) <= limit else value[:limit] + "…")
@@ -418,13 +459,45 @@ class RequireKey:
         await _error_response(err)(scope, receive, send)
 
 
+UNCAPPED_PATHS = frozenset({"/health", "/metrics"})  # monitoring answers under any load
+
+
+class LimitInProgress:
+    """At most ``load.max_requests`` requests served at once: one more is a 503 with
+    ``Retry-After`` at once, before its body is read. With the body limit, this bounds the
+    request bodies (and the streams' unsent text) held in memory."""
+
+    def __init__(self, app: ASGIApp, load: HttpLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in UNCAPPED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.load.requests >= self.load.max_requests:
+            err = ApiError(503, f"{self.load.requests} requests are in progress, the most this "
+                           "server takes at once (max_requests_in_progress); retry shortly",
+                           "server_error", None, "too_many_requests_in_progress",
+                           {"Retry-After": "1"})  # fmt: skip
+            await _error_response(err)(scope, receive, send)
+            return
+        self.load.requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.requests -= 1
+
+
 class LimitBody:
     """Request bodies of at most ``max_bytes``: a 413 by ``Content-Length`` before reading, or
-    as soon as a chunked body passes the limit."""
+    as soon as a chunked body passes the limit. The bytes received are counted in ``load``
+    until the request ends (the body is held that long)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, load: HttpLoad | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.load = load
 
     def _too_large(self, size: str) -> ApiError:
         return ApiError(
@@ -445,17 +518,25 @@ class LimitBody:
             await _error_response(self._too_large(length.decode()))(scope, receive, send)
             return
         seen = 0
+        load = self.load
 
         async def limited_receive() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
+                got = len(message.get("body", b""))
+                seen += got
+                if load is not None:
+                    load.body_bytes += got
                 if seen > self.max_bytes:
                     raise self._too_large(f"more than {seen}")
             return message
 
-        await self.app(scope, limited_receive, send)
+        try:
+            await self.app(scope, limited_receive, send)
+        finally:
+            if load is not None:
+                load.body_bytes -= seen
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

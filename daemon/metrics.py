@@ -2,7 +2,9 @@
 
 Counters and histograms are fed as requests end and generations finish; the gauges (queue, cache,
 hit rate, resizes, free VRAM, engine steps) are read from ``daemon.status()`` at scrape time, so
-they never go stale.
+they never go stale. So are the counted sizes: each thing that grows with requests (a
+:class:`Bounded`) is a gauge ``strata_<name>`` and, where it has one, its bound
+``strata_<name>_limit``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from strata.daemon.bounded import Sizes
 from strata.daemon.generation import Finished
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -30,7 +33,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 
 
 class Metrics:
-    def __init__(self, daemon: Any) -> None:
+    def __init__(self, daemon: Any, sizes: Sizes | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -58,6 +61,8 @@ class Metrics:
             buckets=ITL_BUCKETS, registry=r,
         )  # fmt: skip
         r.register(_StatusCollector(daemon))
+        if sizes is not None:
+            r.register(_SizesCollector(sizes))
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -86,6 +91,8 @@ class _StatusCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.daemon.status()
+        link = s.get("dbus") or {}
+        bus_up = link.get("state") == "up"
         gauges = (
             ("strata_queue_length", "generations waiting for the engine", s.get("queued")),
             ("strata_busy", "1 while a generation runs", int(bool(s.get("busy")))),
@@ -97,15 +104,35 @@ class _StatusCollector(Collector):
             ("strata_ours_vram_mib", "VRAM Strata holds in MiB", s.get("ours_mib")),
             ("strata_reserve_mib", "run-time VRAM reserve in MiB", s.get("reserve_mib")),
             ("strata_borrowed_mib", "VRAM lent out by leases in MiB", s.get("borrowed_mib")),
+            ("strata_dbus_up", "1 while on the session bus, owning the name", int(bus_up)),
         )
         for name, doc, value in gauges:
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=value)
         counters = (
             ("strata_cache_resizes", "expert cache resizes", s.get("resizes")),
+            ("strata_dbus_reconnects", "bus connections re-established", link.get("reconnects")),
             # safe points passed (prefill chunks and decode steps): the engine's work
             ("strata_engine_steps", "engine steps", getattr(self.daemon.worker, "steps", None)),
         )
         for name, doc, value in counters:
             if value is not None:
                 yield CounterMetricFamily(name, doc, value=value)
+
+
+class _SizesCollector(Collector):
+    """The counted sizes, read at scrape time."""
+
+    def __init__(self, sizes: Sizes) -> None:
+        self.sizes = sizes
+
+    def collect(self) -> Iterator[Metric]:
+        for b in self.sizes():
+            unit = f" ({b.unit})" if b.unit else ""
+            if b.size is not None:
+                yield GaugeMetricFamily(f"strata_{b.name}", f"{b.help}{unit}", value=b.size)
+            if b.limit is not None:
+                yield GaugeMetricFamily(
+                    f"strata_{b.name}_limit", f"the most strata_{b.name} can reach{unit}",
+                    value=b.limit,
+                )  # fmt: skip

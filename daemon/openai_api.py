@@ -71,9 +71,11 @@ def wrong_type(param: str, expected: str, value: Any) -> ApiError:
 
 
 def model_not_found(asked: str, served: str) -> ApiError:
+    # the name is the client's: cut, so that a reply never echoes a large input back
+    shown = repr(asked) if len(asked) <= 120 else f"{asked[:120]!r}… ({len(asked)} characters)"
     return ApiError(
         404,
-        f"the model {asked!r} does not exist; this server serves {served!r}",
+        f"the model {shown} does not exist; this server serves {served!r}",
         "invalid_request_error",
         "model",
         "model_not_found",

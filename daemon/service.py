@@ -20,13 +20,15 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from strata.daemon import paths
+from strata.daemon.bounded import Bounded
 from strata.daemon.config import LoadedConfig, StrataConfig
 from strata.daemon.control import ControlConfig, VramController
-from strata.daemon.leases import Lease
+from strata.daemon.leases import MAX_LEASES, Lease
 from strata.daemon.policy import PolicyConfig
 from strata.daemon.sdnotify import Notifier, http_status, watchdog_loop
 from strata.daemon.worker import EngineWorker, State
@@ -50,6 +52,21 @@ class ServiceError(Exception):
         self.code = code
 
 
+@dataclass
+class BusLink:
+    """The D-Bus edge's connection as the status shows it; ``ipc.dbus`` keeps it current.
+
+    ``state``: ``off`` (no session bus when the daemon started: HTTP only), ``up`` (on the bus,
+    owning the name), ``down`` (the connection was lost: reconnecting with backoff)."""
+
+    state: str = "off"
+    problem: str | None = None  # why it is off or down, or what the last attempt met
+    reconnects: int = 0  # connections re-established since start
+
+    def status(self) -> dict[str, Any]:
+        return {"state": self.state, "problem": self.problem, "reconnects": self.reconnects}
+
+
 class Daemon:
     """The daemon API: what HTTP, D-Bus and ``strata-ctl`` call. Thin over the worker and the
     control plane; ``status()`` is the one status schema all of them return."""
@@ -70,6 +87,9 @@ class Daemon:
         self.listen_url = ""
         self.stopping = False
         self.started = time.time()
+        self.dbus = BusLink()
+        # more counted sizes, from the edges (the D-Bus edge's watched callers)
+        self.size_sources: list[Callable[[], list[Bounded]]] = []
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -105,6 +125,31 @@ class Daemon:
     async def set_hold(self, source: str, mib: int | None) -> None:
         await self.controller.set_hold(source, mib)
 
+    # -- what grows with requests ---------------------------------------------------------------
+
+    def sizes(self) -> list[Bounded]:
+        """Each buffer and cache on the engine's and the control plane's side that grows with
+        requests: its size now and its bound (``/metrics`` shows them)."""
+        out = [
+            Bounded("engine_jobs", "generations handed to the engine and not started, those "
+                    "whose client left included until the next one drops them",
+                    self.worker.held(), self.config.max_queued_requests + 1),
+            Bounded("leases", "leases in the book", len(self.controller.book.leases()),
+                    MAX_LEASES),
+        ]  # fmt: skip
+        engine = self.worker.engine
+        if engine is not None:
+            out += [
+                Bounded("kv_tokens", "positions the K/V cache holds (the prefix a next prompt "
+                        "may reuse)", len(engine.runner.tokens), engine.n_ctx, "tokens"),
+                Bounded("tokenizer_cache_words", "words the tokenizer's BPE caches may hold "
+                        "(the library does not count them; words of 256 bytes or more are never "
+                        "cached)", None, engine.tokenizer.cache_words_limit, "words"),
+            ]  # fmt: skip
+        for source in list(self.size_sources):
+            out += source()
+        return out
+
     # -- status ---------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -128,6 +173,7 @@ class Daemon:
                 "healthy": monitor.healthy,
                 "problem": monitor.problem,
             },
+            "dbus": self.dbus.status(),
             "cache_mib": cache.arena.mapped_bytes // MiB if cache else 0,
             "core_mib": cache.core_bytes // MiB if cache else 0,
             "tail_mib": (cache.size_bytes - cache.core_bytes) // MiB if cache else 0,

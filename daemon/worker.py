@@ -79,17 +79,30 @@ class EngineWorker:
         return self.engine.cache if self.engine is not None else None
 
     def submit(self, job: GenerationJob) -> None:
+        """Queue ``job``. Jobs cancelled while they waited are dropped here (their futures
+        cancelled, as when the engine reaches them): during one long generation, clients that
+        come and leave would otherwise pile up jobs that never run."""
         with self._cv:
             if self._stop:
                 raise RuntimeError("the engine is stopping")
+            dropped = [j for j in self._jobs if j.cancel.is_set()]
+            if dropped:
+                self._jobs = deque(j for j in self._jobs if not j.cancel.is_set())
             self._jobs.append(job)
             self._cv.notify()
+        for j in dropped:  # outside the lock: the futures' callbacks run here
+            j.done.cancel()
 
     def queued(self) -> int:
         """Jobs that wait and can still run (a cancelled one stays in the deque until the
-        engine reaches it, but no longer counts)."""
+        engine reaches it or the next submit drops it, but no longer counts)."""
         with self._cv:
             return sum(1 for job in self._jobs if not job.cancel.is_set())
+
+    def held(self) -> int:
+        """Jobs in the queue, cancelled ones not dropped yet included: what it holds."""
+        with self._cv:
+            return len(self._jobs)
 
     def request_resize(
         self, n_slots: int, max_shrink: int | None, reason: str

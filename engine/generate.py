@@ -599,32 +599,83 @@ class _Cancelled(Exception):
 
 
 class _StopMatcher:
-    """Holds back text that could still become a stop string; cuts at the first full match."""
+    """Holds back text that could still become a stop string; cuts at the first full match.
+
+    An Aho–Corasick automaton over the stop strings: each character of generated text moves it
+    one state (amortised over the text), so the work per piece is linear in the piece whatever
+    the stops are, where looking for every stop in every tail was quadratic in their lengths. Its
+    state is the longest tail of the text that is a prefix of some stop: exactly the text held
+    back, so nothing is shown that a stop may still swallow. When the text completes matches, the
+    one that starts first wins (a long stop that began earlier beats a short one inside it), as
+    ``str.find`` with each stop would pick.
+    """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
         self.pending = ""
         self.hit = False
+        self._longest = max((len(s) for s in self.stops), default=0)
+        # the trie of the stops: node 0 is the root; per node its children, failure link, depth
+        # and the length of the longest stop that ends there (0: none)
+        self._next: list[dict[str, int]] = [{}]
+        self._fail = [0]
+        self._depth = [0]
+        self._out = [0]
+        for s in self.stops:
+            node = 0
+            for c in s:
+                child = self._next[node].get(c)
+                if child is None:
+                    child = len(self._next)
+                    self._next[node][c] = child
+                    self._next.append({})
+                    self._fail.append(0)
+                    self._depth.append(self._depth[node] + 1)
+                    self._out.append(0)
+                node = child
+            self._out[node] = len(s)
+        self._link()
+        self._state = 0
+
+    def _link(self) -> None:
+        """Failure links, breadth first: a node's link is its longest proper suffix in the trie,
+        and a node that ends no stop itself inherits the longest stop its link ends."""
+        queue = list(self._next[0].values())
+        for node in queue:  # the root's children keep the root as their link
+            for c, child in self._next[node].items():
+                self._fail[child] = self._step(self._fail[node], c)
+                if not self._out[child]:
+                    self._out[child] = self._out[self._fail[child]]
+                queue.append(child)
+
+    def _step(self, state: int, c: str) -> int:
+        while state and c not in self._next[state]:
+            state = self._fail[state]
+        return self._next[state].get(c, 0)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text now final, whether a stop string matched)."""
         if not self.stops:
             return text, False
-        self.pending += text
-        first = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        held = len(self.pending)
+        state, first = self._state, -1
+        for i, c in enumerate(text):
+            state = self._step(state, c)
+            end = held + i + 1  # of the match in pending + text, exclusive
+            if self._out[state] and (first < 0 or end - self._out[state] < first):
+                first = end - self._out[state]
+            if first >= 0 and end - first >= self._longest - 1:
+                break  # a match that starts before `first` would have ended by now
         if first >= 0:
-            out, self.pending, self.hit = self.pending[:first], "", True
+            out = (self.pending + text)[:first]
+            self.pending, self._state, self.hit = "", 0, True
             return out, True
-        keep = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:n]):
-                    keep = max(keep, n)
-                    break
-        cut = len(self.pending) - keep
-        out, self.pending = self.pending[:cut], self.pending[cut:]
+        keep = self._depth[state]
+        whole = self.pending + text
+        cut = len(whole) - keep
+        out, self.pending, self._state = whole[:cut], whole[cut:], state
         return out, False
 
     def flush(self, text: str = "") -> str:
-        out, self.pending = self.pending + text, ""
+        out, self.pending, self._state = self.pending + text, "", 0
         return out

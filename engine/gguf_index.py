@@ -85,6 +85,8 @@ class GGUFIndex:
             name: field.contents() for name, field in reader.fields.items() if field.types
         }
         self.tensors: dict[str, TensorInfo] = {}
+        alignment = int(reader.alignment)
+        end, before = 0, None  # where the tensors so far end in the data section, the last one
         for t in reader.tensors:
             try:
                 qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
@@ -94,7 +96,10 @@ class GGUFIndex:
                 ) from None
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             info = TensorInfo(t.name, qtype, shape, t.data_offset, int(t.n_bytes))
-            self._check_tensor(info, reader.data_offset, int(reader.alignment), self._data.size)
+            self._check_tensor(info, reader.data_offset, alignment, self._data.size)
+            self._check_follows(info, info.offset - reader.data_offset, end, before)
+            end += -(-info.nbytes // alignment) * alignment
+            before = info
             self.tensors[t.name] = info
         self.arch: str = str(self.metadata.get("general.architecture", ""))
         if not self.arch:
@@ -130,6 +135,25 @@ class GGUFIndex:
                 f"{where}: its {t.nbytes} bytes at offset {t.offset} run past the end of the "
                 f"file ({size} bytes): the file is truncated or damaged"
             )
+
+    def _check_follows(self, t: TensorInfo, at: int, end: int, before: TensorInfo | None) -> None:
+        """Each tensor's data begins where the one before it ends (padded to the alignment), as
+        llama.cpp requires: a gap or an overlap means a size that does not match its shape and
+        type (a changed type id or dimension), whose bytes would be read from the wrong place."""
+        if at == end:
+            return
+        where = f"{self.path}: tensor {t.name}"
+        if before is None:
+            raise ModelLoadError(
+                f"{where}: its data begins at offset {at} of the data section, not at 0: "
+                "a tensor's size does not match its shape and type, or the file is damaged"
+            )
+        raise ModelLoadError(
+            f"{where}: its data begins at offset {at} of the data section, but the tensor "
+            f"before it, {before.name} (shape {before.shape}, {before.qtype.name}: "
+            f"{before.nbytes} bytes), ends at {end}: a size does not match its shape and type, "
+            "or the file is damaged"
+        )
 
     # -- metadata -------------------------------------------------------------------------------
 

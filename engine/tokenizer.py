@@ -105,6 +105,10 @@ _EOT_TEXTS = (
 
 _SPECIAL_TYPES = (CONTROL, USER_DEFINED, UNKNOWN)
 
+# Words each BPE model caches (the tokenizers library's own default, stated so it is a known
+# bound): the cache stops taking words once full, and never takes one of 256 bytes or more.
+BPE_CACHE_WORDS = 10_000
+
 
 class Tokenizer:
     """Encode and decode with one GGUF vocabulary. Thread-safe; build with ``from_vocab``."""
@@ -171,6 +175,12 @@ class Tokenizer:
     @classmethod
     def from_vocab(cls, vocab: Vocab) -> Tokenizer:
         return cls(vocab)
+
+    @property
+    def cache_words_limit(self) -> int:
+        """The most words the BPE caches can hold: one per model built (the plain-text copy
+        is made on first use, from the same model, with the library's default capacity)."""
+        return BPE_CACHE_WORDS * (1 if self._hf_plain is None else 2)
 
     # -- encoding -------------------------------------------------------------------------------
 
@@ -383,7 +393,12 @@ def _build_bpe(
         merges.append(pair)
     if dropped:
         log.warning("ignored %d merges whose parts or result are not tokens", dropped)
-    model = models.BPE(vocab=token_to_id, merges=merges, ignore_merges=ignore_merges)
+    model = models.BPE(
+        vocab=token_to_id,
+        merges=merges,
+        ignore_merges=ignore_merges,
+        cache_capacity=BPE_CACHE_WORDS,
+    )
     hf = HfTokenizer(model)
     hf.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
@@ -421,6 +436,7 @@ def _build_spm(
         merges=_spm_merges(vocab, token_to_id),
         unk_token=unk,
         byte_fallback=True,
+        cache_capacity=BPE_CACHE_WORDS,
     )
     hf = HfTokenizer(model)
     # normalizers run on each text fragment between special tokens, like llama.cpp's

@@ -14,6 +14,14 @@ so no lease is left behind.
 The caller's unique name reaches the method through a context variable: dbus-fast gives its
 method handlers no message, but it runs user message handlers first and creates each coroutine
 method's task right after, in the same context, so the task sees the value the handler set.
+
+A lost connection is re-established: the edge waits 0.5 s, then twice as long after each failed
+attempt (at most 30 s), connects again, exports the interface and owns the name once more. The
+status says ``dbus.state = "down"`` in between (HTTP serves throughout). Leases survive the gap
+only where their holder did: on a new bus daemon (another bus id) every old unique name is gone,
+so every lease held over D-Bus is returned; on the same bus, each holder is watched again and the
+leases of those no longer there are returned. A Borrow still waiting when the connection went is
+cancelled (its reply could not reach the caller).
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -42,6 +52,7 @@ from dbus_fast.annotations import DBusDict, DBusSignature, DBusStr, DBusUInt32, 
 from dbus_fast.constants import PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_method, dbus_property, dbus_signal
 
+from strata.daemon.bounded import Bounded
 from strata.daemon.leases import LeaseError
 
 if TYPE_CHECKING:
@@ -61,6 +72,8 @@ DBUS_NAME = "org.freedesktop.DBus"
 DBUS_PATH = "/org/freedesktop/DBus"
 CONNECT_TIMEOUT_S = 5.0
 CLOSE_TIMEOUT_S = 1.0
+RECONNECT_FIRST_S = 0.5  # the wait before the first attempt to reconnect; doubled after each
+RECONNECT_MAX_S = 30.0
 
 DBusLeases = Annotated[list[list[Any]], DBusSignature("a(usstt)")]
 DBusCacheResized = Annotated[list[int], DBusSignature("tt")]
@@ -119,7 +132,10 @@ async def bus_call(
     path: str = DBUS_PATH,
     interface: str = DBUS_NAME,
 ) -> list[Any]:
-    """Call a method and return the reply's body; a D-Bus error reply raises ``DBusError``."""
+    """Call a method and return the reply's body; a D-Bus error reply raises ``DBusError``, a
+    bus no longer connected ``ConnectionError`` (dbus-fast would wait for its reply forever)."""
+    if not bus.connected:
+        raise ConnectionError(f"not connected to the bus (calling {member})")
     reply = await bus.call(
         Message(
             destination=destination,
@@ -142,6 +158,48 @@ def name_owner_match(name: str) -> str:
         f"type='signal',sender='{DBUS_NAME}',path='{DBUS_PATH}',interface='{DBUS_NAME}',"
         f"member='NameOwnerChanged',arg0='{name}'"
     )
+
+
+def reconnect_delay_s(attempt: int) -> float:
+    """The wait before reconnection attempt ``attempt`` (0, 1, …): 0.5 s, doubled each time, at
+    most 30 s."""
+    return min(RECONNECT_MAX_S, RECONNECT_FIRST_S * 2 ** min(attempt, 32))
+
+
+class _GuardedSocket:
+    """The socket dbus-fast's writer sends through, made safe in two ways dbus-fast is not.
+
+    A socket buffer that is full (a large reply or signal to a slow bus) raises EAGAIN, which
+    dbus-fast's writer takes for a lost connection and drops the bus (python-dbus-next#153): here
+    it writes nothing, and the writer waits until the socket is writable. And once the bus has
+    disconnected, what is still sent to it is dropped: dbus-fast would write to the closed
+    socket's descriptor, and its error path would unregister whatever uses that number now (a
+    new connection's)."""
+
+    def __init__(self, bus: MessageBus, sock: socket.socket) -> None:
+        self._bus = bus
+        self._sock = sock
+
+    def send(self, data: Any) -> int:
+        if self._bus._disconnected:
+            return len(data)
+        try:
+            return self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def guard_writes(bus: MessageBus) -> None:
+    """Send ``bus``'s messages through :class:`_GuardedSocket` (a connected bus)."""
+    writer = getattr(bus, "_writer", None)
+    sock = getattr(writer, "sock", None)
+    if sock is None or isinstance(sock, _GuardedSocket):
+        log.debug("dbus-fast's writer has no socket to guard: %r", writer)
+        return
+    writer.sock = _GuardedSocket(bus, sock)  # type: ignore[union-attr]
 
 
 # -- values on the wire -------------------------------------------------------------------------
@@ -316,7 +374,9 @@ def _name_args(iface: ServiceInterface) -> None:
 
 
 class DbusEdge:
-    """The daemon on the session bus. Made by :func:`start_dbus`; ``await close()`` at shutdown."""
+    """The daemon on the session bus. Made by :func:`start_dbus`; ``await close()`` at shutdown.
+    While it runs, a lost connection is re-established (see the module doc); ``on_attach``
+    coroutines (the GameMode watcher) are given each new connection."""
 
     def __init__(self, daemon: Daemon, bus: MessageBus) -> None:
         self.daemon = daemon
@@ -330,29 +390,42 @@ class DbusEdge:
         self._flush_queued = False
         self._closed = False
         self._loop = asyncio.get_running_loop()
-        self._lost: asyncio.Task[None] | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._bus_id = ""  # the bus daemon's id: a new one means every unique name is new
+        self.on_attach: list[Callable[[MessageBus], Awaitable[None]]] = []
 
     # -- start and stop -------------------------------------------------------------------------
 
     async def start(self) -> None:
         from strata.daemon.service import EXIT_RUNTIME, ServiceError
 
-        self.bus.add_message_handler(self._on_message)
-        self._signalled = property_values(self.daemon.status())
-        self.bus.export(OBJECT_PATH, self.iface)
         self.daemon.controller.listeners.append(self._on_event)
         self.daemon.worker.ready.add_done_callback(self._ready_changed)  # engine thread
-        reply = await self.bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
+        self.daemon.size_sources.append(self._sizes)
+        taken = await self._attach(self.bus)
+        if taken is not None:
+            await self.close()
+            raise ServiceError(f"{taken}; is another strata serve running in this session?",
+                               EXIT_RUNTIME)  # fmt: skip
+        self.daemon.dbus.state, self.daemon.dbus.problem = "up", None
+        self._supervisor = asyncio.create_task(self._supervise(), name="dbus-supervisor")
+        log.info("on the session bus as %s (%s)", BUS_NAME, self.bus.unique_name)
+
+    async def _attach(self, bus: MessageBus) -> str | None:
+        """Serve on ``bus``: export the interface, own the name. Returns why the name could not
+        be owned (another connection has it), else None."""
+        guard_writes(bus)
+        self.bus = bus
+        self._watched.clear()  # match rules belong to a connection
+        bus.add_message_handler(self._on_message)
+        self._signalled = property_values(self.daemon.status())
+        bus.export(OBJECT_PATH, self.iface)
+        (self._bus_id,) = await bus_call(bus, "GetId")
+        reply = await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
         if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             holder = await self._describe_owner(BUS_NAME)
-            await self.close()
-            raise ServiceError(
-                f"the D-Bus name {BUS_NAME} is already owned on the session bus by {holder}; "
-                "is another strata serve running in this session?",
-                EXIT_RUNTIME,
-            )
-        self._lost = asyncio.create_task(self._watch_disconnect(), name="dbus-disconnect")
-        log.info("on the session bus as %s (%s)", BUS_NAME, self.bus.unique_name)
+            return f"the D-Bus name {BUS_NAME} is already owned on the session bus by {holder}"
+        return None
 
     async def close(self) -> None:
         """Say "stopping", release the name and disconnect. Waiting Borrows are cancelled; the
@@ -362,11 +435,13 @@ class DbusEdge:
         self._closed = True
         with contextlib.suppress(ValueError):
             self.daemon.controller.listeners.remove(self._on_event)
-        for tasks in self._pending.values():
-            for task in tasks:
-                task.cancel()
-        if self._lost is not None:
-            self._lost.cancel()
+        with contextlib.suppress(ValueError):
+            self.daemon.size_sources.remove(self._sizes)
+        self._cancel_pending()
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
         if self.bus.connected:
             self._flush()  # State: "stopping"
             with contextlib.suppress(Exception):
@@ -377,19 +452,108 @@ class DbusEdge:
                     asyncio.shield(self.bus.wait_for_disconnect()), CLOSE_TIMEOUT_S
                 )
 
+    def _sizes(self) -> list[Bounded]:
+        return [Bounded("dbus_watched_callers", "bus connections whose leaving the D-Bus edge "
+                        "watches: those with a lease or a Borrow in progress",
+                        len(self._watched), None)]  # fmt: skip
+
+    def _cancel_pending(self) -> None:
+        for tasks in list(self._pending.values()):
+            for task in list(tasks):
+                task.cancel()
+
     def _ready_changed(self, _: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is already closed
             self._loop.call_soon_threadsafe(self._queue_flush)
 
-    async def _watch_disconnect(self) -> None:
+    # -- a lost connection ----------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        """Wait for the connection to go; then reconnect, and again each time it goes."""
         try:
-            # shielded: cancelling this task must not cancel dbus-fast's own disconnect future
-            await asyncio.shield(self.bus.wait_for_disconnect())
+            while not self._closed:
+                await self._follow()
+        except Exception as e:  # a bug here must not end the daemon: D-Bus stays down
+            log.exception("the D-Bus edge stopped reconnecting")
+            self.daemon.dbus.state, self.daemon.dbus.problem = "down", f"{type(e).__name__}: {e}"
+
+    async def _follow(self) -> None:
+        """One connection's end, and the next one's start."""
+        why = await self._disconnected(self.bus)
+        if self._closed:
+            return
+        old_id, link = self._bus_id, self.daemon.dbus
+        log.warning("lost the session bus (%s): D-Bus is down, HTTP still serves; reconnecting",
+                    why)  # fmt: skip
+        link.state, link.problem = "down", f"lost the session bus: {why}"
+        self._watched.clear()
+        self._cancel_pending()  # their replies could not reach the callers any more
+        attempts = await self._reconnect()
+        log.info("back on the session bus as %s (%s) after %d attempt(s)", BUS_NAME,
+                 self.bus.unique_name, attempts)  # fmt: skip
+        await self._recheck_holders(same_bus=self._bus_id == old_id)
+        link.state, link.problem = "up", None  # "up": on the bus, the leases reconciled
+        link.reconnects += 1
+        for hook in list(self.on_attach):
+            try:
+                await hook(self.bus)
+            except Exception as e:  # most likely the connection went again: the next round
+                name = getattr(hook, "__qualname__", repr(hook))
+                log.warning("setting up %s on the new connection failed: %s", name, e)
+                log.debug("the error", exc_info=e)
+
+    @staticmethod
+    async def _disconnected(bus: MessageBus) -> str:
+        try:
+            # shielded: cancelling the supervisor must not cancel dbus-fast's own future
+            await asyncio.shield(bus.wait_for_disconnect())
         except Exception as e:
-            log.warning("lost the session bus (%s): D-Bus is off, HTTP still serves", e)
-        else:
-            if not self._closed:
-                log.warning("lost the session bus: D-Bus is off, HTTP still serves")
+            return str(e) or type(e).__name__
+        return "the connection was closed"
+
+    async def _reconnect(self) -> int:
+        """Connect and serve again, waiting longer after each failed attempt; returns the number
+        of attempts it took."""
+        link = self.daemon.dbus
+        attempt = 0
+        while True:
+            await asyncio.sleep(reconnect_delay_s(attempt))
+            attempt += 1
+            try:
+                bus = await connect_session_bus()
+            except NoSessionBus as e:
+                problem = str(e)
+            else:
+                try:
+                    problem = await self._attach(bus)
+                except Exception as e:  # the new connection went too, or the bus refused
+                    problem = f"setting up on the session bus failed: {e}"
+                if problem is None:
+                    return attempt
+                bus.disconnect()
+            if problem != link.problem:
+                log.info("D-Bus still down (attempt %d): %s", attempt, problem)
+            link.problem = problem
+
+    async def _recheck_holders(self, same_bus: bool) -> None:
+        """Return the leases whose holders left while the connection was down. On another bus
+        daemon, no holder's unique name exists any more; on the same one, each holder is watched
+        again (the match first, so a holder leaving right after is reported) and asked for."""
+        owners = sorted({str(lease["owner"]) for lease in self.daemon.status()["leases"]
+                         if str(lease["owner"]).startswith(":")})  # fmt: skip
+        for owner in owners:
+            if not same_bus:
+                self._vanished(owner)
+                continue
+            self._watched.add(owner)
+            self.bus.send(self._match("AddMatch", owner))
+            try:
+                (there,) = await bus_call(self.bus, "NameHasOwner", "s", [owner])
+            except Exception as e:  # the connection went again: the next round sees to it
+                log.debug("asking the bus for %s failed: %s", owner, e)
+                return
+            if not there:
+                self._name_lost(owner)
 
     async def _describe_owner(self, name: str) -> str:
         try:
@@ -412,6 +576,7 @@ class DbusEdge:
         if not owner:
             raise DBusError(ERROR_FAILED, "Borrow: the caller has no bus name")
         started = time.perf_counter()
+        bus = self.bus
         task = asyncio.ensure_future(self._borrow(owner, mib, app_id, reason))
         self._pending.setdefault(owner, set()).add(task)
         try:
@@ -420,11 +585,20 @@ class DbusEdge:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise
-            why = "Strata is stopping" if self._closed else f"its caller {owner} left the bus"
+            why = (
+                "Strata is stopping"
+                if self._closed
+                else f"its caller {owner} left the bus"
+                if bus.connected
+                else "Strata lost its connection to the bus"
+            )
             raise DBusError(ERROR_FAILED, f"Borrow of {mib} MiB cancelled: {why}") from None
         except DBusError:
             raise
         except Exception as e:
+            if not bus.connected and not isinstance(e, LeaseError):  # no reply can reach it
+                raise DBusError(ERROR_FAILED, f"Borrow of {mib} MiB: Strata lost its "
+                                "connection to the bus") from None  # fmt: skip
             raise _dbus_error(e) from None
         finally:
             tasks = self._pending.get(owner)
@@ -432,6 +606,7 @@ class DbusEdge:
                 tasks.discard(task)
                 if not tasks:
                     del self._pending[owner]
+            self._forget_if_idle(owner)
         log.info(
             "Borrow(%d MiB) from %s: cookie %d in %.1f ms",
             mib, owner, cookie, (time.perf_counter() - started) * 1000,
@@ -448,12 +623,14 @@ class DbusEdge:
             self.daemon.return_lease(cookie, owner or "")
         except Exception as e:
             raise _dbus_error(e) from None
+        self._forget_if_idle(owner or "")
 
     def revoke(self, cookie: int) -> None:
         try:
-            self.daemon.revoke(cookie)
+            lease = self.daemon.revoke(cookie)
         except Exception as e:
             raise _dbus_error(e) from None
+        self._forget_if_idle(lease.owner)
 
     async def set_reserve(self, mib: int) -> None:
         try:
@@ -482,6 +659,17 @@ class DbusEdge:
             log.debug("no PID for %s: %s", owner, e.text)
             return None
         return int(pid) if pid else None
+
+    def _forget_if_idle(self, owner: str) -> None:
+        """Stop watching a caller with no lease and no Borrow in progress: the callers watched
+        stay as many as the leases (at most MAX_LEASES) and the Borrows under way."""
+        if owner not in self._watched or owner in self._pending:
+            return
+        if any(lease["owner"] == owner for lease in self.daemon.status()["leases"]):
+            return
+        self._watched.discard(owner)
+        if self.bus.connected:
+            self.bus.send(self._match("RemoveMatch", owner))
 
     def _match(self, member: str, owner: str) -> Message:
         return Message(
@@ -583,6 +771,7 @@ async def start_dbus(daemon: Daemon) -> DbusEdge | None:
         bus = await connect_session_bus()
     except NoSessionBus as e:
         log.warning("%s: D-Bus is off, HTTP only", e)
+        daemon.dbus.problem = str(e)
         return None
     edge = DbusEdge(daemon, bus)
     try:
@@ -603,7 +792,9 @@ __all__ = [
     "Vram1",
     "connect_session_bus",
     "from_variant",
+    "guard_writes",
     "property_values",
+    "reconnect_delay_s",
     "session_bus_address",
     "start_dbus",
     "to_vardict",

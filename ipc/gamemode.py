@@ -61,8 +61,19 @@ class GameModeWatcher:
             (owner,) = await bus_call(self.bus, "GetNameOwner", "s", [GAMEMODE_NAME])
         except DBusError:
             log.info("GameMode is not running; watching for it (hold: %d MiB)", self.mib)
+            if self._owner is not None or self.games:  # it was, on the connection before
+                self._vanished()
             return
         self._appeared(owner)
+
+    async def rebind(self, bus: MessageBus) -> None:
+        """Follow GameMode on a new connection (the edge lost the old one). The hold stays as it
+        was until GameMode, or its absence, says otherwise."""
+        with contextlib.suppress(ValueError):
+            self.bus.remove_message_handler(self._on_message)
+        self.bus = bus
+        self._owner = None
+        await self.start()
 
     async def close(self) -> None:
         self._closed = True
@@ -121,7 +132,7 @@ class GameModeWatcher:
                 ),
                 CALL_TIMEOUT_S,
             )  # fmt: skip
-        except (DBusError, TimeoutError, ValueError) as e:
+        except Exception as e:  # an error reply, no reply, or the connection gone
             log.warning("GameMode's ListGames failed (%s): keeping what its signals said", e)
             return
         if owner != self._owner:
@@ -162,4 +173,5 @@ async def start_gamemode(daemon: Daemon, edge: DbusEdge | None, mib: int) -> Gam
         return None
     watcher = GameModeWatcher(daemon, edge.bus, mib)
     await watcher.start()
+    edge.on_attach.append(watcher.rebind)
     return watcher

@@ -9,6 +9,7 @@ from strata.engine.errors import ModelLoadError
 from strata.engine.experts import ExpertProvider
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.layers.decoder import DecoderArgs, MoEDecoder
+from strata.engine.models import read_args
 
 
 class ModelArgs(DecoderArgs):
@@ -21,7 +22,7 @@ class ModelArgs(DecoderArgs):
                     "re-convert it with a current llama.cpp so experts are merged into ffn_*_exps"
                 )
             raise ModelLoadError(f"{index.path}: a dense llama file; Strata serves MoE models")
-        return DecoderArgs.read(index, rope_neox=False, qk_norm=False, norm_topk=True)
+        return read_args(index, rope_neox=False, qk_norm=False, norm_topk=True)
 
 
 class Model(MoEDecoder):

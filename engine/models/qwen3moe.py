@@ -8,13 +8,14 @@ import torch
 from strata.engine.experts import ExpertProvider
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.layers.decoder import DecoderArgs, MoEDecoder
+from strata.engine.models import read_args
 
 
 class ModelArgs(DecoderArgs):
     @classmethod
     def from_index(cls, index: GGUFIndex) -> DecoderArgs:
         # llama.cpp always renormalises Qwen3-MoE's top-k weights (norm_topk_prob in HF configs).
-        return DecoderArgs.read(index, rope_neox=True, qk_norm=True, norm_topk=True)
+        return read_args(index, rope_neox=True, qk_norm=True, norm_topk=True)
 
 
 class Model(MoEDecoder):

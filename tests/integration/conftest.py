@@ -10,6 +10,14 @@ import pytest
 from tests.integration.harness import PrivateBus, StrataDaemon
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "fuzz: the hostile-request corpus replayed against one real daemon (test_fuzz_corpus.py; "
+        "select it with -m fuzz)",
+    )
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield

@@ -41,7 +41,7 @@ BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Config
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
 <busconfig>
   <type>session</type>
-  <listen>unix:tmpdir={tmp}</listen>
+  <listen>{listen}</listen>
   <auth>EXTERNAL</auth>
   {servicedir}
   <policy context="default">
@@ -54,14 +54,23 @@ BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Config
 
 
 class PrivateBus:
-    """A private session bus; ``address`` goes into ``DBUS_SESSION_BUS_ADDRESS``."""
+    """A private session bus; ``address`` goes into ``DBUS_SESSION_BUS_ADDRESS``. ``socket_path``
+    makes it listen at that path, so that a new bus can later take the place of a killed one
+    at the same address."""
 
-    def __init__(self, tmp: Path, service_dir: Path | None = None, env: Mapping[str, str] = {}):
+    def __init__(
+        self,
+        tmp: Path,
+        service_dir: Path | None = None,
+        env: Mapping[str, str] = {},
+        socket_path: Path | None = None,
+    ) -> None:
         require_tool("dbus-daemon")
         tmp.mkdir(parents=True, exist_ok=True)
         servicedir = f"<servicedir>{service_dir}</servicedir>" if service_dir else ""
+        listen = f"unix:path={socket_path}" if socket_path else f"unix:tmpdir={tmp}"
         config = tmp / "bus.conf"
-        config.write_text(BUS_CONFIG.format(tmp=tmp, servicedir=servicedir))
+        config.write_text(BUS_CONFIG.format(listen=listen, servicedir=servicedir))
         self.proc = subprocess.Popen(
             ["dbus-daemon", f"--config-file={config}", "--print-address=1", "--print-pid=1",
              "--nofork"],
@@ -81,6 +90,12 @@ class PrivateBus:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(5)
+
+    def kill(self) -> None:
+        """The bus dies at once (SIGKILL): every connection on it ends."""
+        self.proc.kill()
+        self.proc.wait(5)
 
 
 def write_simulated(path: Path, total_mib: int, tenants: Sequence[tuple[int, int]] = ()) -> None:

@@ -503,6 +503,8 @@ def test_no_session_bus_logs_one_warning_and_http_serves(
     env = {"DBUS_SESSION_BUS_ADDRESS": f"unix:path={tmp_path}/nothing"} if why != "unset" else {}
     d = start(tmp_path, None, tiny_model, daemons, env=env)
     assert d.status()["state"] == "ready"
+    link = d.status()["dbus"]
+    assert link["state"] == "off" and "session bus" in link["problem"], link
     assert httpx.get(d.url + "/health", timeout=5).status_code == 200
     warnings = [line for line in d.log.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "session bus" in warnings[0], warnings

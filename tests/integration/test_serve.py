@@ -90,6 +90,20 @@ def test_a_model_with_a_misaligned_tensor_never_reports_ready(tmp_path: Path) ->
     assert "not a multiple of the file's alignment 32" in d.log and "ready" not in d.log
 
 
+def test_a_model_whose_metadata_contradicts_its_tensors_never_reports_ready(
+    model: Path, tmp_path: Path
+) -> None:
+    # 6 experts said, 8 in the tensors: it would have failed at the first request
+    from tests.model.test_gguf_damage import set_u32
+
+    bad = tmp_path / "six-experts.gguf"
+    bad.write_bytes(set_u32(model.read_bytes(), "expert_count", 6))
+    d = StrataDaemon(tmp_path, ["--model", str(bad), "--device", "cpu"], wait="none")
+    assert d.proc.wait(60) == 2
+    assert f"{bad}: tensor blk.0.ffn_gate_inp.weight has shape (8, 256)" in d.log
+    assert "ready" not in d.log and "Traceback" not in d.log
+
+
 def test_bad_option_exits_2(tmp_path: Path) -> None:
     d = StrataDaemon(tmp_path, ["--elastic-period-ms", "soon"], wait="none")
     assert d.proc.wait(60) == 2

@@ -1,9 +1,12 @@
-"""Damaged model files are refused when the index is built, each with one error naming the file
-and what is wrong, never found later by a request (a misaligned tensor once loaded, reported
-ready and answered every request with a 500).
+"""Damaged model files are refused at load, each with one error naming the file and what is
+wrong, never found later by a request (a misaligned tensor once loaded, reported ready and
+answered every request with a 500).
 
-The files are written byte by byte here (GGUF v3: header, key/values, tensor infos, aligned
-data), so each case breaks exactly one thing.
+The index cases are files written byte by byte here (GGUF v3: header, key/values, tensor infos,
+aligned data), so each case breaks exactly one thing. The model cases start from a small
+well-formed synthetic model and change one key's value, or hide a key, in its bytes (same
+length, so the rest of the file stays valid); ``Engine.load`` must refuse each before it builds
+anything.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from pathlib import Path
 import gguf
 import pytest
 
+from strata.engine import synth
 from strata.engine.errors import ModelLoadError
+from strata.engine.generate import Engine, EngineOptions
 from strata.engine.gguf_index import GGUFIndex
 
 Q = gguf.GGMLQuantizationType
@@ -77,6 +82,19 @@ CASES = [
                                     ("a.weight", (32,), int(Q.F32), 128)]), "duplicated"),
     ("absurd string length", gguf_bytes(arch=struct.pack("<Q", 2**62) + b"qwen"),
      "not a readable GGUF file"),
+    # a.weight says F16 (128 bytes) over the 256 bytes of F32 it has: b.weight's data then
+    # starts where a.weight's would not end
+    ("size not matching the type", gguf_bytes([("a.weight", (32, 2), int(Q.F16), 0),
+                                               ("b.weight", (32,), int(Q.F32), 256)]),
+     "does not match its shape and type"),
+    ("size not matching the shape", gguf_bytes([("a.weight", (32, 4), int(Q.F32), 0),
+                                                ("b.weight", (32,), int(Q.F32), 256)]),
+     "a.weight (shape (4, 32), F32: 512 bytes), ends at 512"),
+    ("a gap between tensors", gguf_bytes([("a.weight", (32, 2), int(Q.F32), 0),
+                                          ("b.weight", (32,), int(Q.F32), 288)]),
+     "begins at offset 288 of the data section"),
+    ("the first tensor not at the start", gguf_bytes([("a.weight", (32,), int(Q.F32), 128)]),
+     "not at 0"),
 ]  # fmt: skip
 
 
@@ -94,3 +112,103 @@ def test_a_file_without_its_architecture_is_named(tmp_path: Path) -> None:
     data = gguf_bytes().replace(b"general.architecture", b"general.architectur_")
     with pytest.raises(ModelLoadError, match=r"no general\.architecture"):
         GGUFIndex(write(tmp_path, data))
+
+
+# -- the model's metadata and tensors ------------------------------------------------------------
+
+SMALL = synth.ModelSpec("qwen3moe", 2, 64, 4, 2, 16, 4, 2, 64, 256, 1e6, 1e-6)
+ARCH = "qwen3moe"
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A small well-formed qwen3moe file (2 blocks, 4 experts, Q4_0 matrices), as bytes."""
+    path = tmp_path_factory.mktemp("small") / "small.gguf"
+    types = synth.TypePlan.uniform(Q.Q4_0)
+    synth.write_model(path, SMALL, synth.vocab_for(ARCH), types, seed=5)
+    return path.read_bytes()
+
+
+def _key(name: str) -> bytes:
+    return _str(f"{ARCH}.{name}")
+
+
+def hide(data: bytes, name: str) -> bytes:
+    """The file with key ``name`` renamed (the same length: the file stays readable)."""
+    key = _key(name)
+    assert data.count(key) == 1, name
+    return data.replace(key, key[:-1] + b"_")
+
+
+def set_u32(data: bytes, name: str, value: int) -> bytes:
+    old = _key(name) + struct.pack("<I", UINT32)
+    at = data.index(old) + len(old)
+    return data[:at] + struct.pack("<I", value) + data[at + 4 :]
+
+
+def set_f32(data: bytes, name: str, value: float) -> bytes:
+    old = _key(name) + struct.pack("<I", 6)  # FLOAT32
+    at = data.index(old) + len(old)
+    return data[:at] + struct.pack("<f", value) + data[at + 4 :]
+
+
+def set_tensor_type(data: bytes, name: str, qtype: int) -> bytes:
+    info = _str(name)
+    at = data.index(info) + len(info)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    at += 4 + 8 * n_dims
+    return data[:at] + struct.pack("<I", qtype) + data[at + 4 :]
+
+
+MODEL_CASES = [
+    ("no block count", lambda d: hide(d, "block_count"), "qwen3moe.block_count is missing"),
+    ("no head count", lambda d: hide(d, "attention.head_count"),
+     "qwen3moe.attention.head_count is missing"),
+    ("no expert count", lambda d: hide(d, "expert_count"), "qwen3moe.expert_count is missing"),
+    ("no experts used", lambda d: hide(d, "expert_used_count"),
+     "qwen3moe.expert_used_count is missing"),
+    ("no norm epsilon", lambda d: hide(d, "attention.layer_norm_rms_epsilon"),
+     "layer_norm_rms_epsilon is missing"),
+    ("zero blocks", lambda d: set_u32(d, "block_count", 0),
+     "block_count is 0, expected at least 1"),
+    ("more blocks than the file has", lambda d: set_u32(d, "block_count", 3),
+     "block_count is 3, but the file lacks blocks 2"),
+    ("fewer blocks than the file has", lambda d: set_u32(d, "block_count", 1),
+     "block_count is 1, but the file has tensors of blocks 1 beyond it"),
+    ("zero heads", lambda d: set_u32(d, "attention.head_count", 0),
+     "head_count is 0, expected at least 1"),
+    ("kv heads not dividing the heads", lambda d: set_u32(d, "attention.head_count", 5),
+     "head_count_kv is 2, expected a divisor of head_count 5"),
+    ("heads not matching attn_q", lambda d: set_u32(d, "attention.head_count", 2),
+     "tensor blk.0.attn_q.weight has shape (64, 64), but the metadata implies (32, 64)"),
+    ("expert count not matching the tensors", lambda d: set_u32(d, "expert_count", 6),
+     "blk.0.ffn_gate_inp.weight has shape (4, 64), but the metadata implies (6, 64)"),
+    ("more experts used than there are", lambda d: set_u32(d, "expert_used_count", 9),
+     "expert_used_count is 9, expected at most expert_count 4"),
+    ("embedding length not matching", lambda d: set_u32(d, "embedding_length", 32),
+     "tensor token_embd.weight has shape"),
+    ("a NaN epsilon", lambda d: set_f32(d, "attention.layer_norm_rms_epsilon", float("nan")),
+     "layer_norm_rms_epsilon is nan, expected a finite number above 0"),
+    # IQ4_NL blocks are 18 bytes of 32 weights, as Q4_0's: the sizes still add up
+    ("a type Strata cannot read", lambda d: set_tensor_type(d, "blk.1.attn_q.weight",
+                                                            int(Q.IQ4_NL)),
+     "tensor blk.1.attn_q.weight is of type IQ4_NL, which Strata cannot read"),
+]  # fmt: skip
+
+
+def test_the_small_model_loads(tmp_path: Path, small_model: bytes) -> None:
+    engine = Engine.load(write(tmp_path, small_model), EngineOptions(threads=1))
+    assert engine.runner.model.args.n_layer == 2
+    engine.close()
+
+
+@pytest.mark.parametrize(("case", "damage", "reason"), MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
+def test_damaged_metadata_is_refused_at_load_naming_it(
+    tmp_path: Path, small_model: bytes, case, damage, reason
+) -> None:
+    path = write(tmp_path, damage(small_model))
+    with pytest.raises(ModelLoadError) as e:
+        Engine.load(path, EngineOptions(threads=1))
+    message = str(e.value)
+    assert str(path) in message and reason in message, message
+    assert len(message.splitlines()) == 1 and len(message) < 400

@@ -12,7 +12,14 @@ from fastapi.testclient import TestClient
 
 from strata.daemon.config import StrataConfig
 from strata.daemon.http import create_app
-from strata.daemon.openai_api import ApiError, Reply, parse_chat, parse_completion, prepare
+from strata.daemon.openai_api import (
+    ApiError,
+    Reply,
+    model_not_found,
+    parse_chat,
+    parse_completion,
+    prepare,
+)
 
 
 def body(**fields: Any) -> bytes:
@@ -133,7 +140,7 @@ def loading_daemon(**config: Any) -> Any:
               "free_mib": None, "resizes": 0}  # fmt: skip
     return SimpleNamespace(
         config=StrataConfig(**config), state="loading", model_id="", model_path=None,
-        device="cpu", started=0.0, status=lambda: status,
+        device="cpu", started=0.0, status=lambda: status, sizes=lambda: [],
         worker=SimpleNamespace(engine=None, steps=0), controller=None,
     )  # fmt: skip
 
@@ -149,3 +156,12 @@ def test_while_loading_generation_and_models_answer_503() -> None:
     assert client.get("/health").status_code == 503
     metrics = client.get("/metrics")
     assert metrics.status_code == 200 and "strata_ready 0.0" in metrics.text
+
+
+def test_an_unknown_model_of_any_length_is_named_but_not_echoed_whole() -> None:
+    err = model_not_found("x" * 5000, "tiny")
+    assert err.status == 404 and err.code == "model_not_found"
+    assert "(5000 characters)" in err.message and len(err.message) < 300
+    assert model_not_found("llama", "tiny").message == (
+        "the model 'llama' does not exist; this server serves 'tiny'"
+    )
