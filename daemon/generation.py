@@ -67,6 +67,7 @@ class Generation:
         self.started: float | None = None  # monotonic, set on the engine thread
         self.left = False  # the client went away
         self.released = False
+        self.closed = False  # the response is over: nobody takes text any more
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._watch: asyncio.Task[None] | None = None
         self._on_cancel: Callable[[Generation], None] = lambda g: None
@@ -107,10 +108,18 @@ class Generation:
             self._on_cancel(self)
 
     def close(self) -> None:
-        """The response is over: sent, or given up."""
+        """The response is over: sent, or given up. Text still queued, or still coming from a
+        generation that stops at its next step, is dropped: nobody would take it."""
         self.cancel()
+        self.closed = True
+        while not self._queue.empty():
+            self._queue.get_nowait()
         if self._watch is not None:
             self._watch.cancel()
+
+    def _put(self, item: Any) -> None:  # on the loop
+        if not self.closed:
+            self._queue.put_nowait(item)
 
     async def _watch_disconnect(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         # Once the body is read, the server's receive() answers only when the client goes away
@@ -160,7 +169,7 @@ class Generations:
         gen = Generation(job, received)
         gen._on_cancel = self._given_up
         if stream:
-            job.on_text = lambda text: _hop(loop, gen._queue.put_nowait, text)
+            job.on_text = lambda text: _hop(loop, gen._put, text)
 
         def on_start() -> None:  # engine thread
             gen.started = time.monotonic()
@@ -181,8 +190,8 @@ class Generations:
         return gen
 
     def buffered(self) -> int:
-        """Text pieces generated and not yet taken by their responses, over every generation
-        still referenced (each holds at most max_tokens + 1: the pieces and the end)."""
+        """Text pieces generated and not yet taken by their responses (each response holds at
+        most max_tokens + 1, the pieces and the end, and none once it is over)."""
         return sum(gen._queue.qsize() for gen in list(self._live))
 
     async def _check_vram(self) -> None:
@@ -226,7 +235,7 @@ class Generations:
                 self.observe(Finished(outcome, gen.received, result))
             except Exception:
                 log.exception("observing a finished generation failed")
-        gen._queue.put_nowait(_END)
+        gen._put(_END)
 
 
 def _hop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
