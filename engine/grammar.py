@@ -10,8 +10,8 @@ fills a bitmask of the allowed tokens in host memory (one bit per token), and it
 token sampled. :class:`TokenMask` applies the bitmask to the logits where they are (the GPU on
 the fast path), before the sampler's filters, so top-k, top-p and min-p only see allowed tokens.
 
-Why llguidance (llama.cpp's choice too): of the three libraries measured (``docs/structured-
-output.md``), it is the one that refuses the JSON Schema features it cannot enforce
+Why llguidance (llama.cpp's choice too), of the three libraries measured (the numbers are in
+``docs/structured-output.md``): it refuses the JSON Schema features it cannot enforce
 (``Unimplemented keys: ["uniqueItems"]``) where xgrammar ignored six of them and let invalid
 output through; it compiles a schema in about a millisecond where outlines-core took seconds on
 a 152k-token vocabulary; its masks cost tens of microseconds a token there; and it is one wheel
