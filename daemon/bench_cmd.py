@@ -46,6 +46,7 @@ MEASURING_FLAGS = {
     "time_limit": "--time-limit",
     "opt_device": "--device",
     "only_llama_cpp": "--only-llama-cpp",
+    "grammar": "--grammar",
 }
 DEFAULT_REPS, DEFAULT_DECODE_TOKENS = "3", "128"
 
@@ -96,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const=True,
         help="run llama-bench alone (needs --vs-llama-cpp), no Strata budget; --merge pairs its "
         "rows with a Strata run's",
+    )
+    g.add_argument(
+        "--grammar",
+        action="store_const",
+        const=True,
+        help="also time each decode run under a grammar (JSON lines of tool calls): the cost "
+        "of the token mask per token",
     )
     g.add_argument(
         "--time-limit",
@@ -160,6 +168,7 @@ def build_settings(loaded: LoadedConfig, args: argparse.Namespace) -> BenchSetti
         time_limit_s=limit,
         llama_bench=llama,
         n_cpu_moe=n_cpu_moe,
+        grammar=bool(args.grammar),
     )
 
 

@@ -2,9 +2,10 @@
 
 ``Generations.submit`` admits a request (at most ``max_queued`` waiting behind the running one,
 else :class:`QueueFull`), runs the VRAM controller's per-request check, and hands the job to the
-engine thread. A :class:`Generation` carries the text back to the loop as it becomes final and
-cancels its job when the client goes away: a waiting job then never starts (the worker skips
-cancelled jobs) and a running one stops at its next step.
+engine thread. A :class:`Generation` carries the text back to the loop as it becomes final (as
+:class:`Piece` objects, with the log-probabilities of the tokens that made it) and cancels its
+job when the client goes away: a waiting job then never starts (the worker skips cancelled jobs)
+and a running one stops at its next step.
 
 No HTTP here: the caller passes the ASGI ``receive`` callable only so a disconnect can be seen.
 """
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.daemon.worker import GenerationJob
-from strata.engine.generate import GenerationResult
+from strata.engine.generate import GenerationResult, TokenLogprob
+from strata.engine.grammar import Constraint
 from strata.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,8 +60,17 @@ class Finished:
     result: GenerationResult | None
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Text as it became final, and the log-probabilities of the tokens since the last piece
+    (empty unless asked for; a last piece may hold only those: a stop string's tokens)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
 class Generation:
-    """One admitted request: ``text()`` (streaming) or ``result()``, never both."""
+    """One admitted request: ``pieces()`` (streaming) or ``result()``, never both."""
 
     def __init__(self, job: GenerationJob, received: float) -> None:
         self.job = job
@@ -71,8 +82,9 @@ class Generation:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._watch: asyncio.Task[None] | None = None
         self._on_cancel: Callable[[Generation], None] = lambda g: None
+        self._stash: list[TokenLogprob] = []  # logprobs waiting for their text (engine thread)
 
-    async def text(self) -> AsyncIterator[str]:
+    async def pieces(self) -> AsyncIterator[Piece]:
         """Text as it becomes final; the generation is over when this ends (see ``final``).
         Closing it early (the client left) cancels the job."""
         try:
@@ -82,7 +94,7 @@ class Generation:
             self.close()
 
     async def result(self) -> GenerationResult:
-        async for _ in self.text():
+        async for _ in self.pieces():
             pass
         return self.final()
 
@@ -157,6 +169,8 @@ class Generations:
         received: float,
         stream: bool = False,
         receive: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        constraint: Constraint | None = None,
+        show_special: frozenset[int] = frozenset(),
     ) -> Generation:
         """Admit and queue one generation. Raises :class:`QueueFull` or :class:`NotServing`."""
         with self._lock:
@@ -165,11 +179,17 @@ class Generations:
                 raise QueueFull(self._in_flight - 1, self.mean_generation_s)
             self._in_flight += 1
         loop = asyncio.get_running_loop()
-        job = GenerationJob(prompt, params)
+        job = GenerationJob(prompt, params, constraint=constraint, show_special=show_special)
         gen = Generation(job, received)
         gen._on_cancel = self._given_up
         if stream:
-            job.on_text = lambda text: _hop(loop, gen._put, text)
+
+            def on_text(text: str) -> None:  # engine thread
+                _hop(loop, gen._put, Piece(text, tuple(gen._stash)))
+                gen._stash.clear()
+
+            job.on_text = on_text
+            job.on_logprobs = gen._stash.extend
 
         def on_start() -> None:  # engine thread
             gen.started = time.monotonic()
@@ -235,6 +255,9 @@ class Generations:
                 self.observe(Finished(outcome, gen.received, result))
             except Exception:
                 log.exception("observing a finished generation failed")
+        if gen._stash:  # the engine is done with it: logprobs no text followed
+            gen._put(Piece("", tuple(gen._stash)))
+            gen._stash = []
         gen._put(_END)
 
 

@@ -52,6 +52,7 @@ from strata.daemon.openai_api import (
     retry_after_s,
     sse,
 )
+from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.engine.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -134,17 +135,19 @@ def create_app(daemon: Any) -> FastAPI:
         eng = engine()
         if req.model != daemon.model_id:
             raise model_not_found(req.model, daemon.model_id)
-        prompt, params = await asyncio.to_thread(prepare, req, eng)
-        gen = await generations.submit(prompt, params, received, req.stream, request.receive)
+        ready = await asyncio.to_thread(prepare, req, eng)
+        gen = await generations.submit(
+            ready.prompt, ready.params, received, req.stream, request.receive,
+            ready.constraint, ready.show_special,
+        )  # fmt: skip
         reply = Reply.new(req, daemon.model_id, FINGERPRINT)
         if req.stream:
             return StreamingResponse(
-                _events(reply, gen), media_type="text/event-stream", headers=SSE_HEADERS
+                _events(ReplyStream(reply, ready, eng.tokenizer), gen),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
             )
-        r = await gen.result()
-        return JSONResponse(
-            reply.body(r.text, r.finish_reason, r.prompt_tokens, r.completion_tokens)
-        )
+        return JSONResponse(reply_body(reply, await gen.result(), ready, eng.tokenizer))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -207,14 +210,15 @@ def create_app(daemon: Any) -> FastAPI:
     return app
 
 
-async def _events(reply: Reply, gen: Generation) -> AsyncIterator[bytes]:
-    """The SSE stream: a role chunk (chat), text chunks, the closing chunk, usage, [DONE]. An
-    error after the headers went out is an error event, as OpenAI sends it."""
+async def _events(stream: ReplyStream, gen: Generation) -> AsyncIterator[bytes]:
+    """The SSE stream: the role chunk (chat), the text's chunks, the closing chunk, usage,
+    [DONE]. An error after the headers went out is an error event, as OpenAI sends it."""
     try:
-        if reply.kind == "chat":
-            yield sse(reply.chunk("", first=True))
-        async for text in gen.text():
-            yield sse(reply.chunk(text))
+        for chunk in stream.start():
+            yield sse(chunk)
+        async for piece in gen.pieces():
+            for chunk in stream.piece(piece):
+                yield sse(chunk)
         r = gen.final()
     except Exception as e:  # the status line is sent: the error travels in the stream
         yield sse(as_api_error(e).body())
@@ -222,9 +226,8 @@ async def _events(reply: Reply, gen: Generation) -> AsyncIterator[bytes]:
         return
     finally:
         gen.close()  # a client that left mid-stream cancels the generation here
-    yield sse(reply.chunk(None, r.finish_reason))
-    if reply.include_usage:
-        yield sse(reply.usage_chunk(r.prompt_tokens, r.completion_tokens))
+    for chunk in stream.end(r):
+        yield sse(chunk)
     yield SSE_DONE
 
 

@@ -2,7 +2,8 @@
 
 Plain data in, plain data out: no HTTP framework, no queue. A request that cannot be served as
 asked is an :class:`ApiError` naming the field; fields the engine cannot honour yet are refused
-(never ignored), unknown extra fields are ignored.
+(never ignored), unknown extra fields are ignored. Tools, ``response_format`` and log-probabilities
+have their own module, ``openai_tools``.
 
 Sampling defaults are the engine's (``SamplingParams``), not OpenAI's: a field left out means
 "the daemon's default". ``max_tokens`` left out means the rest of the context window for chat and
@@ -16,58 +17,46 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from strata.daemon.api_errors import (  # ApiError and error_body: imported from here too
+    ApiError,
+    error_body,  # noqa: F401
+    invalid,
+    json_type,
+    unsupported,
+    wrong_type,
+)
+from strata.daemon.openai_tools import (
+    OutputPlan,
+    ResponseFormat,
+    ToolChoice,
+    ToolContext,
+    assistant_tool_calls,
+    chat_logprobs,
+    completion_logprobs,
+    parse_chat_logprobs,
+    parse_completion_logprobs,
+    parse_response_format,
+    parse_tool_choice,
+    parse_tools,
+    plan_output,
+    tool_calls_json,
+)
 from strata.engine.errors import ContextOverflow, EngineError, TokenizerError
 from strata.engine.params import SamplingParams
+from strata.engine.tool_calls import ToolCall, ToolSpec
+
+if TYPE_CHECKING:
+    from strata.engine.generate import TokenLogprob
+    from strata.engine.grammar import Constraint
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 # -- errors -------------------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """An error the client caused or must know about; ``body()`` is the OpenAI error shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.kind, self.param, self.code)
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
-    """The OpenAI error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param, code)
-
-
-def unsupported(param: str, why: str) -> ApiError:
-    return ApiError(400, f"{param}: {why}", "invalid_request_error", param, "unsupported_parameter")
-
-
-def wrong_type(param: str, expected: str, value: Any) -> ApiError:
-    return invalid(f"{param}: expected {expected}, got {_json_type(value)}", param, "invalid_type")
 
 
 def model_not_found(asked: str, served: str) -> ApiError:
@@ -105,10 +94,6 @@ def _falsy(v: Any) -> bool:
     return v is None or v is False or (type(v) is int and v == 0)
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text")
-
-
 # field -> (does this value ask for nothing the engine lacks?, why it is refused otherwise)
 Rule = tuple[Callable[[Any], bool], str]
 _COMMON_RULES: dict[str, Rule] = {
@@ -127,13 +112,11 @@ _COMMON_RULES: dict[str, Rule] = {
 }
 _CHAT_RULES: dict[str, Rule] = {
     **_COMMON_RULES,
-    "tools": (_empty, "tools (function calling) are not supported"),
-    "tool_choice": (lambda v: v in (None, "none"), "tool_choice is not supported (no tools)"),
-    "functions": (_empty, "functions (function calling) are not supported"),
-    "function_call": (lambda v: v in (None, "none"), "function_call is not supported"),
-    "logprobs": (_falsy, "logprobs are not supported"),
-    "top_logprobs": (_falsy, "top_logprobs are not supported"),
-    "response_format": (_text_format, 'only response_format {"type": "text"} is supported'),
+    "functions": (_empty, "the deprecated functions are not supported; use tools"),
+    "function_call": (
+        lambda v: v in (None, "none"),
+        "the deprecated function_call is not supported; use tool_choice",
+    ),
     "audio": (_absent, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
     "prediction": (_absent, "predicted outputs are not supported"),
@@ -142,7 +125,6 @@ _CHAT_RULES: dict[str, Rule] = {
 }
 _COMPLETION_RULES: dict[str, Rule] = {
     **_COMMON_RULES,
-    "logprobs": (_falsy, "logprobs are not supported"),
     "echo": (_falsy, "echo is not supported"),
     "best_of": (_one, "only best_of = 1 is supported"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
@@ -163,6 +145,7 @@ class StreamOptions(_Strict):
 
 class _Sampling(_Strict):
     model: str
+    response_format: Any = None  # checked by openai_tools (the errors name the inner fields)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -179,10 +162,16 @@ class _Sampling(_Strict):
 class ChatRequest(_Sampling):
     messages: list[Any]
     max_completion_tokens: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Any = None
 
 
 _EXPECTED = {
@@ -192,8 +181,11 @@ _EXPECTED = {
     "stream_options": 'an object like {"include_usage": true}',
 }
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+NO_TOOLS = ToolChoice("none")
 
 
 @dataclass(frozen=True)
@@ -210,6 +202,10 @@ class Parsed:
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields the client set
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = NO_TOOLS
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
 
 DEFAULT_MAX_STOP = 4  # OpenAI's limit (the option max_stop_sequences)
@@ -220,6 +216,11 @@ def parse_chat(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
     _refuse_unsupported(raw, _CHAT_RULES)
     req = _validate(ChatRequest, raw)
     messages = _messages(req.messages)
+    tools = parse_tools(req.tools)
+    sampling = _sampling_fields(req, max_stop)
+    logprobs = parse_chat_logprobs(req.logprobs, req.top_logprobs)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
     max_tokens, which = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         if max_tokens is not None and max_tokens != req.max_completion_tokens:
@@ -237,7 +238,11 @@ def parse_chat(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
         messages=messages,
         max_tokens=max_tokens,
         max_tokens_param=which,
-        sampling=_sampling_fields(req, max_stop),
+        sampling=sampling,
+        tools=tools,
+        tool_choice=parse_tool_choice(req.tool_choice, tools),
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        response_format=parse_response_format(req.response_format),
     )
 
 
@@ -255,6 +260,10 @@ def parse_completion(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
         raise invalid("prompt: the prompt is empty", "prompt")
     if text is not None:
         _check_text(text, "prompt")
+    sampling = _sampling_fields(req, max_stop)
+    logprobs = parse_completion_logprobs(req.logprobs)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
     return Parsed(
         "completion",
         req.model,
@@ -263,7 +272,8 @@ def parse_completion(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
         text=text,
         token_ids=ids,
         max_tokens=req.max_tokens,
-        sampling=_sampling_fields(req, max_stop),
+        sampling=sampling,
+        response_format=parse_response_format(req.response_format),
     )
 
 
@@ -279,19 +289,12 @@ def _json_object(body: bytes) -> dict[str, Any]:
     except RecursionError:
         raise invalid("the request body is not valid JSON: nested too deeply", None) from None
     if not isinstance(raw, dict):
-        raise invalid(f"the request body must be a JSON object, not {_json_type(raw)}", None)
+        raise invalid(f"the request body must be a JSON object, not {json_type(raw)}", None)
     return raw
 
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
-            list: "an array", dict: "an object"}.get(type(v), type(v).__name__)  # fmt: skip
 
 
 def _refuse_unsupported(raw: dict[str, Any], rules: dict[str, Rule]) -> None:
@@ -374,7 +377,12 @@ def _stops(stop: str | list[str], max_stop: int) -> tuple[str, ...]:
 def _messages(items: list[Any]) -> list[dict[str, Any]]:
     if not items:
         raise invalid("messages: at least one message is needed", "messages")
-    return [_message(m, f"messages[{i}]") for i, m in enumerate(items)]
+    out = [_message(m, f"messages[{i}]") for i, m in enumerate(items)]
+    names = {c["id"]: c["function"]["name"] for m in out for c in m.get("tool_calls", ())}
+    for m in out:  # a tool result names its function where the client left that out
+        if m["role"] == "tool" and "name" not in m and m["tool_call_id"] in names:
+            m["name"] = names[m["tool_call_id"]]
+    return out
 
 
 def _message(m: Any, where: str) -> dict[str, Any]:
@@ -385,19 +393,34 @@ def _message(m: Any, where: str) -> dict[str, Any]:
         raise invalid(f"{where}.role: missing required field", f"{where}.role")
     if not isinstance(role, str):
         raise wrong_type(f"{where}.role", "a string", role)
-    if role in ("tool", "function"):
-        raise unsupported(f"{where}.role", f"role {role!r} is not supported (no tools)")
+    if role == "function":
+        raise unsupported(f"{where}.role", "the deprecated role 'function' is not supported; "
+                          "use 'tool'")  # fmt: skip
     if role not in _ROLES:
         raise invalid(
             f"{where}.role: unknown role {role!r} (expected one of {', '.join(_ROLES)})",
             f"{where}.role",
             "invalid_value",
         )
-    for name in ("tool_calls", "function_call", "audio"):
+    for name in ("function_call", "audio"):
         if not _empty(m.get(name)):
             raise unsupported(f"{where}.{name}", f"{name} in messages are not supported")
-    content = _content(m.get("content", ...), role, f"{where}.content")
+    calls = m.get("tool_calls")
+    if not _empty(calls) and role != "assistant":
+        raise invalid(f"{where}.tool_calls: only assistant messages have tool calls",
+                      f"{where}.tool_calls")  # fmt: skip
+    has_calls = not _empty(calls)
+    content = _content(m.get("content", ...), role, f"{where}.content", has_calls)
     out: dict[str, Any] = {"role": _ROLE_ALIASES.get(role, role), "content": content}
+    if has_calls:
+        out["tool_calls"] = assistant_tool_calls(calls, f"{where}.tool_calls")
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if call_id is None:
+            raise invalid(f"{where}.tool_call_id: missing required field", f"{where}.tool_call_id")
+        if not isinstance(call_id, str):
+            raise wrong_type(f"{where}.tool_call_id", "a string", call_id)
+        out["tool_call_id"] = call_id
     name = m.get("name")
     if name is not None:
         if not isinstance(name, str):
@@ -407,7 +430,9 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def _content(content: Any, role: str, where: str) -> str:
+def _content(content: Any, role: str, where: str, calls: bool = False) -> str:
+    if calls and content is ...:
+        content = None
     if content is ... or (content is None and role != "assistant"):
         raise invalid(f"{where}: missing required field", where)
     if content is None:
@@ -446,10 +471,29 @@ def _check_text(text: str, where: str) -> None:
 # -- from a parsed request to the engine's inputs ------------------------------------------------
 
 
-def prepare(req: Parsed, engine: Any) -> tuple[list[int], SamplingParams]:
-    """Token ids and sampling parameters; may take a while for a long prompt (run it off the
-    loop). Raises :class:`ApiError` naming the field."""
-    prompt = _prompt_ids(req, engine)
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the engine: the prompt, the sampling, the grammar that constrains the
+    output (None: none), how to read calls out of the reply (None: no tools), and the special
+    tokens the output keeps as text (a call marker)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    constraint: Constraint | None = None
+    tools: ToolContext | None = None
+    show_special: frozenset[int] = frozenset()
+
+
+def prepare(req: Parsed, engine: Any) -> Prepared:
+    """Token ids, sampling parameters and the output's plan; may take a while for a long prompt
+    or a large schema (run it off the loop). Raises :class:`ApiError` naming the field."""
+    plan = OutputPlan(req.messages, None, None, None, frozenset())
+    if req.kind == "chat":
+        plan = plan_output(engine, req.messages, req.tools, req.tool_choice,
+                           req.parallel_tool_calls, req.response_format)  # fmt: skip
+    elif req.response_format is not None:
+        plan = plan_output(engine, [], (), req.tool_choice, True, req.response_format)
+    prompt = _prompt_ids(req, engine, plan)
     where = "messages" if req.kind == "chat" else "prompt"
     if not prompt:
         raise invalid(f"{where}: the prompt is empty", where)
@@ -481,13 +525,13 @@ def prepare(req: Parsed, engine: Any) -> tuple[list[int], SamplingParams]:
         name = str(e).partition(":")[0]
         param = req.max_tokens_param if name == "max_tokens" else name
         raise invalid(str(e).replace(name, param, 1), param, "invalid_value") from None
-    return prompt, params
+    return Prepared(prompt, params, plan.constraint, plan.tools, plan.show_special)
 
 
-def _prompt_ids(req: Parsed, engine: Any) -> list[int]:
+def _prompt_ids(req: Parsed, engine: Any, plan: OutputPlan) -> list[int]:
     if req.kind == "chat":
         try:
-            return engine.encode_chat(req.messages)
+            return engine.encode_chat(plan.messages, plan.template_tools)
         except EngineError as e:  # the template refused the messages, or the file has none
             raise invalid(f"messages: {e}", "messages") from None
     if req.token_ids is not None:
@@ -535,27 +579,52 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}  # fmt: skip
 
-    def body(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int):
+    def body(
+        self,
+        text: str | None,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        calls: list[ToolCall] | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The whole reply; chat ``calls`` become ``message.tool_calls`` (``text`` None: no
+        content beside them); ``logprobs``: the choice's, in the endpoint's shape."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}  # fmt: skip
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = tool_calls_json(calls)
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
+                      "finish_reason": finish_reason}  # fmt: skip
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+                      "finish_reason": finish_reason}  # fmt: skip
         return {**self._head(self.object), "choices": [choice],
                 "usage": usage(prompt_tokens, completion_tokens)}  # fmt: skip
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False):
-        """One streamed chunk: ``text`` None with a ``finish_reason`` is the closing chunk."""
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        first: bool = False,
+        tool_calls: list[dict[str, Any]] | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """One streamed chunk: ``text`` None with a ``finish_reason`` is the closing chunk;
+        ``tool_calls``: ``delta.tool_calls`` entries (id and name first, then arguments)."""
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish_reason}  # fmt: skip
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None,
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
                       "finish_reason": finish_reason}  # fmt: skip
             obj = "text_completion"
         out = {**self._head(obj), "choices": [choice]}
@@ -597,3 +666,17 @@ def retry_after_s(mean_generation_s: float | None) -> int:
     if mean_generation_s is None or mean_generation_s != mean_generation_s:
         return 1
     return max(1, min(60, -int(-mean_generation_s // 1)))
+
+
+def logprobs_json(
+    kind: Literal["chat", "completion"],
+    entries: Sequence[TokenLogprob] | None,
+    tokenizer: Any,
+    offset: int = 0,
+) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` in the endpoint's shape (None when none were asked for)."""
+    if entries is None:
+        return None
+    if kind == "chat":
+        return chat_logprobs(entries, tokenizer)
+    return completion_logprobs(entries, tokenizer, offset)

@@ -19,7 +19,8 @@ from enum import StrEnum
 from typing import Any
 
 from strata.engine.experts.cache import ExpertCache, ResizeResult
-from strata.engine.generate import Engine, GenerationResult
+from strata.engine.generate import Engine, GenerationResult, TokenLogprob
+from strata.engine.grammar import Constraint
 from strata.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,16 @@ class State(StrEnum):
 
 @dataclass
 class GenerationJob:
-    """One generation. ``on_text`` runs on the engine thread (callers hop to their loop);
-    ``cancel`` is checked at every safe point, before the job starts too."""
+    """One generation. ``on_text`` and ``on_logprobs`` run on the engine thread (callers hop to
+    their loop); ``cancel`` is checked at every safe point, before the job starts too;
+    ``constraint`` and ``show_special`` as ``Engine.generate`` takes them."""
 
     prompt: list[int]
     params: SamplingParams
     on_text: Callable[[str], None] | None = None
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
+    constraint: Constraint | None = None
+    show_special: frozenset[int] = frozenset()
     cancel: threading.Event = field(default_factory=threading.Event)
     done: cf.Future[GenerationResult] = field(default_factory=cf.Future)
     on_start: Callable[[], None] | None = None
@@ -166,6 +171,9 @@ class EngineWorker:
                 on_text=job.on_text,
                 cancelled=lambda: job.cancel.is_set() or self._stop,
                 safe_point=self._safe_point,
+                constraint=job.constraint,
+                show_special=job.show_special,
+                on_logprobs=job.on_logprobs,
             )
         except BaseException as e:
             job.done.set_exception(e)

@@ -1,9 +1,10 @@
 """The built-in demo model: what ``strata serve`` runs when no model is configured.
 
 A small qwen3moe file with *random weights* (its text is meaningless) and a real byte-level BPE
-vocabulary with a ChatML template, written with the ``gguf`` package in well under a second and
-reused from the cache directory afterwards. Large enough to exercise routing (16 experts, top-4,
-in every layer), small enough to decode tens of tokens per second on a 2-core CPU.
+vocabulary with a Qwen3-style chat template that renders tools (``vocab.QWEN3_TEMPLATE``), written
+with the ``gguf`` package in well under a second and reused from the cache directory afterwards.
+Large enough to exercise routing (16 experts, top-4, in every layer), small enough to decode tens
+of tokens per second on a 2-core CPU.
 
 Its greedy answer never ends early: ``synth`` shrinks the output rows of every control token
 (end-of-text, ``<|im_end|>``, ``<|im_start|>``) to ~1e-3 of the others, so their logits sit near
@@ -13,11 +14,13 @@ runs through every ordinary token of the vocabulary instead.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
 
 from strata.engine import synth
+from strata.engine.vocab import QWEN3_TEMPLATE
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ def ensure_demo_model(cache_dir: str | os.PathLike[str]) -> Path:
     and a newer Strata never reuses an older demo.
     """
     spec = synth.PRESETS[DEMO_PRESET]
-    vocab = synth.vocab_for(spec.arch)
+    vocab = dataclasses.replace(synth.vocab_for(spec.arch), chat_template=QWEN3_TEMPLATE)
     types = synth.PRESET_TYPES[DEMO_PRESET]
     path = synth.ensure_model(cache_dir, DEMO_STEM, spec, vocab, types, DEMO_SEED)
     log.info("demo model (random weights, meaningless text): %s", path)

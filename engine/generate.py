@@ -2,7 +2,8 @@
 
 ``Engine.load`` reads the file, builds the tokenizer, chat template, model and runner. ``generate``
 runs prefill and decode with sampling, stop tokens and strings, a streaming callback, and
-cancellation at every safe point.
+cancellation at every safe point; optionally a grammar constrains the tokens (``engine.grammar``)
+and each token's log-probability is reported.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from strata.engine.experts.cache import ExpertCache, model_key
 from strata.engine.experts.profile import UsageProfile, profile_path
 from strata.engine.experts.provider import ExpertProvider, FileExpertProvider
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.grammar import Constraint, Grammars
 from strata.engine.layers.decoder import MoEDecoder
 from strata.engine.models import architecture_module
 from strata.engine.params import SamplingParams
@@ -76,6 +78,17 @@ class EngineOptions:
     verify_experts: bool = False  # checksum experts at load; check every fill, move, and samples
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and its ``top`` alternatives (id, log-probability),
+    most likely first: log-softmax of the logits after the grammar mask, before the repeat
+    penalty, temperature and truncation (the model's distribution over what was allowed)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -87,6 +100,8 @@ class GenerationResult:
     first_token_s: float | None = None  # from the call to the first generated token
     seed: int | None = None
     token_times: list[float] = field(default_factory=list)  # monotonic time of each token
+    logprobs: list[TokenLogprob] | None = None  # one per token when asked for
+    mask_s: float = 0.0  # host time spent computing grammar masks
 
     @property
     def completion_tokens(self) -> int:
@@ -161,6 +176,8 @@ class Engine:
         self.template = template
         self.runner = runner
         self.profile_file = profile_file
+        self.grammars = Grammars(tokenizer, runner.model.args.vocab_size)
+        self._tools_rendered: bool | None = None
 
     def save_profile(self) -> None:
         """Merge this run's expert usage into the saved profile (atomically; errors are logged,
@@ -336,16 +353,38 @@ class Engine:
         """A raw completion prompt: BOS as the file's ``add_bos_token`` says."""
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt text; ``tools`` (OpenAI's tool objects) go to the template as ``tools``,
+        as transformers and llama.cpp pass them."""
         if self.template is None:
             raise EngineError(
                 f"{self.index.path.name} has no chat template (tokenizer.chat_template)"
             )
-        return self.template.render(list(messages), add_generation_prompt=True)
+        extra = {"tools": list(tools)} if tools else {}
+        return self.template.render(list(messages), add_generation_prompt=True, **extra)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
         # The template writes BOS itself where the model wants one; encode never doubles it.
-        return self.tokenizer.encode(self.render_chat(messages))
+        return self.tokenizer.encode(self.render_chat(messages, tools))
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template writes the tools it is given into the prompt (a probe
+        tool's name shows up in the rendering), as llama.cpp finds out."""
+        if self._tools_rendered is None:
+            probe = [{"type": "function", "function": {
+                "name": "strata_probe_tool", "description": "probe",
+                "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+            try:
+                text = self.render_chat([{"role": "user", "content": "hi"}], probe)
+            except EngineError:
+                text = ""
+            self._tools_rendered = "strata_probe_tool" in text
+        return self._tools_rendered
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > self.n_ctx:
@@ -363,6 +402,10 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
         safe_point: SafePoint | None = None,
+        *,
+        constraint: Constraint | None = None,
+        show_special: frozenset[int] = frozenset(),
+        on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
     ) -> GenerationResult:
         """Generate up to ``params.max_tokens`` tokens after ``prompt``.
 
@@ -370,6 +413,14 @@ class Engine:
         swallow); ``cancelled`` is polled at every safe point — between the prompt's chunks too —
         and ends the generation with ``finish_reason="cancelled"``; ``safe_point`` runs between
         steps (cache resizes).
+
+        ``constraint``: only tokens its grammar allows are sampled (the mask is applied where the
+        logits are, before every sampling filter); the generation ends (``stop``) as soon as the
+        grammar is complete and nothing but an end token may follow, and ``max_tokens`` ending it
+        before that is ``length``, with the output incomplete. ``show_special``: special tokens
+        whose text the output keeps (a tool-call marker a parser needs). With
+        ``params.logprobs``, each token's :class:`TokenLogprob` goes into ``result.logprobs``
+        and, streaming, to ``on_logprobs`` just before the text that follows it.
         """
         if not prompt:
             raise EngineError("the prompt is empty: it needs at least one token")
@@ -379,8 +430,19 @@ class Engine:
         stops = _StopMatcher(params.stop)
         # Invalid UTF-8 (a byte token a model emits out of sequence) is dropped, as
         # llama-cpp-python does, rather than shown as U+FFFD.
-        decoder = self.tokenizer.stream_decoder(errors="ignore")
+        decoder = self.tokenizer.stream_decoder(errors="ignore", keep=show_special)
         history = list(prompt)
+        top_n = params.logprobs
+        if top_n is not None:
+            result.logprobs = []
+        pending: list[TokenLogprob] = []  # logprobs not yet handed to on_logprobs
+
+        def emit(text: str) -> None:
+            if pending and on_logprobs is not None:
+                on_logprobs(list(pending))
+            pending.clear()
+            if text and on_text is not None:
+                on_text(text)
 
         def boundary() -> None:
             if safe_point is not None:
@@ -402,8 +464,12 @@ class Engine:
         result.prefill_s = time.monotonic() - t0
         t_first = None
         # greedy without a repeat penalty needs nothing from the host between steps: the fast
-        # decoder then runs one step ahead (Runner.greedy), and `token` comes from it
-        look_ahead = params.greedy and params.repeat_penalty == 1.0
+        # decoder then runs one step ahead (Runner.greedy), and `token` comes from it. Not with
+        # a grammar (the mask of step n+1 needs the token of step n) or logprobs (they need
+        # the logits).
+        look_ahead = (
+            params.greedy and params.repeat_penalty == 1.0 and constraint is None and top_n is None
+        )
         steps: Iterator[int] | None = None
         token: int | None = None
         while True:
@@ -411,6 +477,12 @@ class Engine:
                 result.finish_reason = "cancelled"
                 break
             if token is None:
+                if constraint is not None:
+                    # the host computes the mask while the device still runs the step
+                    logits = self.runner.mask_logits(logits, constraint)
+                    if constraint.error is not None:
+                        result.finish_reason = "stop"
+                        break
                 token = sampler(logits, history)
             now = time.monotonic()
             if t_first is None:
@@ -419,15 +491,25 @@ class Engine:
             if token in self.tokenizer.eog_ids:
                 result.finish_reason = "stop"
                 break
+            if top_n is not None:  # (no look-ahead then: `logits` are this token's)
+                entry = token_logprob(logits, token, top_n)
+                pending.append(entry)
+                assert result.logprobs is not None
+                result.logprobs.append(entry)
             result.tokens.append(token)
             result.token_times.append(now)
             history.append(token)
+            if constraint is not None:
+                constraint.accept(token)
             ready, hit = stops.push(decoder.push(token))
-            if ready and on_text is not None:
-                on_text(ready)
+            if ready:
+                emit(ready)
             result.text += ready
             if hit:
                 result.finish_reason = "stop"
+                break
+            if constraint is not None and constraint.done:
+                result.finish_reason = "stop"  # the grammar is complete: only an end may follow
                 break
             if len(result.tokens) >= params.max_tokens:
                 break
@@ -450,12 +532,29 @@ class Engine:
             tail = ready if hit else ready + stops.flush()
             if hit:
                 result.finish_reason = "stop"
-            if tail and on_text is not None:
-                on_text(tail)
+            emit(tail)
             result.text += tail
+        else:
+            emit("")  # the logprobs of a stop string's tokens
         if t_first is not None:
             result.decode_s = time.monotonic() - t_first
+        if constraint is not None:
+            result.mask_s = constraint.mask_s
         return result
+
+
+def token_logprob(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    """``token``'s log-probability under ``logits`` [V] and the ``top_n`` most likely tokens
+    (those the grammar masked out, at -inf, are never listed). One copy to the host."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    if top_n > 0:
+        vals, ids = torch.topk(lp, min(top_n, lp.numel()))
+        both = torch.cat([lp[token : token + 1], vals]).tolist()
+        top = tuple(
+            (int(i), v) for i, v in zip(ids.tolist(), both[1:], strict=True) if v != float("-inf")
+        )
+        return TokenLogprob(token, both[0], top)
+    return TokenLogprob(token, float(lp[token]))
 
 
 def decode_path(runner: Runner) -> str:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 MIN_TEMPERATURE = 1e-3  # a lower temperature samples greedily (the most likely token)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on the alternatives listed per token
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class SamplingParams:
     repeat_last_n: int = 64
     seed: int | None = None  # None: a fresh random seed
     stop: tuple[str, ...] = field(default_factory=tuple)
+    # None: no log-probabilities; N: each generated token's, with the N most likely alternatives
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         checks = (
@@ -32,6 +35,11 @@ class SamplingParams:
             ("repeat_penalty", 0.01 <= self.repeat_penalty <= 100.0, "a number in [0.01, 100]"),
             ("repeat_last_n", self.repeat_last_n >= 0, "an integer >= 0"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "an integer in [0, 2^63)"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+            ),
         )
         for name, ok, expected in checks:
             value = getattr(self, name)

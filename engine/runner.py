@@ -18,6 +18,7 @@ from strata.engine.layers.decoder import MoEDecoder
 
 if TYPE_CHECKING:
     from strata.engine.fast_decode import FastDecoder
+    from strata.engine.grammar import Constraint, TokenMask
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Runner:
         self.tokens: list[int] = []  # what the K/V cache holds, position by position
         self.steps = 0  # forward calls so far (prefill chunks and decode steps)
         self.decoder: FastDecoder | None = None  # set by Engine.load on the GPU fast path
+        self._token_mask: TokenMask | None = None  # built on the first constrained step
 
     @torch.inference_mode()
     def feed(self, ids: Sequence[int], safe_point: SafePoint | None = None) -> torch.Tensor:
@@ -66,6 +68,22 @@ class Runner:
         assert logits is not None
         self._prompt_done()
         return logits[-1].float()
+
+    @torch.inference_mode()
+    def mask_logits(self, logits: torch.Tensor, constraint: Constraint) -> torch.Tensor:
+        """``logits`` [V] (a step's, on the model's device) with every token ``constraint``
+        forbids at -inf, in place. The host computes the bitmask — while the device may still be
+        running the step that produces ``logits``, as nothing here waits for it — and one copy
+        and one masked fill on the device apply it. The decode graph is not involved: it is
+        replayed as always, and the mask applies to the logits it leaves."""
+        from strata.engine.grammar import TokenMask
+
+        mask = self._token_mask
+        if mask is None or mask.word.numel() != logits.numel():
+            mask = self._token_mask = TokenMask(logits.numel(), logits.device)
+        if not constraint.fill(mask.host):
+            return logits
+        return mask.apply(logits)
 
     def _prompt_done(self) -> None:
         """The prefill path counts a prompt's expert uses on the device: hand them over (one

@@ -282,12 +282,17 @@ class Tokenizer:
             out = _clean_spaces(out)
         return out.decode("utf-8", errors="replace")
 
-    def stream_decoder(self, skip_special: bool = True, errors: str = "replace") -> StreamDecoder:
+    def stream_decoder(
+        self,
+        skip_special: bool = True,
+        errors: str = "replace",
+        keep: frozenset[int] = frozenset(),
+    ) -> StreamDecoder:
         """An incremental decoder for generated tokens; special tokens render as nothing unless
-        ``skip_special`` is False. Its output joined equals ``decode(ids, skip_special,
-        continuation=True)``. ``errors="ignore"`` drops invalid UTF-8 instead of writing U+FFFD,
-        as llama-cpp-python's completions do."""
-        return StreamDecoder(self, skip_special, errors)
+        ``skip_special`` is False or they are in ``keep`` (a tool-call marker). Its output joined
+        equals ``decode(ids, skip_special, continuation=True)``. ``errors="ignore"`` drops invalid
+        UTF-8 instead of writing U+FFFD, as llama-cpp-python's completions do."""
+        return StreamDecoder(self, skip_special, errors, keep)
 
 
 class StreamDecoder:
@@ -295,15 +300,21 @@ class StreamDecoder:
     sequence until the token that completes it arrives."""
 
     def __init__(
-        self, tokenizer: Tokenizer, skip_special: bool = True, errors: str = "replace"
+        self,
+        tokenizer: Tokenizer,
+        skip_special: bool = True,
+        errors: str = "replace",
+        keep: frozenset[int] = frozenset(),
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special
+        self._keep = keep
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors=errors)
 
     def push(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly "")."""
-        return self._utf8.decode(self._tok.token_bytes(token_id, special=not self._skip))
+        special = not self._skip or token_id in self._keep
+        return self._utf8.decode(self._tok.token_bytes(token_id, special=special))
 
     def flush(self) -> str:
         """The end of the stream: bytes still held back come out as U+FFFD (or are dropped)."""

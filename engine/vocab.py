@@ -9,6 +9,7 @@ builds the same bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -425,6 +426,97 @@ INST_TEMPLATE = (
 )
 
 
+# Qwen3's prompt format with tools (its own template's wording of the tool instructions, the
+# <tools> list, <tool_call> blocks and <tool_response> turns), without its reasoning handling:
+# the demo model's template, so that ``strata serve`` shows tool calls the Qwen way.
+QWEN3_TEMPLATE = r"""{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and ' }}
+{{- 'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n' }}
+{{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- if not loop.first %}{{- '<|im_start|>system\n' + message.content + '<|im_end|>\n' }}{%- endif %}
+{%- elif message.role == 'user' %}
+{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' + message.content }}
+{%- for call in message.tool_calls or [] %}
+{%- set fn = call.function if call.function is defined else call %}
+{%- if message.content or not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' }}
+{%- if fn.arguments is string %}{{- fn.arguments }}
+{%- else %}{{- fn.arguments | tojson }}{%- endif %}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- else %}
+{{- raise_exception('unsupported role: ' + message.role) }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+# Mistral's v3 prompt format with tools: [AVAILABLE_TOOLS] before the last user turn, calls as
+# [TOOL_CALLS] [{"name", "arguments", "id"}], results as [TOOL_RESULTS] {...}[/TOOL_RESULTS];
+# call ids of 9 letters and digits, as Mistral's templates insist.
+MISTRAL_TOOL_TOKENS = (
+    "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+)  # fmt: skip
+MISTRAL_TOOLS_TEMPLATE = r"""{{- bos_token }}
+{%- if messages and messages[0].role == 'system' %}
+{%- set system = messages[0].content %}{%- set turns = messages[1:] %}
+{%- else %}
+{%- set system = none %}{%- set turns = messages %}
+{%- endif %}
+{%- set last = namespace(user=-1) %}
+{%- for m in turns %}
+{%- if m.role == 'user' %}{%- set last.user = loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for m in turns %}
+{%- if m.role == 'user' %}
+{%- if tools and loop.index0 == last.user %}
+{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}
+{%- endif %}
+{%- set head = system + '\n\n' if system is not none and loop.index0 == last.user else '' %}
+{{- '[INST] ' + head + m.content + ' [/INST]' }}
+{%- elif m.role == 'assistant' %}
+{%- if m.tool_calls %}
+{{- '[TOOL_CALLS] [' }}
+{%- for c in m.tool_calls %}
+{%- if c.id is not defined or c.id | length != 9 %}
+{{- raise_exception('tool call ids must be 9 letters or digits') }}
+{%- endif %}
+{{- {'name': c.function.name, 'arguments': c.function.arguments, 'id': c.id} | tojson }}
+{%- if not loop.last %}{{- ', ' }}{%- endif %}
+{%- endfor %}
+{{- ']' + eos_token }}
+{%- else %}
+{{- m.content + eos_token }}
+{%- endif %}
+{%- elif m.role == 'tool' %}
+{{- '[TOOL_RESULTS] ' + ({'content': m.content, 'call_id': m.tool_call_id} | tojson) }}
+{{- '[/TOOL_RESULTS]' }}
+{%- else %}
+{{- raise_exception('unsupported role: ' + m.role) }}
+{%- endif %}
+{%- endfor %}
+"""
+
+
 def _trained(tok: Tokenizer) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """(vocab, merges) of a trained ``tokenizers`` BPE model, merges in rank order."""
     model = json.loads(tok.to_str())["model"]
@@ -558,4 +650,19 @@ def build_spm_vocab() -> Vocab:
         add_bos=True,
         add_eos=False,
         chat_template=INST_TEMPLATE,
+    )
+
+
+def build_mistral_tools_vocab() -> Vocab:
+    """``build_spm_vocab`` with Mistral's tool tokens (control tokens, as in Mistral's v3
+    tokenizer) and the template that uses them (``MISTRAL_TOOLS_TEMPLATE``)."""
+    v = build_spm_vocab()
+    n = len(MISTRAL_TOOL_TOKENS)
+    assert v.scores is not None
+    return dataclasses.replace(
+        v,
+        tokens=[*v.tokens, *MISTRAL_TOOL_TOKENS],
+        token_types=[*v.token_types, *[CONTROL] * n],
+        scores=[*v.scores, *[0.0] * n],
+        chat_template=MISTRAL_TOOLS_TEMPLATE,
     )

@@ -164,6 +164,24 @@ def resize_lines(resize: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
+def grammar_lines(rows: Sequence[Row]) -> list[str]:
+    """``--grammar``: each budget's decode under the grammar beside the plain one."""
+    out = []
+    for r in rows:
+        g = (r.get("decode") or {}).get("grammar")
+        if not g:
+            continue
+        mask, share = g.get("mask_us_per_token"), g.get("mask_share")
+        overhead = g.get("overhead")
+        out.append(
+            f"{r['budget']}: decode under a grammar {_spread(g.get('tok_s'))} tok/s, "
+            f"{'—' if overhead is None else f'{overhead:+.1%}'} time per token; the mask "
+            f"{'—' if mask is None else f'{mask:,.0f}'} µs/token on the host "
+            f"({'—' if share is None else f'{share:.1%}'} of a plain step)"
+        )
+    return out
+
+
 def _skipped_lines(rows: Sequence[Row]) -> list[str]:
     """Why a cell of the table is empty: sizes beyond the context, reps cut by the time limit."""
     out = []
@@ -205,6 +223,7 @@ def text_report(result: Mapping[str, Any]) -> str:
         lines += ["", *strata_table(result), ""]
     else:
         lines += ["", "Strata: not measured (--only-llama-cpp)"]
+    lines += grammar_lines(result["strata"])
     lines += _skipped_lines(result["strata"])
     lines += resize_lines(result.get("resize"))
     llama = result.get("llama_cpp")

@@ -153,6 +153,7 @@ class BenchSettings:
     llama_bench: Path | None = None
     n_cpu_moe: tuple[int, ...] = DEFAULT_N_CPU_MOE
     seed: int = 0
+    grammar: bool = False  # also decode under a grammar: the token mask's cost per token
     # per llama-bench process: it loads the model once and runs every test
     llama_timeout_s: float = 600.0
 

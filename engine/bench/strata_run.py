@@ -31,6 +31,7 @@ from strata.engine.experts.host import drive_read_bytes
 from strata.engine.experts.provider import ProviderStats
 from strata.engine.generate import Engine
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.grammar import GrammarSpec, json_schema_lark
 from strata.engine.params import SamplingParams
 from strata.vmm import pagecache
 
@@ -41,6 +42,35 @@ Row = dict[str, Any]
 Progress = Callable[[str], None]  # called once per finished unit of work, with what comes next
 NVML_SLACK = 64 * MiB  # NVML's free memory may lag or lead a resize by a little
 NVML_WAIT_S = 10.0
+
+
+# --grammar: JSON lines of tool calls, without end (so that every run has its decode_tokens):
+# short strings, numbers, booleans and names from a list, so the mask changes at most steps
+BENCH_GRAMMAR = GrammarSpec(
+    "lark",
+    "start: line+\nline: "
+    + json_schema_lark(
+        {
+            "type": "object",
+            "properties": {
+                "name": {"enum": ["read_file", "list_files", "search"]},
+                "arguments": {
+                    "type": "object",
+                    "properties": {
+                        "path": {"type": "string", "maxLength": 24},
+                        "line": {"type": "integer", "minimum": 0, "maximum": 100000},
+                        "recursive": {"type": "boolean"},
+                    },
+                    "required": ["path", "line", "recursive"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+    )
+    + ' "\\n"\n',
+)
 
 
 def dense_bytes_per_token(index: GGUFIndex) -> int:
@@ -106,6 +136,8 @@ class StrataBench:
         self.cuda = self.device.type == "cuda"
         self.dense_bytes = dense_bytes_per_token(engine.index)
         self.vocab = engine.runner.model.args.vocab_size
+        if settings.grammar:  # its tokenizer takes the end tokens before they are cleared
+            engine.grammars.compile(BENCH_GRAMMAR)
         # exactly decode_tokens tokens per run, as llama-bench's tg test
         engine.tokenizer.eog_ids = frozenset()
 
@@ -145,10 +177,15 @@ class StrataBench:
                 **_delta(before, self._counts())}  # fmt: skip
 
     def decode_run(
-        self, n_tokens: int, at_step: int | None = None, action: Callable[[], Any] | None = None
+        self,
+        n_tokens: int,
+        at_step: int | None = None,
+        action: Callable[[], Any] | None = None,
+        grammar: bool = False,
     ) -> Row:
         """One generation of ``n_tokens``; its counts cover the decode steps only. ``action``
-        runs at the safe point after decode step ``at_step`` (the resize test's shrink)."""
+        runs at the safe point after decode step ``at_step`` (the resize test's shrink);
+        ``grammar``: under ``BENCH_GRAMMAR`` (the masks' host time is kept)."""
         prompt = self._prompt(DECODE_PROMPT_TOKENS)
         runner = self.engine.runner
         runner.rewind(0)
@@ -166,7 +203,8 @@ class StrataBench:
 
         self._sync()
         params = SamplingParams(max_tokens=n_tokens, temperature=0.0, seed=self.settings.seed)
-        r = self.engine.generate(prompt, params, safe_point=safe_point)
+        constraint = self.engine.grammars.compile(BENCH_GRAMMAR) if grammar else None
+        r = self.engine.generate(prompt, params, safe_point=safe_point, constraint=constraint)
         gaps = np.diff(r.token_times).tolist()
         run = {
             "prompt_tokens": len(prompt),
@@ -180,6 +218,8 @@ class StrataBench:
         if action is not None:
             run["gaps_s"] = gaps
             run["action"] = marks.get("action")
+        if constraint is not None:
+            run["mask_s"], run["masks"] = r.mask_s, constraint.masks
         return run
 
     # -- one budget -----------------------------------------------------------------------------
@@ -213,6 +253,7 @@ class StrataBench:
         self.progress(f"{budget.label}: rep 1/{s.reps}")
         prefill: dict[int, list[Row]] = {p: [] for p in sizes}
         decode: list[Row] = []
+        constrained: list[Row] = []
         row["reps_run"], row["reps_reason"] = 0, None
         for rep in range(s.reps):
             if rep > 0 and self.over_time():
@@ -222,6 +263,8 @@ class StrataBench:
                 prefill[p].append(self.prefill_run(p))
             if decode_fits:
                 decode.append(self.decode_run(s.decode_tokens))
+                if s.grammar:
+                    constrained.append(self.decode_run(s.decode_tokens, grammar=True))
             row["reps_run"] = rep + 1
             nxt = f"{budget.label}: rep {rep + 2}/{s.reps}" if rep + 1 < s.reps else "next"
             self.progress(nxt)
@@ -235,8 +278,26 @@ class StrataBench:
                 f"context of {n_ctx} tokens",
             }
         )
+        if s.grammar and decode_fits:
+            row["decode"]["grammar"] = self._grammar_row(constrained, row["decode"])
         row["memory"] = self._memory_end()
         return row
+
+    def _grammar_row(self, runs: list[Row], plain: Row) -> Row:
+        """The decode under BENCH_GRAMMAR beside the plain one: tok/s, the masks' host time
+        per token, and ``overhead``, the time per token it adds as a share of a plain step's
+        (greedy: the plain runs may step ahead of the host, the constrained ones may not)."""
+        rate = stats.summary(stats.decode_rates(runs))
+        base = (plain.get("tok_s") or {}).get("median")
+        masks = sum(r["masks"] for r in runs)
+        mask_s = sum(r["mask_s"] for r in runs) / masks if masks else None
+        return {
+            "runs": runs,
+            "tok_s": rate,
+            "mask_us_per_token": None if mask_s is None else mask_s * 1e6,
+            "mask_share": None if mask_s is None or not base else mask_s * base,
+            "overhead": base / rate["median"] - 1 if rate and base else None,
+        }
 
     def _prefill_row(self, p: int, runs: list[Row] | None, n_ctx: int) -> Row:
         if runs is None:

@@ -135,6 +135,30 @@ def test_budgets_skipped_sizes_and_llama_bench_side_by_side(tmp_path: Path) -> N
     assert result["pairs"] == [] and "VRAM" in result["pairs_reason"]
 
 
+def test_grammar_row_reports_the_mask_cost(tmp_path: Path) -> None:
+    """``--grammar``: each decode run again under the bench grammar; its rate and the mask's
+    host time per token, recomputed from the raw runs, and the line under the table."""
+    from strata.engine.bench.report import text_report
+
+    proc = strata_bench("--synthetic", "tiny", "--json", "--grammar", "--reps", "2",
+                        "--decode-tokens", "16", "--prefill", "16", tmp=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    (row,) = result["strata"]
+    check_rates(row, reps=2)
+    g = row["decode"]["grammar"]
+    runs = g["runs"]
+    assert len(runs) == 2 and all(r["tokens"] == 16 and r["masks"] == 16 for r in runs)
+    rates = [r["steps"] / r["decode_s"] for r in runs]
+    assert g["tok_s"]["median"] == pytest.approx(statistics.median(rates))
+    mask = sum(r["mask_s"] for r in runs) / sum(r["masks"] for r in runs)
+    assert g["mask_us_per_token"] == pytest.approx(mask * 1e6) and mask > 0
+    plain = row["decode"]["tok_s"]["median"]
+    assert g["overhead"] == pytest.approx(plain / g["tok_s"]["median"] - 1)
+    assert g["mask_share"] == pytest.approx(mask * plain)
+    assert "none: decode under a grammar" in text_report(result)
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [

@@ -56,7 +56,8 @@ RAW_VALUES = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1" * 5000, "-"
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "stop", "stream",
                "stream_options", "n", "logprobs", "tools", "response_format", "logit_bias",
-               "user", "presence_penalty", "frequency_penalty"]  # fmt: skip
+               "user", "presence_penalty", "frequency_penalty", "tool_choice", "top_logprobs",
+               "parallel_tool_calls"]  # fmt: skip
 COMPLETION_FIELDS = ["prompt", "echo", "best_of", "suffix", "logprobs", "max_tokens",
                      "temperature", "stop", "seed", "stream"]  # fmt: skip
 MESSAGE_KEYS = ["role", "content", "name", "tool_calls", "tool_call_id"]

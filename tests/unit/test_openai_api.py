@@ -54,7 +54,7 @@ def test_chat_request_becomes_messages_and_sampling_fields() -> None:
     ("fields", "param"),
     [
         ({"messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools[0].type"),
         (
             {
                 "messages": [{"role": "user", "content": "x"}],
@@ -113,8 +113,9 @@ class FakeEngine:
 
 def test_prepare_defaults_and_context_checks() -> None:
     eng = FakeEngine()
-    ids, params = prepare(parse_completion(body(prompt="a b c")), eng)
-    assert ids == [1, 1, 1] and params.max_tokens == 16  # OpenAI's completions default
+    ready = prepare(parse_completion(body(prompt="a b c")), eng)
+    assert ready.prompt == [1, 1, 1] and ready.params.max_tokens == 16  # OpenAI's default
+    assert ready.constraint is None and ready.tools is None
     e = refused(lambda raw: prepare(parse_completion(raw), eng), body(prompt="a", max_tokens=100))
     assert e.param == "max_tokens" and e.code == "context_length_exceeded"
     e = refused(lambda raw: prepare(parse_completion(raw), eng), body(prompt="a " * 100))
@@ -165,3 +166,50 @@ def test_an_unknown_model_of_any_length_is_named_but_not_echoed_whole() -> None:
     assert model_not_found("llama", "tiny").message == (
         "the model 'llama' does not exist; this server serves 'tiny'"
     )
+
+
+class ByteTokenizer:
+    """Token t is the one byte chr(t)."""
+
+    def token_bytes(self, tid: int) -> bytes:
+        return bytes([tid])
+
+
+def test_reply_stream_sends_call_deltas_and_logprobs_with_their_text() -> None:
+    from strata.daemon.generation import Piece
+    from strata.daemon.openai_stream import ReplyStream
+    from strata.daemon.openai_tools import ToolContext
+    from strata.engine.generate import GenerationResult, TokenLogprob
+    from strata.engine.params import SamplingParams
+    from strata.engine.tool_calls import HermesFormat, ToolSpec
+
+    req = parse_chat(body(messages=[{"role": "user", "content": "x"}], stream=True))
+    reply = Reply.new(req, "m", "fp")
+    tools = ToolContext(HermesFormat(), (ToolSpec("f", {"type": "object"}),), False, True)
+    ready = SimpleNamespace(tools=tools, params=SamplingParams(logprobs=0))
+    stream = ReplyStream(reply, ready, ByteTokenizer())  # type: ignore[arg-type]
+    assert stream.start()[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+    def piece(text: str) -> Piece:
+        return Piece(text, tuple(TokenLogprob(ord(c), -0.5) for c in text))
+
+    out = stream.piece(piece("Hi <tool"))
+    assert [c["choices"][0]["delta"] for c in out] == [{"content": "Hi "}]
+    # "<tool" is held back: its logprobs wait for the chunk that sends it
+    assert [e["token"] for e in out[0]["choices"][0]["logprobs"]["content"]] == list("Hi <tool")
+    out = stream.piece(piece('_call>\n{"name": "f", "arguments": {"a"'))
+    deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in out]
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"] == {
+        "name": "f", "arguments": ""}  # fmt: skip
+    assert deltas[1] == {"index": 0, "function": {"arguments": '{"a"'}}
+    assert out[0]["choices"][0]["logprobs"] is not None and out[1]["choices"][0]["logprobs"] is None
+    assert stream.piece(Piece(": 1}}\n</tool_call>"))[0]["choices"][0]["delta"]["tool_calls"] == [
+        {"index": 0, "function": {"arguments": ": 1}"}}]  # fmt: skip
+    end = stream.end(GenerationResult("", [], "stop", 3))
+    assert end[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # a second call while parallel_tool_calls is false is dropped, the first is kept
+    stream = ReplyStream(reply, SimpleNamespace(tools=tools, params=SamplingParams()),
+                         ByteTokenizer())  # type: ignore[arg-type]  # fmt: skip
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>' * 2
+    calls = [c for c in stream.piece(Piece(text)) if c["choices"][0]["delta"].get("tool_calls")]
+    assert {c["choices"][0]["delta"]["tool_calls"][0]["index"] for c in calls} == {0}
