@@ -236,9 +236,11 @@ class NvmlMonitor:
             try:
                 import pynvml as nvml
             except ImportError as e:
+                from strata.hints import install_hint
+
                 self._fail(
-                    f"VRAM monitor nvml on {where}: cannot import pynvml (install nvidia-ml-py, "
-                    f"or strata[gpu]): {e}"
+                    f"VRAM monitor nvml on {where}: cannot import pynvml, from the nvidia-ml-py "
+                    f"package ({e}); {install_hint('nvidia-ml-py')}"
                 )
                 return
         try:
