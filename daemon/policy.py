@@ -33,8 +33,9 @@ The rules, all sizes in MiB:
   under way (``DeviceView.settled`` false) are not compared: ``used`` and ``ours`` are not read
   atomically, and Strata's own unmapping would look like a tenant growing.
 * **Idle release.** With ``idle_release_ms`` set (0: never), once no request has run for that long
-  (``idle_since_ms``), the goal is the core (reason ``idle``); room keeps being tracked, so the
-  first request after it grows back at once where the room lasted.
+  (``idle_since_ms``), the goal is the core (reason ``idle``). What it gives back from a cache at
+  its goal counts as room that has lasted, so the next request grows it back at once; room that
+  appears during the idle time (a program left) waits the stable time as usual.
 * **Grow** (goal > size) only once the room has lasted the current stable time without a break,
   and then to the goal in one decision. A shrink that comes within ``stable_backoff_reset_ms`` of
   a growth doubles the stable time (oscillation damping, at most up to
@@ -396,11 +397,12 @@ def decide(
         # tracked as though the cache were at its core, so the next request grows at once.
         target, reason, urgent = core, "idle", size > core
         urgent_target = urgent_reason = None
-        if goal > core:
-            if room_since is None or room_since > now_ms:
-                room_since = now_ms
-        else:
+        if goal <= core:
             room_since = None
+        elif room_since is None or room_since > now_ms:
+            # What the release gives back from a cache at its goal is room that has lasted:
+            # the next request grows it back at once. Room that appears later waits as usual.
+            room_since = now_ms - stable if core < size <= goal else now_ms
     elif goal < size:
         room_since = None
         if urgent_target is not None:

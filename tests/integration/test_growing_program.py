@@ -87,3 +87,28 @@ def _shrinks(log: str) -> list[str]:
     for m in re.finditer(r"resize to \d+ slots \((\w+), \w[\w ]*\): .*?shrink (\d+) -> (\d+)", log):
         out.append(m.group(1))
     return out
+
+
+def test_idle_release_gives_all_but_the_core_and_the_next_request_grows_it_back(
+    tiny_model: Path, tmp_path: Path, daemons: list[StrataDaemon]
+) -> None:
+    device = tmp_path / "device.json"
+    write_simulated(device, 600)
+    args = [
+        "--model", str(tiny_model), "--device", "cpu", "--vram-monitor", "simulated",
+        "--simulated-vram-file", str(device), "--cache-mib", str(CACHE_MIB),
+        "--arena-chunk-mib", "2", "--elastic-period-ms", "100", "--elastic-stable-ms", "500",
+        "--elastic-reserve-mib", str(RESERVE_MIB), "--idle-release-s", "1",
+    ]  # fmt: skip
+    d = StrataDaemon(tmp_path, args)
+    daemons.append(d)
+    idle = d.wait_for(lambda s: s["cache_mib"] == s["core_mib"], WAIT_S, "the idle release")
+    assert idle["core_mib"] == 12 and "(idle, period)" in d.log
+    assert "no request for 1 s or more" in d.log
+    r = httpx.post(d.url + "/v1/completions", timeout=WAIT_S,
+                   json={"model": tiny_model.stem, "prompt": "Once", "max_tokens": 4})  # fmt: skip
+    assert r.status_code == 200, r.text
+    # the request's own check grew it back, at once: the room had lasted through the idle time
+    assert re.search(r"resize to 32 slots \(room, request\)", d.log), d.log[-3000:]
+    back = d.wait_for(lambda s: s["cache_experts"] == 32, WAIT_S, "the refill")
+    assert back["cache_mib"] == CACHE_MIB

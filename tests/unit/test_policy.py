@@ -790,8 +790,10 @@ def test_idle_release_shrinks_to_the_core_and_the_next_request_grows_at_once() -
     st = replace(PolicyState.initial(cfg), base_room_mib=500)
     cache = CacheView(FULL, CORE, MAX, FIXED)
 
-    def check(now: int, size: int, idle_since: int | None, state: PolicyState) -> Decision:
-        device = DeviceView(TOTAL, TOTAL - size - FIXED, size + FIXED)
+    def check(
+        now: int, size: int, idle_since: int | None, state: PolicyState, tenants: int = 0
+    ) -> Decision:
+        device = DeviceView(TOTAL, max(0, TOTAL - tenants - size - FIXED), size + FIXED)
         view = replace(cache, size_mib=size)
         return decide(now, device, view, BookView(), [], cfg, state, idle_since_ms=idle_since)
 
@@ -800,18 +802,20 @@ def test_idle_release_shrinks_to_the_core_and_the_next_request_grows_at_once() -
     d = check(300_000, FULL, 0, d.state)
     assert (d.target_mib, d.reason, d.urgent) == (CORE, "idle", True)  # at once
     assert "no request for 300 s" in d.explain
-    assert d.state.room_since_ms == 300_000  # the room is tracked from here
+    # what it gives back from a cache at its goal is room that has lasted
+    assert d.state.room_since_ms == 300_000 - CFG.elastic_stable_ms
     d = check(301_000, CORE, 0, d.state)
-    assert (d.target_mib, d.reason) == (CORE, "idle") and d.state.room_since_ms == 300_000
-    d = check(400_000, CORE, 0, d.state)
-    assert d.state.room_since_ms == 300_000
-    # a request starts: the room lasted, so the cache grows back at once, not 5 s later
-    d = check(400_100, CORE, None, d.state)
-    assert (d.target_mib, d.reason) == (FULL, "room")
-    # a request that came before the room lasted waits for it as usual
-    fresh = check(310_000, FULL, 0, st)
-    fresh = check(310_001, CORE, 0, fresh.state)
-    assert check(312_000, CORE, None, fresh.state).reason == "waiting"
+    assert (d.target_mib, d.reason) == (CORE, "idle")
+    # a request a moment later: the cache grows back at once, not 5 s later
+    grown = check(301_100, CORE, None, d.state)
+    assert (grown.target_mib, grown.reason) == (FULL, "room")
+    # a program takes the room while nobody asks; when it leaves, that room waits as usual
+    d = check(310_000, CORE, 0, d.state, tenants=TOTAL - FIXED - CORE)
+    assert d.reason == "idle" and d.state.room_since_ms is None
+    d = check(320_000, CORE, 0, d.state)
+    assert d.state.room_since_ms == 320_000
+    assert check(322_000, CORE, None, d.state).reason == "waiting"
+    assert check(325_000, CORE, None, d.state).reason == "room"
 
 
 def test_idle_release_off_and_while_a_request_runs() -> None:
