@@ -88,6 +88,9 @@ def test_http_reserve_with_a_failed_monitor_shrinks_the_cache_by_that_much_and_s
     s = blind.status()
     assert s["vram_requests"] == "shrink" and not s["monitor"]["healthy"]
     assert s["free_mib"] is None
+    (path,) = [line for line in blind.log.splitlines() if "path: " in line]
+    assert "no VRAM monitor: simulated VRAM file" in path
+    assert "a request shrinks the cache by its amount" in path
     r = httpx.post(blind.url + "/v1/vram", json={"reserve_mib": 20}, timeout=30)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -116,6 +119,8 @@ def test_http_reserve_without_a_gpu_is_refused_saying_why(
     d, _ = cpu
     s = d.status()
     assert (s["vram_requests"], s["monitor"]["kind"], s["cache_mib"]) == ("refused", "none", 0)
+    assert ("path: CPU (device = cpu); no VRAM monitor (vram_monitor none); VRAM requests are "
+            "refused (no GPU)") in d.log  # fmt: skip
     r = httpx.post(d.url + "/v1/vram", json={"reserve_mib": 200}, timeout=30)
     assert r.status_code == 409, r.text
     err = r.json()["error"]

@@ -12,7 +12,7 @@ image tool would. Then it exits, and the cache grows back.
 Printed (run with ``-s``): the program's steps against the time and the daemon's periods, its
 failed allocations, and the cache's size as the daemon reported it every 250 ms. On an H200:
 
-    python3 -m pytest tests/gpu/test_growing_program.py -s -p no:cacheprovider
+    python3 -m pytest tests/gpu/test_growing_program_nvml.py -s -p no:cacheprovider
 """
 
 from __future__ import annotations
