@@ -54,6 +54,7 @@ class Setting:
 
 
 MAX_ADAPT_SWAPS = 256  # each swap holds one expert slot of VRAM while it passes through
+MAX_PREFETCH_EXPERTS = 256  # two sets of staging slots of this many experts each: VRAM
 
 
 class StrataConfig(BaseSettings):
@@ -114,6 +115,14 @@ class StrataConfig(BaseSettings):
         le=MAX_ADAPT_SWAPS,
         description="most exchanges of a hot expert in RAM with a cold one in VRAM at each "
         "adaptation point (every 64 decode steps; 0: never)",
+    )
+    prefetch_experts: int = Field(
+        0,
+        ge=0,
+        le=MAX_PREFETCH_EXPERTS,
+        description="GPU decode: of each layer's experts predicted a layer early, copy up to "
+        "this many that are in RAM into VRAM ahead of its routing (0: never, the default; at "
+        "most the model's experts per layer)",
     )
     verify_experts: bool = Field(
         False,

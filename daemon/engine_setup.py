@@ -45,6 +45,7 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         fast_prefill=config.fast_prefill,
         host_budget_mib=config.host_budget_mib,
         adapt_swaps=config.adapt_swaps,
+        prefetch_experts=config.prefetch_experts,
         verify_experts=config.verify_experts,
     )
 

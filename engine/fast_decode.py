@@ -40,7 +40,7 @@ from strata.engine.experts.provider import ExpertProvider, FileExpertProvider
 from strata.engine.experts.slots import ExpertKey
 from strata.engine.experts.table import FILE, HOST, MISSING, VRAM, ExpertTablePlan, plan_table
 from strata.engine.fast_prefill import FastPrefill
-from strata.engine.kernels import moe
+from strata.engine.kernels import moe, prefetch
 from strata.engine.kernels.attention import DecodeAttention
 from strata.engine.kernels.matvec import Mat, matvec
 from strata.engine.kernels.rope import rope_store, rope_tables
@@ -167,10 +167,18 @@ class FastDecoder:
         self.tier: HostTier | None = None
         self.host_count = 0
         self.plan: ExpertTablePlan = plan_table(L, E, None, lambda s: MISSING)
+        # each expert's RAM home (MISSING for the rest): what a step may copy ahead
+        self.homes = torch.full((L * E,), MISSING, dtype=torch.int64, device=dev)
+        self.prefetch = 0  # predicted experts each layer copies ahead (set_prefetch)
+        # the copies ahead run here, odd and even layers apart: a layer's copies never wait for
+        # the previous layer's to end (nor for its expert kernels), so the link has work from
+        # the moment each guess is made. High priority: their few programs start first.
+        self.sides = [torch.cuda.Stream(dev, priority=-1) for _ in range(2)] if cuda else []
         self._said_mode = False  # whether the log has said how steps run (graph or staging)
         self.provider: ExpertProvider = model.provider
         self.file: FileExpertProvider = _file_of(model.provider)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        # the captured step, without and with the copies ahead (taken while RAM homes exist)
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.graph_reason: str | None = "not captured"
         self.steps = 0
         self.counts_dirty = False  # a step or a chunk ran since the last flush of the counts
@@ -179,6 +187,38 @@ class FastDecoder:
         self.tuned = TUNED if dev.type == "cuda" else {k: (_INTERP_BN, None) for k in TUNED}
         # prompt chunks on tensor cores (None: they take the reference path)
         self.prefill: FastPrefill | None = FastPrefill(self)
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The captured step that replays now (None: steps run eagerly)."""
+        return self.graphs.get(self.prefetching)
+
+    def set_prefetch(self, p: int) -> None:
+        """Copy up to ``p`` of each layer's predicted experts from RAM ahead of its routing
+        (``kernels.prefetch``; 0: never), in two sets of p staging slots. Before capture."""
+        E = self.args.n_expert
+        if not 0 <= p <= E:
+            raise ValueError(f"prefetch_experts={p}: must be between 0 and the model's {E} experts")
+        L, dev = self.args.n_layer, self.device
+        self.prefetch = p
+        self.pf_logits = torch.zeros(E, dtype=torch.float32, device=dev)
+        self.pf_ids = torch.full((L, max(p, 1)), -1, dtype=torch.int32, device=dev)
+        self.pf_src = torch.full((L, max(p, 1)), MISSING, dtype=torch.int64, device=dev)
+        self.pf_stats = torch.zeros(L, 2, dtype=torch.int64, device=dev)
+        # two sets (by layer parity) of p slots for the copies ahead, then two of k for the
+        # chosen experts in RAM that no copy ahead brought (kernels.prefetch.copy_missed)
+        K = self.args.n_expert_used
+        self.pf_staging = _aligned(max(2 * (p + K), 1) * self.staging_bytes, dev)
+        self.pf_base = self.pf_staging.data_ptr() - self.anchor.data_ptr()
+        self.late_base = self.pf_base + 2 * p * self.staging_bytes
+        self.pf_done = [torch.cuda.Event() for _ in range(L)] if self.sides else []
+        # bytes each layer copies: its slot layout, whole words (homes hold whole slots)
+        self.pf_bytes = [align(lay.nbytes, RUN_ALIGN) for lay in self.slot_layouts]
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether steps copy predicted experts ahead: asked for, and some expert is in RAM."""
+        return self.prefetch > 0 and self.host_count > 0
 
     def _layer(self, b: Block) -> _Layer:
         q, k, v = (_mat(w) for w in (b.attn.q, b.attn.k, b.attn.v))
@@ -242,8 +282,11 @@ class FastDecoder:
 
     def _write_table(self) -> None:
         plan = self.plan
-        vram = [o if w == VRAM else MISSING for o, w in zip(plan.offsets, plan.where, strict=True)]
-        for dst, values in ((self.table, plan.offsets), (self.vram_table, vram)):
+        pairs = list(zip(plan.offsets, plan.where, strict=True))
+        vram = [o if w == VRAM else MISSING for o, w in pairs]
+        homes = [o if w == HOST else MISSING for o, w in pairs]
+        tables = ((self.table, plan.offsets), (self.vram_table, vram), (self.homes, homes))
+        for dst, values in tables:
             src = torch.tensor(values, dtype=torch.int64)
             if dst.is_cuda:  # page-locked: the copy queues behind a resize's copies, no wait
                 src = src.pin_memory()
@@ -253,6 +296,11 @@ class FastDecoder:
         self.host_homes = [[] for _ in range(self.args.n_layer)]
         self.host_count = plan.count(HOST)
         if self.tier is not None:
+            if self.prefetch and self.tier.slot_bytes < max(self.pf_bytes):
+                raise FastPathError(
+                    f"host slots of {self.tier.slot_bytes} bytes are smaller than a copy ahead "
+                    f"of {max(self.pf_bytes)}"
+                )
             for slot, tag in self.tier.table:
                 self.host_homes[tag.layer].append((tag.expert, slot))
             for homes in self.host_homes:
@@ -289,6 +337,8 @@ class FastDecoder:
             self.provider.record_counts({(i // E, i % E): int(n) for i, n in uses.items()})
         self._count_reads(dict(zip(*_nonzero(steps), strict=True)))
         self._count_reads(dict(zip(*_nonzero(fetched), strict=True)))
+        if self.prefetch:
+            self._count_prefetches()
         return sorted((i // E, i % E) for i in uses)
 
     def adapt(self) -> int:
@@ -304,6 +354,18 @@ class FastDecoder:
                 random.Random(self.steps).sample(used, min(VERIFY_SAMPLE, len(used)))
             )
         return cache.exchange(self.adapt_swaps) if self.adapt_swaps else 0
+
+    def _count_prefetches(self) -> None:
+        """Copies ahead made and chosen (a chosen one is counted as the read of its RAM home
+        already: the kernels read its copy instead), and the bytes of the unchosen ones, which
+        crossed PCIe for nothing."""
+        made = self.pf_stats.to("cpu", copy=True).tolist()
+        self.pf_stats.zero_()
+        stats = self.provider.stats
+        for layer, (n, used) in enumerate(made):
+            stats.prefetched += n
+            stats.prefetch_used += used
+            stats.bytes_prefetched_unused += (n - used) * self.expert_bytes[layer]
 
     def _count_reads(self, reads: dict[int, int]) -> None:
         """reads: table entry -> times read."""
@@ -381,20 +443,63 @@ class FastDecoder:
         self.attention(self.attn_out, self.qkv, k_cache, v_cache, kv.block_table, self.pos)
         self._dense(self.x, self.attn_out, b.attn.o, lyr.o, residual=True)
 
-    def _moe(self, layer: int, lyr: _Layer, stage: Callable[[int], None] | None) -> None:
+    def _prefetch(self, layer: int) -> None:
+        """Predict ``layer``'s experts from the residual stream as it is now (its router on
+        it) and queue the copies of those in RAM into the layer's staging set on the side
+        stream of its parity, beside the previous layer's: the link stays busy while the main
+        stream computes. The layer's expert kernels wait for its copies (``pf_done``)."""
+        lyr, E = self.layers[layer], self.args.n_expert
+        b = lyr.block
+        self._dense(self.pf_logits, self.x, b.router, lyr.router, b.ffn_norm, tune="router")
+        ids, src = self.pf_ids[layer], self.pf_src[layer]
+        prefetch.predict(self.pf_logits, self.homes[layer * E : (layer + 1) * E], ids, src)
+        dst = self.pf_base + (layer % 2) * self.prefetch * self.staging_bytes
+        args = (self.anchor, ids, src, dst, self.pf_bytes[layer], self.staging_bytes)
+        if not self.sides:
+            prefetch.copy_experts(*args)
+            return
+        side = self.sides[layer % 2]
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            prefetch.copy_experts(*args)
+            self.pf_done[layer].record(side)
+
+    def _moe(
+        self, layer: int, lyr: _Layer, stage: Callable[[int], None] | None, ahead: bool
+    ) -> None:
         a, b = self.args, lyr.block
         self._dense(
             self.router_logits, self.x, b.router, lyr.router, b.ffn_norm, h_out=self.h,
             tune="router",
         )  # fmt: skip
+        if ahead and layer + 1 < a.n_layer:
+            # the next layer's guess, from the stream before this layer's experts: its copies
+            # run beside this layer's (the previous layer's expert kernels are done, so the
+            # staging set the next layer shares with them is free)
+            self._prefetch(layer + 1)
         ids, wts, eoffs = self.ids[layer], self.wts[layer], self.eoffs[layer]
         table = self.table[layer * a.n_expert : (layer + 1) * a.n_expert]
+        pf = None
+        if ahead:
+            stage_at = self.pf_base + (layer % 2) * self.prefetch * self.staging_bytes
+            pf = moe.Prefetched(
+                self.pf_ids[layer], stage_at, self.staging_bytes, self.pf_stats[layer]
+            )
         moe.route(
             self.router_logits, table, ids, wts, eoffs, self.counts[layer], a.n_expert_used,
-            a.norm_topk,
+            a.norm_topk, pf,
         )  # fmt: skip
         if stage is not None:
             stage(layer)
+        if ahead:
+            E = a.n_expert
+            late = self.late_base + (layer % 2) * a.n_expert_used * self.staging_bytes
+            prefetch.copy_missed(
+                self.anchor, ids, eoffs, self.homes[layer * E : (layer + 1) * E],
+                self.pf_ids[layer], late, self.pf_bytes[layer], self.staging_bytes,
+            )  # fmt: skip
+            if self.sides:  # this layer's copies ahead have landed
+                torch.cuda.current_stream(self.device).wait_event(self.pf_done[layer])
         lay = self.slot_layouts[layer]
         bn, warps = self.tuned["gate_up"]
         moe.gate_up(
@@ -404,8 +509,13 @@ class FastDecoder:
         moe.down(self.x, self.act, eoffs, wts, self.anchor, lay.down, lay.down_offset, bn, warps)
 
     def _forward(
-        self, stage: Callable[[int], None] | None, on_layer: Callable[[int], None] | None = None
+        self,
+        stage: Callable[[int], None] | None,
+        on_layer: Callable[[int], None] | None = None,
+        ahead: bool | None = None,
     ) -> None:
+        """One step's kernels; ``ahead``: with the copies ahead (None: when ``prefetching``)."""
+        ahead = self.prefetching if ahead is None else ahead
         if isinstance(self.embd, RepackedWeight):
             _embed(self.embd, self.tok, self.x)
         else:
@@ -413,8 +523,10 @@ class FastDecoder:
         for layer, lyr in enumerate(self.layers):
             if on_layer is not None:
                 on_layer(layer)
+            if ahead and layer == 0:  # the later layers' guesses come a layer early (_moe)
+                self._prefetch(0)
             self._attention(layer, lyr)
-            self._moe(layer, lyr, stage)
+            self._moe(layer, lyr, stage, ahead)
         self._dense(self.logits, self.x, self.output, _mat(self.output), self.out_norm, tune="head")
         advance(self.logits, self.tok, self.pos, self.ring, self.step_no)
 
@@ -481,18 +593,22 @@ class FastDecoder:
 
     # -- set-up ----------------------------------------------------------------------------------
 
-    def warm_up(self, on_layer: Callable[[int], None] | None = None) -> None:
+    def warm_up(
+        self, on_layer: Callable[[int], None] | None = None, ahead: bool | None = None
+    ) -> None:
         """One eager step at position 0 (its K/V row is rewritten by the next prompt): every
-        kernel compiles now, not in the first request."""
+        kernel compiles now, not in the first request. ``ahead`` as ``_forward``'s."""
         self.tok.zero_()
         self.pos.zero_()
         stats = self.provider.stats
         before = (stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file)
-        self._forward(None if self.plan.complete else self._stage_misses, on_layer)
+        self._forward(None if self.plan.complete else self._stage_misses, on_layer, ahead)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file = before
         self.counts.zero_()
+        if self.prefetch:
+            self.pf_stats.zero_()
 
     def capture(self) -> bool:
         """Capture one step as a CUDA graph (replayed while every expert has a readable home).
@@ -501,17 +617,25 @@ class FastDecoder:
         if self.device.type != "cuda":
             self.graph_reason = "CUDA graphs need a CUDA device"
             return False
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
+        # with a host tier, RAM homes come and go with resizes: the step with copies ahead too
+        cache = self.provider if isinstance(self.provider, ExpertCache) else None
+        modes = [False] + ([True] if self.prefetch and cache and cache.tier else [])
+        graphs = {}
         try:
-            with torch.cuda.graph(graph):
-                self._forward(None)
+            for ahead in modes:
+                if ahead:  # its kernels compile before the capture, not inside it
+                    self.warm_up(ahead=True)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._forward(None, ahead=ahead)
+                graphs[ahead] = graph
         except Exception as e:  # an op that cannot be captured
             self.graph_reason = f"capture failed ({type(e).__name__}: {e})".splitlines()[0]
             log.warning("decode steps run without a CUDA graph: %s", self.graph_reason)
             torch.cuda.synchronize(self.device)
             return False
-        self.graph, self.graph_reason = graph, None
+        self.graphs, self.graph_reason = graphs, None
         return True
 
     def describe(self) -> str:
@@ -522,7 +646,7 @@ class FastDecoder:
     def close(self) -> None:
         """Hand over the last counts and let the graph and the cache go."""
         self.flush_usage()
-        self.graph = None
+        self.graphs = {}
         if isinstance(self.provider, ExpertCache):
             if self.rebuild_table in self.provider.listeners:
                 self.provider.listeners.remove(self.rebuild_table)

@@ -72,6 +72,9 @@ class EngineOptions:
     # at each safe point where uses are handed over (every 64 decode steps and after a greedy
     # run), exchange up to this many hot RAM-homed experts with cold tail experts; 0: never
     adapt_swaps: int = 4
+    # GPU decode: copy up to this many of each layer's predicted experts from RAM ahead of its
+    # routing (``kernels.prefetch``); 0: never (on the H200 it made decode slower: docs)
+    prefetch_experts: int = 0
     verify_experts: bool = False  # checksum experts at load; check every fill, move, and samples
 
 
@@ -300,6 +303,13 @@ class Engine:
             if options.adapt_swaps < 0:
                 raise EngineError(f"adapt_swaps={options.adapt_swaps} is negative")
             decoder.adapt_swaps = options.adapt_swaps
+            ahead = options.prefetch_experts
+            if not 0 <= ahead <= model.args.n_expert:
+                raise EngineError(
+                    f"prefetch_experts={ahead}: must be between 0 and the model's "
+                    f"{model.args.n_expert} experts per layer"
+                )
+            decoder.set_prefetch(ahead)
             decoder.bind(model.provider)
             if not options.enforce_eager:
                 step(total - 1, "capturing the decode step as a CUDA graph")

@@ -2,7 +2,8 @@
 
     python -m strata.engine.bench.profile --synthetic qwen3-30b-a3b-q4k [--json OUT]
 
-Loads the model with every expert cached, then reports:
+Loads the model with every expert cached (or ``--cache-mib`` of them, the rest in the host tier),
+then reports:
 
 * tokens per second through ``Engine.generate`` (greedy, as the bench's tg test) and the GPU
   time of one step (graph replays back to back, timed with CUDA events);
@@ -34,12 +35,20 @@ log = logging.getLogger(__name__)
 MiB = 2**20
 
 
-def _engine(path: Path, fast: bool, eager: bool, n_ctx: int, chunk: int = 512) -> Any:
+def _engine(
+    path: Path,
+    fast: bool,
+    eager: bool,
+    n_ctx: int,
+    chunk: int = 512,
+    cache_mib: int = 10**7,
+    prefetch: int | None = None,
+) -> Any:
     from strata.engine.generate import Engine, EngineOptions
 
     options = EngineOptions(
-        device="cuda:0", cache_mib=10**7, context_length=n_ctx, fast_decode=fast,
-        enforce_eager=eager, prefill_chunk_tokens=chunk,
+        device="cuda:0", cache_mib=cache_mib, context_length=n_ctx, fast_decode=fast,
+        enforce_eager=eager, prefill_chunk_tokens=chunk, prefetch_experts=prefetch,
     )  # fmt: skip
     return Engine.load(path, options)
 
@@ -62,6 +71,9 @@ def decode_speed(engine: Any, n_tokens: int) -> dict[str, Any]:
         r = engine.generate(prompt, params)
         runs.append((len(r.tokens) - 1) / r.decode_s)
     out: dict[str, Any] = {"tok_s": runs, "tok_s_median": statistics.median(runs)}
+    engine.runner.flush_usage()
+    st = engine.provider.stats
+    out.update(hit_rate=st.hit_rate, prefetched=st.prefetched, prefetch_used=st.prefetch_used)
     dec = engine.runner.decoder
     if dec is not None and dec.graph is not None:
         # each replay moves its position on (the in-graph advance): start low enough that 51
@@ -352,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", help="prompt sizes to time and profile, e.g. 512,4096")
     p.add_argument("--chunk", default="512", help="prefill_chunk_tokens (a list: each in turn)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode measurements")
+    p.add_argument("--cache-mib", type=int, default=10**7, help="expert cache (default: all)")
+    p.add_argument("--prefetch", type=int, help="prefetch_experts (default: the engine's)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.model is None:
@@ -366,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"model": str(args.model)}
     t0 = time.monotonic()
     chunks = [int(v) for v in args.chunk.split(",")]
-    engine = _engine(args.model, fast=True, eager=args.eager, n_ctx=n_ctx, chunk=chunks[0])
+    engine = _engine(args.model, True, args.eager, n_ctx, chunks[0], args.cache_mib, args.prefetch)
     result["load_s"] = time.monotonic() - t0
     from strata.engine.generate import decode_path
 

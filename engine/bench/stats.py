@@ -41,6 +41,21 @@ def hit_rate(runs: Sequence[Mapping[str, Any]]) -> float | None:
     return hits / total if total else None
 
 
+def prefetch(runs: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
+    """The GPU decode's copies ahead (``kernels.prefetch``): made per step, the share of them
+    the routing then chose, and the bytes per step of the others (PCIe traffic beyond the
+    misses' own); None where none were made (no RAM homes, the option off, a CPU run)."""
+    steps = sum(r["steps"] for r in runs)
+    made = sum(r.get("prefetched", 0) for r in runs)
+    if not steps or not made:
+        return None
+    return {
+        "per_token": made / steps,
+        "chosen_share": sum(r["prefetch_used"] for r in runs) / made,
+        "unused_bytes_per_token": sum(r["prefetch_unused_bytes"] for r in runs) / steps,
+    }
+
+
 def per_step(runs: Sequence[Mapping[str, Any]], key: str) -> float | None:
     """``key`` (bytes) per decode step, over all runs."""
     steps = sum(r["steps"] for r in runs)

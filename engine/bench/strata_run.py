@@ -70,6 +70,9 @@ def _counts(s: ProviderStats) -> dict[str, int]:
         "misses": s.misses,
         "hit_bytes": s.bytes_from_cache,
         "miss_bytes": s.bytes_from_ram + s.bytes_from_file,
+        "prefetched": s.prefetched,
+        "prefetch_used": s.prefetch_used,
+        "prefetch_unused_bytes": s.bytes_prefetched_unused,
     }
 
 
@@ -252,6 +255,7 @@ class StrataBench:
             "tok_s": stats.summary(stats.decode_rates(runs)),
             "ttft_s": stats.summary([r["first_token_s"] for r in runs if r["first_token_s"]]),
             "hit_rate": stats.hit_rate(runs),
+            "prefetch": stats.prefetch(runs),
         }
         if self.cuda:
             out["pcie_bytes_per_token"] = stats.per_step(runs, "miss_bytes")

@@ -46,6 +46,10 @@ class ProviderStats:
     bytes_from_cache: int = 0
     bytes_from_ram: int = 0
     bytes_from_file: int = 0
+    # GPU decode: experts copied from RAM ahead of their layer's routing, and those then chosen
+    prefetched: int = 0
+    prefetch_used: int = 0
+    bytes_prefetched_unused: int = 0  # not in bytes_from_ram: that counts what steps read
 
     @property
     def hit_rate(self) -> float | None:

@@ -20,6 +20,8 @@ a slot holds gate, up and down repacked (``experts.layout.KernelSlotLayout``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -47,8 +49,9 @@ from strata.engine.quant.repack import RepackedLayout
 
 
 @triton.jit
-def _route_kernel(logits, table, ids, wts, eoffs, counts, E, K: tl.constexpr, EP: tl.constexpr,
-                  KP: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+def _route_kernel(logits, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E,
+                  K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                  P: tl.constexpr):  # fmt: skip
     e = tl.arange(0, EP)
     em = e < E
     lg = tl.load(logits + e, mask=em, other=float("-inf"))
@@ -73,7 +76,19 @@ def _route_kernel(logits, table, ids, wts, eoffs, counts, E, K: tl.constexpr, EP
     tl.store(ids + kk, sel_i, mask=km)
     tl.store(wts + kk, sel_w, mask=km)
     # each chosen expert's bytes, from the layer's table: the expert kernels read only these
-    tl.store(eoffs + kk, tl.load(table + sel_i, mask=km, other=0), mask=km)
+    eo = tl.load(table + sel_i, mask=km, other=0)
+    if P > 0:  # a chosen expert copied ahead (kernels.prefetch) is read from its staging slot
+        issued = 0
+        used = 0
+        for j in tl.static_range(P):
+            pid = tl.load(pf_ids + j)
+            hit = km & (sel_i == pid)
+            eo = tl.where(hit, stage.to(tl.int64) + j * stage_bytes, eo)  # int64: no wrap
+            issued += (pid != -1).to(tl.int64)
+            used += tl.sum(hit.to(tl.int64), 0)
+        tl.store(pf_stats, tl.load(pf_stats) + issued)
+        tl.store(pf_stats + 1, tl.load(pf_stats + 1) + used)
+    tl.store(eoffs + kk, eo, mask=km)
     c = tl.load(counts + e, mask=em, other=0)
     tl.store(counts + e, c + chosen, mask=em)
 
@@ -149,14 +164,32 @@ BN_GATE_UP = 128 if INTERPRETED else 4
 BN_DOWN = 128 if INTERPRETED else 4
 
 
+@dataclass(frozen=True)
+class Prefetched:
+    """A layer's prefetches (``kernels.prefetch``): pf_ids int32 [P] (-1: none), their staging
+    slots at ``stage + j * stage_bytes`` from the anchor, and pf_stats int64 [2] += (prefetches
+    made, prefetches chosen)."""
+
+    pf_ids: torch.Tensor
+    stage: int
+    stage_bytes: int
+    pf_stats: torch.Tensor
+
+
 def route(logits: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
-          eoffs: torch.Tensor, counts: torch.Tensor, k: int, norm: bool) -> None:  # fmt: skip
+          eoffs: torch.Tensor, counts: torch.Tensor, k: int, norm: bool,
+          prefetched: Prefetched | None = None) -> None:  # fmt: skip
     """logits: [E] float32 -> ids: int32 [k], wts: float32 [k], eoffs: int64 [k] (the chosen
-    experts' entries of the layer's table), counts: int32 [E] += chosen."""
+    experts' entries of the layer's table, or their staging slots where ``prefetched``),
+    counts: int32 [E] += chosen."""
     E = logits.numel()
+    pf = prefetched
     _route_kernel[(1,)](
-        logits, table, ids, wts, eoffs, counts, E, K=k, EP=triton.next_power_of_2(E),
-        KP=triton.next_power_of_2(k), NORM=norm, num_warps=1,
+        logits, table, ids, wts, eoffs, counts,
+        ids if pf is None else pf.pf_ids, 0 if pf is None else pf.stage,
+        0 if pf is None else pf.stage_bytes, eoffs if pf is None else pf.pf_stats,
+        E, K=k, EP=triton.next_power_of_2(E), KP=triton.next_power_of_2(k), NORM=norm,
+        P=0 if pf is None else pf.pf_ids.numel(), num_warps=1,
     )  # fmt: skip
 
 

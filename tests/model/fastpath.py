@@ -26,12 +26,17 @@ def reference_runner(path: Path) -> Runner:
 
 
 def fast_runner(
-    path: Path, cache_share: float | None = None, prefill: bool = False, host: bool = False
+    path: Path,
+    cache_share: float | None = None,
+    prefill: bool = False,
+    host: bool = False,
+    prefetch: int = 0,
 ) -> Runner:
     """Dense weights repacked, the decoder's kernels warmed up, and an expert cache in the
     kernel layout holding ``cache_share`` of the experts (None: no cache), with a host tier
-    holding the rest when ``host``. Prompts take the reference path unless ``prefill``
-    (``test_fast_prefill`` tests that path)."""
+    holding the rest when ``host``, and ``prefetch`` predicted experts copied ahead from it.
+    Prompts take the reference path unless ``prefill`` (``test_fast_prefill`` tests that
+    path)."""
     index = GGUFIndex(path)
     model = architecture_module(index.arch).Model(
         index, FileExpertProvider(index, DEVICE), DEVICE, repack=True
@@ -54,6 +59,7 @@ def fast_runner(
             index, DEVICE, budget, None, 2 * MiB, kernel=True,
             host_budget_bytes=1 << 40 if host else 0, pinner=pinner,
         )  # fmt: skip
+    decoder.set_prefetch(prefetch)
     decoder.bind(model.provider)
     runner.decoder = decoder
     return runner

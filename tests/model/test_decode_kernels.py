@@ -19,6 +19,7 @@ import pytest
 import torch
 from quantdata import random_bytes
 
+from strata.engine.experts.table import MISSING
 from strata.engine.layers.norm import rms_norm
 from strata.engine.layers.rope import Rope
 from strata.engine.quant import repack
@@ -28,7 +29,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed")
 from strata.engine.kernels import attention as at
-from strata.engine.kernels import moe
+from strata.engine.kernels import moe, prefetch
 from strata.engine.kernels import rope as rp
 from strata.engine.kernels.matvec import Mat, matvec, matvec_reference
 
@@ -219,6 +220,70 @@ def test_route_picks_the_reference_top_k_and_counts_them(k, norm) -> None:
     expected = torch.full((E,), 3, dtype=torch.int32)
     expected[want_ids] += 1
     assert torch.equal(counts.cpu(), expected)
+
+
+@pytest.mark.parametrize("p", [1, 3, 8])
+def test_predict_copies_ahead_the_top_p_with_ram_homes_only(p) -> None:
+    E = 16
+    logits = torch.randn(E, device=DEVICE)
+    logits[4] = logits[8] = 10.0  # a tie: the lower id first, as route takes it
+    logits[1] = 11.0  # the best, but in VRAM: its entry stays empty
+    homes = torch.full((E,), MISSING, dtype=torch.int64, device=DEVICE)
+    homes[::2] = torch.arange(0, E, 2, dtype=torch.int64) * 4096 - 8192  # below the anchor too
+    pf_ids = torch.full((p,), 77, dtype=torch.int32, device=DEVICE)
+    pf_src = torch.full((p,), 77, dtype=torch.int64, device=DEVICE)
+    prefetch.predict(logits, homes, pf_ids, pf_src)
+    want = prefetch.predict_reference(logits.cpu(), homes.cpu(), p)
+    assert list(zip(pf_ids.cpu().tolist(), pf_src.cpu().tolist(), strict=True)) == want
+    assert want[:3] == [(-1, MISSING), (4, 4 * 4096 - 8192), (8, 8 * 4096 - 8192)][:p]
+
+
+def test_copies_ahead_land_in_their_staging_slots_and_route_reads_them() -> None:
+    E, k, p, slot = 16, 4, 3, 4096
+
+    def aligned(n: int) -> torch.Tensor:  # n zero bytes at a multiple of 256
+        buf = torch.zeros(n + 256, dtype=torch.uint8, device=DEVICE)
+        return buf[-buf.data_ptr() % 256 :][:n]
+
+    anchor, stage = aligned(256), aligned(p * slot)
+    homes_buf = aligned(E * slot)
+    homes_buf.copy_(torch.randint(0, 255, (E * slot,), dtype=torch.uint8))
+    at = lambda t: t.data_ptr() - anchor.data_ptr()  # noqa: E731
+    homes = torch.tensor([at(homes_buf) + e * slot for e in range(E)], device=DEVICE)
+    homes[1] = MISSING  # in VRAM
+    logits = torch.linspace(1.0, 0.0, E, device=DEVICE)  # predicted: 0, 1, 2
+    pf_ids = torch.zeros(p, dtype=torch.int32, device=DEVICE)
+    pf_src = torch.zeros(p, dtype=torch.int64, device=DEVICE)
+    prefetch.predict(logits, homes, pf_ids, pf_src)
+    assert pf_ids.cpu().tolist() == [0, -1, 2]
+    before = stage.clone()
+    prefetch.copy_experts(anchor, pf_ids, pf_src, at(stage), slot - 256, slot)
+    assert torch.equal(stage[: slot - 256], homes_buf[: slot - 256])
+    assert torch.equal(stage[slot - 256 : 2 * slot], before[slot - 256 : 2 * slot])  # nothing else
+    assert torch.equal(stage[2 * slot : 3 * slot - 256], homes_buf[2 * slot : 3 * slot - 256])
+    # the routing chooses 3, 2, 0, 1 (the largest logits): 2 and 0 come from their copies
+    route_logits = torch.tensor([3.0, 1.0, 4.0, 5.0] + [0.0] * (E - 4), device=DEVICE)
+    table = homes.clone()
+    table[1] = 123 * 256
+    ids = torch.zeros(k, dtype=torch.int32, device=DEVICE)
+    eoffs = torch.zeros(k, dtype=torch.int64, device=DEVICE)
+    wts = nan(k)
+    counts = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    stats = torch.tensor([10, 4], dtype=torch.int64, device=DEVICE)
+    pf = moe.Prefetched(pf_ids, at(stage), slot, stats)
+    moe.route(route_logits, table, ids, wts, eoffs, counts, k, True, pf)
+    assert ids.cpu().tolist() == [3, 2, 0, 1]
+    assert eoffs.cpu().tolist() == [int(homes[3]), at(stage) + 2 * slot, at(stage), 123 * 256]
+    assert stats.cpu().tolist() == [12, 6]  # two copies made, both chosen
+    # the chosen expert in RAM that no copy brought (3) is copied now; the rest stay put
+    late = aligned(k * slot)
+    eo = eoffs.clone()
+    prefetch.copy_missed(anchor, ids, eoffs, homes, pf_ids, at(late), slot - 256, slot)
+    assert eoffs.cpu().tolist() == [at(late), *eo.cpu().tolist()[1:]]
+    assert torch.equal(late[: slot - 256], homes_buf[3 * slot : 4 * slot - 256])
+    assert not late[slot:].any()  # slots 1-3: nothing to copy
+    with pytest.raises(ValueError, match="256-byte aligned"):
+        prefetch.copy_experts(anchor, pf_ids, pf_src, at(stage) + 8, slot, slot)
 
 
 class Experts:

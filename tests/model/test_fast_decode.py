@@ -116,6 +116,46 @@ def test_exchanges_with_ram_homes_mid_generation_keep_the_numbers(q8: Path) -> N
         assert torch.equal(a, b)
 
 
+def test_copies_ahead_from_ram_homes_keep_the_numbers_and_are_counted(q8: Path) -> None:
+    plain = fast_runner(q8, 0.5, host=True)
+    ahead = fast_runner(q8, 0.5, host=True, prefetch=4)
+    dec = ahead.decoder
+    assert dec is not None and dec.prefetching and dec.host_count > 0
+    a, b = decode(plain, 4, 9), decode(ahead, 4, 9)
+    for x, y in zip(a[1:], b[1:], strict=True):
+        assert torch.equal(x, y)
+    ahead.flush_usage()
+    stats, L = ahead.model.provider.stats, dec.args.n_layer
+    # each layer copies at most 4 ahead a step; the routing chose some of them (the residual
+    # stream before a layer's attention predicts its experts)
+    assert 0 < stats.prefetch_used <= stats.prefetched <= 4 * L * 4
+    unused = stats.prefetched - stats.prefetch_used
+    assert stats.bytes_prefetched_unused == unused * dec.expert_bytes[0]
+    assert plain.model.provider.stats.prefetched == 0
+
+
+def test_copies_ahead_stop_when_no_expert_is_in_ram(q8: Path) -> None:
+    runner = fast_runner(q8, 1.0, host=True, prefetch=2)
+    dec = runner.decoder
+    assert dec is not None and dec.host_count == 0 and not dec.prefetching
+    decode(runner, 2, 9)
+    runner.flush_usage()
+    assert runner.model.provider.stats.prefetched == 0
+    cache = runner.model.provider
+    cache.resize(cache.sizes.core_slots)  # the evicted experts go to RAM homes: copies start
+    assert dec.prefetching
+    decode(runner, 2, 9)
+    runner.flush_usage()
+    assert cache.stats.prefetched > 0
+
+
+def test_more_copies_ahead_than_experts_is_refused(q8: Path) -> None:
+    runner = fast_runner(q8, 0.5, host=True)
+    E = runner.model.args.n_expert
+    with pytest.raises(ValueError, match=f"prefetch_experts={E + 1}: must be between 0 and"):
+        runner.decoder.set_prefetch(E + 1)
+
+
 def argmax_steps(runner: Runner, first: int, n: int) -> list[int]:
     """n greedy successors of ``first``, one ``feed`` and argmax at a time."""
     out, tok = [], first

@@ -8,6 +8,7 @@ decode graph.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from pathlib import Path
@@ -24,6 +25,7 @@ from strata.engine.experts.slots import SlotTagMismatch, Tag
 from strata.engine.generate import Engine, EngineOptions
 from strata.engine.gguf_index import GGUFIndex
 from strata.vmm import pagecache
+from strata.vmm.host_arena import HostArena
 from strata.vmm.pinned import HostMemory, PinError, PinRefused
 
 Q = gguf.GGMLQuantizationType
@@ -170,6 +172,52 @@ def test_an_exchange_keeps_one_home_and_moves_the_bytes(q8: Path) -> None:
         assert cache.exchange(8) == 1
         cache.usage.record_counts({k: 1 for k in cache.tier.table.cached_keys()})
         assert cache.exchange(8) == 0
+    finally:
+        cache.close()
+
+
+class Commit:
+    """The host arena's commit seam: gives ``left`` more chunks their pages (None: all), then
+    fails with no memory."""
+
+    def __init__(self) -> None:
+        self.left: int | None = None
+
+    def __call__(self, fd: int, offset: int, length: int) -> None:
+        if self.left is not None:
+            if self.left == 0:
+                raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+            self.left -= 1
+        os.posix_fallocate(fd, offset, length)
+
+
+def test_a_grow_that_cannot_get_its_memory_keeps_one_home_and_is_retried(q8: Path) -> None:
+    commit = Commit()
+    factory = lambda reserved, chunk: HostArena(reserved, chunk, commit=commit)  # noqa: E731
+    cache = create(q8, 1.0, GiB, tail=None, arena_factory=factory)
+    try:
+        cache.resize(cache.sizes.core_slots)  # the evicted experts go to their RAM homes
+        shrunk = cache.n_slots
+        check_one_home(cache)
+        commit.left = 0  # no memory at all: only the slots the mapped chunks hold fill
+        held = cache.arena.mapped_bytes // cache.slot_bytes
+        assert held < cache.max_slots
+        r = cache.resize(cache.max_slots)
+        assert r.to_slots == held and r.from_host == held - shrunk
+        shrunk = held
+        check_one_home(cache)
+        assert all(home_bytes_match(cache, k) for k in cache.tier.table.cached_keys())
+        commit.left = 1  # memory for one chunk: the grow stops at the slots that chunk holds
+        r = cache.resize(cache.max_slots)
+        assert shrunk < r.to_slots < cache.max_slots and r.from_host == r.to_slots - shrunk
+        check_one_home(cache)
+        assert all(slot_matches_file(cache, k) for k in cache.table.cached_keys())
+        commit.left = None  # the memory came back: the same request now completes
+        r = cache.resize(cache.max_slots)
+        assert r.to_slots == cache.max_slots
+        check_one_home(cache)
+        assert len(cache.tier.table) == 0
+        assert all(slot_matches_file(cache, k) for k in cache.table.cached_keys())
     finally:
         cache.close()
 

@@ -46,15 +46,16 @@ def same(a: tuple[list[int], list[torch.Tensor]], b: tuple[list[int], list[torch
     return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
 
 
+@pytest.mark.parametrize("ahead", [2, 0], ids=["copies-ahead", "no-copies-ahead"])
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
-def test_the_decode_graph_reads_misses_from_page_locked_homes(tiny_models, cuda, kind) -> None:
+def test_the_decode_graph_reads_misses_from_page_locked_homes(tiny_models, cuda, kind, ahead):
     path = tiny_models.path("qwen3moe", kind)
     every = load(path, cuda, cache_mib=1 << 20, host_budget_mib=0)
     want = run(every)
     full = -(-every.cache.n_slots * every.cache.slot_bytes // MiB) + 2
     every.close()
     for mib in (full // 2, 0):
-        e = load(path, cuda, cache_mib=mib, host_budget_mib=256)
+        e = load(path, cuda, cache_mib=mib, host_budget_mib=256, prefetch_experts=ahead)
         cache, dec = e.cache, e.runner.decoder
         assert cache is not None and cache.tier is not None and cache.tier.pinned
         assert dec is not None and dec.plan.complete and dec.graph is not None
@@ -68,6 +69,12 @@ def test_the_decode_graph_reads_misses_from_page_locked_homes(tiny_models, cuda,
         e.runner.flush_usage()
         assert e.provider.stats.bytes_from_ram > before  # read over PCIe from the homes
         assert e.provider.stats.bytes_from_file == 0
+        made, chosen = e.provider.stats.prefetched, e.provider.stats.prefetch_used
+        print(f"\n{kind} cache {mib} MiB: {made} copies ahead, {chosen} chosen")
+        if ahead:  # the graph with the copies ahead: made on side streams, and used
+            assert dec.prefetching and 0 < chosen <= made
+        else:
+            assert not dec.prefetching and made == 0
         e.close()
 
 

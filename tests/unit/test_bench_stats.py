@@ -63,6 +63,18 @@ LLAMA_JSON = json.dumps(
 )  # fmt: skip
 
 
+def test_prefetch_counts_become_per_token_shares_or_none() -> None:
+    runs = [
+        {"steps": 10, "prefetched": 30, "prefetch_used": 27, "prefetch_unused_bytes": 300},
+        {"steps": 30, "prefetched": 10, "prefetch_used": 9, "prefetch_unused_bytes": 100},
+    ]
+    got = stats.prefetch(runs)
+    assert got == {"per_token": 1.0, "chosen_share": 0.9, "unused_bytes_per_token": 10.0}
+    assert stats.prefetch([{"steps": 5, "prefetched": 0, "prefetch_used": 0}]) is None
+    assert stats.prefetch([{"steps": 5}]) is None  # a run recorded before the counters existed
+    assert stats.prefetch([]) is None
+
+
 def test_llama_bench_json_becomes_tests_by_name_with_raw_samples() -> None:
     tests, info = llama.parse_output(LLAMA_JSON)
     assert set(tests) == {"pp512", "tg128"}
