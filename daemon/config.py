@@ -323,8 +323,8 @@ def _is_bool(name: str) -> bool:
 ENGINE_OPTIONS: frozenset[str] = frozenset({
     "model", "log_level", "threads", "context_length", "prefill_chunk_tokens", "kv_cache_type",
     "device", "cache_mib", "elastic_tail_mib", "elastic_reserve_mib", "host_budget_mib",
-    "adapt_swaps", "verify_experts", "arena_chunk_mib", "fast_decode", "enforce_eager",
-    "fast_prefill",
+    "adapt_swaps", "prefetch_experts", "verify_experts", "arena_chunk_mib", "fast_decode",
+    "enforce_eager", "fast_prefill",
 })  # fmt: skip
 # `strata bench` sizes the cache itself (its --cache-mib is a list of budgets, all elastic).
 BENCH_OPTIONS = ENGINE_OPTIONS - {"cache_mib", "elastic_tail_mib", "elastic_reserve_mib"}
