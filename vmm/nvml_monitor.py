@@ -27,9 +27,9 @@ of the host's PID namespace.
 Failure. NVML absent (no ``nvidia-ml-py``, no driver library), failing to start, or not finding
 the device at creation, or any NVML error at run time: one warning, ``healthy = False``, and
 ``sample()`` / ``process_used()`` return ``None`` from then on; the daemon keeps the cache at its
-size, shrinking it only for explicit requests. No retry: a driver that failed once (GPU lost, library mismatch after an upgrade)
-does not come back in the life of the process, and a monitor that flickers would make the cache
-flicker with it.
+size, shrinking it only for explicit requests. No retry: a driver that failed once (GPU lost,
+library mismatch after an upgrade) does not come back in the life of the process, and a monitor
+that flickers would make the cache flicker with it.
 
 ``pynvml`` and ``torch`` are imported when a monitor is created, so this module imports without
 them.
