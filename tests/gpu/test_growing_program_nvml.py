@@ -97,12 +97,14 @@ def test_a_program_growing_1_gib_at_a_time_gets_12_gib_on_a_24_gib_card(
         args = ["--model", str(model), "--device", "cuda:0", "--vram-monitor", "nvml",
                 "--idle-release-s", "0"]  # fmt: skip
         t0 = time.monotonic()
-        d = StrataDaemon(tmp_path, args)
+        d = StrataDaemon(tmp_path, args, wait="listening")
+        d.wait_ready(900)  # a first start compiles the Triton kernels: minutes
         start = d.status()
         print(f"daemon ready in {time.monotonic() - t0:.0f} s: cache {start['cache_mib']} MiB "
               f"(core {start['core_mib']}, {start['cache_experts']} of {start['total_experts']} "
               f"experts), free {start['free_mib']} MiB, other programs {start['tenants_mib']} "
-              f"MiB, room kept {start['room_kept_mib']} MiB")  # fmt: skip
+              f"MiB, room kept {start['room_kept_mib']} MiB (elastic_reserve_mib "
+              f"{start['elastic_reserve_mib']})")  # fmt: skip
         trace: list[tuple[float, int, int | None, int | None, int | None]] = []
         stop = threading.Event()
 
