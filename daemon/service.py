@@ -357,6 +357,11 @@ def describe_path(daemon: Daemon) -> str:
     arena = type(cache.arena).__name__ if cache is not None else None
     arena_text = {"CudaArena": "CUDA VMM arena", None: "no expert cache"}.get(arena, str(arena))
     kernels = decode_path(engine.runner) if engine is not None else "not loaded"
+    if engine is not None and engine.runner.decoder is None:
+        from strata.engine.kernels import unavailable
+
+        why = unavailable() or ("fast_decode is off" if not daemon.config.fast_decode else None)
+        kernels += f", no Triton kernels: {why}" if why else ""
     prefill = engine.runner.prefill_path() if engine is not None else "not loaded"
     return (
         f"path: {daemon.device}: {arena_text}; {watch}; {requests}; decode: {kernels}; "
