@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from strata.daemon import paths
-from strata.daemon.config import LoadedConfig, Origin, add_option_flags
+from strata.daemon.config import BENCH_OPTIONS, LoadedConfig, Origin, add_option_flags
 from strata.daemon.engine_setup import engine_options
 from strata.daemon.generate_cmd import ProgressBar
 from strata.engine.bench import settings as bs
@@ -52,9 +52,8 @@ DEFAULT_REPS, DEFAULT_DECODE_TOKENS = "3", "128"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_option_flags(parser)  # --device, --threads, --context-length, --model, ...
-    # The bench sweeps cache budgets: its --cache-mib (a list) replaces the option of that name.
-    parser.conflict_handler = "resolve"
+    add_option_flags(parser, BENCH_OPTIONS)  # --device, --threads, --context-length, --model, ...
+    # The bench sweeps cache budgets: its --cache-mib (a list) stands for the option of that name.
     g = parser.add_argument_group("bench")
     g.add_argument(
         "--synthetic",

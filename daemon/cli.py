@@ -12,7 +12,13 @@ import sys
 from collections.abc import Sequence
 
 from strata import __version__
-from strata.daemon.config import ConfigError, LoadedConfig, add_option_flags, describe_sources
+from strata.daemon.config import (
+    ENGINE_OPTIONS,
+    ConfigError,
+    LoadedConfig,
+    add_option_flags,
+    describe_sources,
+)
 from strata.daemon.config import load_config as _load_config
 from strata.daemon.logsetup import setup_logging
 
@@ -41,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a prompt (no daemon)")
     generate_cmd.add_arguments(gen)
-    add_option_flags(gen)
+    add_option_flags(gen, ENGINE_OPTIONS)
     gen.set_defaults(run=generate_cmd.run)
 
     from strata.daemon import bench_cmd
@@ -49,11 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure speed and memory, optionally against llama.cpp")
     bench_cmd.add_arguments(bench)
 
-    from strata.daemon import service
-
     srv = sub.add_parser("serve", help="run the daemon (HTTP endpoint, VRAM control plane)")
     add_option_flags(srv)
-    srv.set_defaults(run=service.run)
+    srv.set_defaults(run=_serve)
 
     from strata.daemon import install_cmd
 
@@ -67,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_option_flags(show)
     show.set_defaults(run=_config_show)
     return parser
+
+
+def _serve(loaded: LoadedConfig, args: argparse.Namespace) -> int:
+    from strata.daemon import service  # torch and the engine: not for --help or --version
+
+    return service.run(loaded, args)
 
 
 def _config_show(loaded: LoadedConfig, args: argparse.Namespace) -> int:
@@ -92,7 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     setup_logging(loaded.config.log_level)
     try:
-        return args.run(loaded, args)
+        code = args.run(loaded, args)
+        sys.stdout.flush()  # here, not at exit: a reader that left is seen below
+        return code
     except KeyboardInterrupt:
         print("strata: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `strata config show | head -1`: the reader is gone
+        from strata.ipc.ctl import quiet_broken_pipe
+
+        return quiet_broken_pipe()

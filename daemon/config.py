@@ -92,10 +92,16 @@ class StrataConfig(BaseSettings):
         "GPU, 0 on the CPU)",
     )
     elastic_tail_mib: int | None = Field(
-        None, ge=0, description="elastic part of the cache in MiB (unset: half of it, <= 6 GiB)"
+        None,
+        ge=0,
+        description="elastic part of the cache in MiB (unset: three quarters of it; the core, "
+        "never lent, is the rest)",
     )
     elastic_reserve_mib: int = Field(
-        500, ge=0, description="VRAM in MiB kept free for other programs"
+        1024,
+        ge=0,
+        description="VRAM in MiB kept free for other programs (a program's first allocation "
+        "must fit in it)",
     )
     host_budget_mib: int | None = Field(
         None,
@@ -154,6 +160,13 @@ class StrataConfig(BaseSettings):
     )
     vram_max_mib: int | None = Field(
         None, ge=1, description="most VRAM Strata uses in MiB, whatever is free (unset: no cap)"
+    )
+    idle_release_s: int = Field(
+        300,
+        ge=0,
+        le=86_400,
+        description="after this many seconds without a request the cache shrinks to its core "
+        "and grows back with the next request (0: never)",
     )
     gamemode_reserve_mib: int | None = Field(
         None, ge=1, description="VRAM kept free while Feral GameMode reports a game (unset: off)"
@@ -305,8 +318,21 @@ def _is_bool(name: str) -> bool:
     return StrataConfig.model_fields[name].annotation is bool
 
 
-def add_option_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per option. Values stay strings: the model validates them, not argparse."""
+# The options that steer the engine alone: what `strata generate` takes as flags (the daemon's
+# HTTP, D-Bus and VRAM-control options do not apply to one generation without a daemon).
+ENGINE_OPTIONS: frozenset[str] = frozenset({
+    "model", "log_level", "threads", "context_length", "prefill_chunk_tokens", "kv_cache_type",
+    "device", "cache_mib", "elastic_tail_mib", "elastic_reserve_mib", "host_budget_mib",
+    "adapt_swaps", "prefetch_experts", "verify_experts", "arena_chunk_mib", "fast_decode",
+    "enforce_eager", "fast_prefill",
+})  # fmt: skip
+# `strata bench` sizes the cache itself (its --cache-mib is a list of budgets, all elastic).
+BENCH_OPTIONS = ENGINE_OPTIONS - {"cache_mib", "elastic_tail_mib", "elastic_reserve_mib"}
+
+
+def add_option_flags(parser: argparse.ArgumentParser, names: frozenset[str] | None = None) -> None:
+    """Add one flag per option (only those in ``names`` when given). Values stay strings: the
+    model validates them, not argparse."""
     group = parser.add_argument_group("options (also STRATA_* variables and config.toml keys)")
     group.add_argument(
         "--config",
@@ -316,6 +342,8 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         "also STRATA_CONFIG)",
     )
     for name, field in StrataConfig.model_fields.items():
+        if names is not None and name not in names:
+            continue
         default = field.default if field.default is not None else "unset"
         kwargs: dict[str, Any] = {
             "dest": f"opt_{name}",

@@ -1,8 +1,17 @@
 """The VRAM control plane: samples the monitor, asks the pure policy for a size, hands resizes to
-the engine thread, and answers reserve and borrow requests once their room exists.
+the engine thread, and answers reserve and borrow requests once they are carried out.
 
 Runs on the asyncio loop and never waits on compute: a resize is a request to the engine thread,
 applied at once when idle and at the next safe point otherwise.
+
+How a request is carried out (``VramController.requests``, the status's ``vram_requests``):
+
+* ``room``: a monitor sees the device; the request returns once the room is free on it;
+* ``shrink``: no monitor sees the device (``vram_monitor = none`` on a GPU, or a monitor that
+  failed); the request returns once the cache has shrunk by its amount, which is all Strata can
+  know, and the answer says so;
+* ``refused``: Strata watches no GPU and holds no VRAM (the CPU): a request for more than 0 MiB
+  is refused with :class:`NoDevice`. Never a success that changed nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from strata.daemon.leases import (
@@ -19,6 +28,8 @@ from strata.daemon.leases import (
     LeaseBook,
     LeaseError,
     LeaseNotFound,
+    NoDevice,
+    NotEnoughVram,
     Timeout,
     max_freeable_mib,
 )
@@ -29,7 +40,10 @@ from strata.daemon.policy import (
     LeaseUsage,
     PolicyConfig,
     PolicyState,
+    base_room,
     decide,
+    decide_unwatched,
+    unwatched_demand,
 )
 from strata.daemon.worker import EngineWorker
 from strata.vmm.monitor import VramMonitor, VramSample
@@ -48,6 +62,18 @@ class ControlConfig:
     borrow_timeout_ms: int = 10_000
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a VRAM request was carried out: ``how`` is ``room`` (free on the device, seen),
+    ``shrink`` (no monitor: the cache shrank by the amount) or ``none`` (nothing was asked: a
+    reserve of 0 MiB); ``message`` says it in words, with the numbers."""
+
+    how: str
+    message: str
+    cache_mib: int
+    free_mib: int | None
+
+
 def _mib(nbytes: int) -> int:
     return nbytes // MiB
 
@@ -61,6 +87,7 @@ class VramController:
         control: ControlConfig,
         fixed_bytes: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.monotonic,
+        on_gpu: bool = False,
     ) -> None:
         self.worker = worker
         self.monitor = monitor
@@ -68,6 +95,7 @@ class VramController:
         self.control = control
         self.fixed_bytes = fixed_bytes
         self.clock = clock
+        self.on_gpu = on_gpu  # the engine computes on a CUDA device
         self.book = LeaseBook()
         self.state = PolicyState.initial(policy)
         self.last_sample: VramSample | None = None
@@ -76,6 +104,8 @@ class VramController:
         self.listeners: list[Listener] = []
         self._pid_used_at_borrow: dict[int, int | None] = {}
         self._policy_size_mib: int | None = None  # the size the policy last reached, in its MiB
+        self._active = 0  # requests in progress (generations admitted and not finished)
+        self._idle_since: float | None = clock()  # clock seconds; None while a request runs
         self._changed = asyncio.Event()
         self._check_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -112,7 +142,7 @@ class VramController:
         self._changed.set()
         self._emit(
             "cache_resized",
-            cache_mib=self.cache_mib,
+            cache_mib=self._mapped_mib(),  # as the status's cache_mib and CacheMiB say it
             free_mib=_mib(sample.free_bytes) if sample else 0,
         )
 
@@ -121,10 +151,47 @@ class VramController:
         cache = self.worker.cache
         return _mib(cache.size_bytes) if cache is not None else 0
 
+    @property
+    def watched(self) -> bool:
+        """A monitor sees the device (not ``none``, not failed)."""
+        return self.monitor.kind != "none" and self.monitor.healthy
+
+    @property
+    def requests(self) -> str:
+        """How VRAM requests are carried out now: ``room``, ``shrink`` or ``refused`` (module
+        docstring)."""
+        if self.watched:
+            return "room"
+        if self.monitor.kind == "none" and not self.on_gpu:
+            return "refused"
+        cache = self.worker.cache
+        loaded = self.worker.engine is not None
+        if loaded and (cache is None or _closed(cache)):
+            return "refused"
+        return "shrink"
+
+    def unwatched_why(self) -> str:
+        if self.monitor.kind == "none":
+            return "vram_monitor is none"
+        return f"the VRAM monitor failed: {self.monitor.problem}"
+
+    # -- requests in progress (idle release) ----------------------------------------------------
+
+    def request_began(self) -> None:
+        self._active += 1
+        self._idle_since = None
+
+    def request_ended(self) -> None:
+        self._active = max(0, self._active - 1)
+        if self._active == 0:
+            self._idle_since = self.clock()
+
     # -- the periodic check ---------------------------------------------------------------------
 
     async def run(self) -> None:
         period = self.control.period_ms / 1000
+        if self._active == 0:  # idle from when the model is ready, not from the start of loading
+            self._idle_since = self.clock()
         while True:
             try:
                 await self.check("period")
@@ -140,18 +207,14 @@ class VramController:
 
     def _check(self, why: str) -> Decision | None:
         cache = self.worker.cache
+        epoch = self.worker.resize_epoch
         sample = self.monitor.sample()
+        settled = epoch % 2 == 0 and self.worker.resize_epoch == epoch
         if sample is not None:
             self.last_sample = sample
-        if sample is None or cache is None or _closed(cache):
+        if cache is None or _closed(cache):
             return None
         fixed = _mib(self.fixed_bytes())
-        device = DeviceView(
-            total_mib=_mib(sample.total_bytes),
-            free_mib=_mib(sample.free_bytes),
-            ours_mib=-(-sample.ours_bytes // MiB),
-            used_mib=-(-sample.used_bytes // MiB),
-        )
         size_mib = self._policy_size_mib
         if size_mib is None or cache.slots_for_bytes(size_mib * MiB) != cache.n_slots:
             size_mib = -(-cache.arena.mapped_bytes // MiB)
@@ -161,19 +224,35 @@ class VramController:
             max_mib=-(-cache.mapped_bytes_for(cache.max_slots) // MiB),
             fixed_mib=fixed,
         )
-        usage = [self._lease_usage(lease) for lease in self.book.leases()]
-        decision = decide(
-            self.clock() * 1000, device, view, self.book.view(), usage, self.policy, self.state
-        )
+        now_ms = self.clock() * 1000
+        idle = None if self._idle_since is None else self._idle_since * 1000
+        if sample is None:
+            if self.state.unwatched_base_mib is None and self.last_decision is None:
+                # Unwatched from the start: every request so far is still to be carried out.
+                self.state = replace(self.state, unwatched_base_mib=view.size_mib)
+            decision = decide_unwatched(
+                now_ms, view, self.book.view(), self.policy, self.state, idle_since_ms=idle
+            )
+        else:
+            device = DeviceView(
+                total_mib=_mib(sample.total_bytes),
+                free_mib=_mib(sample.free_bytes),
+                ours_mib=-(-sample.ours_bytes // MiB),
+                used_mib=-(-sample.used_bytes // MiB),
+                settled=settled,
+            )
+            usage = [self._lease_usage(lease) for lease in self.book.leases()]
+            decision = decide(
+                now_ms, device, view, self.book.view(), usage, self.policy, self.state,
+                idle_since_ms=idle,
+            )  # fmt: skip
         self.state = decision.state
         self.last_decision = decision
         slots = cache.slots_for_bytes(decision.target_mib * MiB)
-        if slots == cache.n_slots:
-            self._policy_size_mib = decision.target_mib
-        else:
+        self._policy_size_mib = decision.target_mib
+        if slots != cache.n_slots:
             log.debug("resize to %d slots (%s, %s): %s", slots, decision.reason, why,
                       decision.explain)  # fmt: skip
-            self._policy_size_mib = decision.target_mib
             self.worker.request_resize(slots, None, f"{decision.reason} ({why})")
         return decision
 
@@ -198,15 +277,71 @@ class VramController:
         usable = _mib(sample.used_bytes + sample.free_bytes)
         return max_freeable_mib(usable, core, _mib(self.fixed_bytes()))
 
-    async def set_reserve(self, mib: int) -> None:
-        """The run-time reserve; returns once the room exists (Timeout otherwise; the reserve
-        stays set either way)."""
-        limit = self.max_freeable_mib()
-        LeaseBook.check_request(mib, limit if limit is not None else mib, allow_zero=True)
+    def _admit(self, mib: int, demand_after: int, what: str) -> None:
+        """Refuse, before anything is recorded, a request that could not be carried out: no GPU
+        (:class:`NoDevice`), or more than Strata could free (:class:`NotEnoughVram`)."""
+        if mib == 0:
+            return
+        mode = self.requests
+        if mode == "refused":
+            raise NoDevice(f"cannot free {mib} MiB for {what}: {self._no_device_text()}")
+        if mode == "room":
+            limit = self.max_freeable_mib()
+            if limit is not None and mib > limit:
+                raise NotEnoughVram(mib, limit)
+            return
+        cache = self.worker.cache
+        if cache is None or _closed(cache):
+            return  # still loading: the request waits for the cache (or times out)
+        base, at_base = self._unwatched_base(cache)
+        allowed = base + at_base - _mib(cache.core_bytes)
+        if demand_after > allowed:
+            others = demand_after - mib
+            raise NotEnoughVram(
+                mib, max(0, allowed - others),
+                f"{self.unwatched_why()}, so Strata can only shrink its cache: its elastic part "
+                f"is {allowed} MiB, {min(allowed, others)} MiB of it already given to the "
+                "reserve, holds and leases",
+            )  # fmt: skip
+
+    def _unwatched_base(self, cache: Any) -> tuple[int, int]:
+        """The cache's size without requests, and what the book asked when it was that size."""
+        if self.state.unwatched_base_mib is not None:
+            return self.state.unwatched_base_mib, self.state.unwatched_demand_mib
+        size = -(-cache.arena.mapped_bytes // MiB)
+        if self.last_decision is None:  # unwatched from the start: nothing given yet
+            return size, 0
+        return size, unwatched_demand(self.book.view())
+
+    def _no_device_text(self) -> str:
+        if self.monitor.kind == "none" and not self.on_gpu:
+            return (
+                "Strata watches no GPU (vram_monitor none, computing on the CPU) and holds no "
+                "VRAM, so there is nothing it could free"
+            )
+        if not self.monitor.healthy:
+            return (
+                f"the VRAM monitor failed ({self.monitor.problem}) and Strata holds no expert "
+                "cache it could shrink"
+            )
+        return "Strata holds no expert cache it could shrink"
+
+    async def set_reserve(self, mib: int) -> Outcome:
+        """The run-time reserve; returns once it is carried out (Timeout otherwise; the reserve
+        stays set either way), saying how."""
+        LeaseBook.check_request(mib, mib, allow_zero=True)
+        view = self.book.view()
+        holds = max([0, *view.holds.values()])
+        self._admit(mib, max(mib, holds) + view.borrowed_mib, f"a reserve of {mib} MiB")
+        before = self._mapped_mib()
         self.book.set_reserve(mib)
         log.info("run-time reserve set to %d MiB", mib)
         self._emit("status_changed")
-        await self._wait_for_room(f"reserve of {mib} MiB")
+        if mib == 0:  # nothing asked: nothing to wait for (the cache grows back as room lasts)
+            await self.check("request")
+            return self._outcome("none", "a reserve of 0 MiB", before)
+        how = await self._carry_out(f"reserve of {mib} MiB")
+        return self._outcome(how, f"a reserve of {mib} MiB", before)
 
     async def set_hold(self, source: str, mib: int | None) -> None:
         """A hold from another source (GameMode); None clears it."""
@@ -220,10 +355,11 @@ class VramController:
     async def borrow(
         self, mib: int, owner: str, pid: int | None, app_id: str, reason: str
     ) -> Lease:
-        """A lease of ``mib`` MiB; returns once they are free on the device (Timeout after
+        """A lease of ``mib`` MiB; returns once it is carried out (Timeout after
         ``borrow_timeout_ms``, leaving no lease behind)."""
-        limit = self.max_freeable_mib()
-        LeaseBook.check_request(mib, limit if limit is not None else mib)
+        LeaseBook.check_request(mib, mib)
+        self._admit(mib, unwatched_demand(self.book.view()) + mib, f"a lease of {mib} MiB")
+        before = self._mapped_mib()
         sample = self.last_sample
         lease = self.book.add(
             owner,
@@ -239,10 +375,12 @@ class VramController:
         )
         log.info("lease %d: %d MiB for %s (%s), pid %s", lease.cookie, mib, app_id, reason, pid)
         try:
-            await self._wait_for_room(f"lease {lease.cookie} of {mib} MiB")
+            how = await self._carry_out(f"lease {lease.cookie} of {mib} MiB")
         except BaseException:
             self._drop(lease.cookie, None, "failed")
             raise
+        outcome = self._outcome(how, f"lease {lease.cookie} of {mib} MiB", before)
+        log.info("%s", outcome.message)
         self._emit("status_changed")
         return lease
 
@@ -274,23 +412,61 @@ class VramController:
         if self._loop is not None:
             self._loop.create_task(self.check("lease returned"))
 
-    async def _wait_for_room(self, what: str) -> None:
+    def _room_needed(self) -> int:
+        """The room the book asks for, every lease counted as not yet allocated (for a device
+        watched while no cache exists)."""
+        view = self.book.view()
+        return base_room(self.policy, view.reserve_mib, view.holds)[0] + view.borrowed_mib
+
+    async def _carry_out(self, what: str) -> str:
+        """Wait until the book's demand is carried out: the room free on a watched device
+        (``room``), or the cache at its target where nothing watches (``shrink``). Timeout
+        after ``borrow_timeout_ms``; NoDevice / NotEnoughVram where it never can be."""
         timeout = self.control.borrow_timeout_ms / 1000
         deadline = self.clock() + timeout
         while True:
             decision = await self.check("request")
-            if decision is None:
-                return  # nothing to steer: no monitor (a granted request) or no cache
-            sample = self.last_sample
-            assert sample is not None
-            free = _mib(sample.free_bytes)
-            if free >= decision.room_kept_mib:
-                return
+            cache = self.worker.cache
+            sample = self.last_sample if self.watched else None
+            if decision is not None and sample is not None:
+                free, needed = _mib(sample.free_bytes), decision.room_kept_mib
+                if free >= needed:
+                    return "room"
+            elif decision is not None:  # unwatched: the cache at its target is all there is
+                assert cache is not None
+                if cache.n_slots <= cache.slots_for_bytes(decision.target_mib * MiB):
+                    return "shrink"
+                free, needed = None, decision.room_kept_mib
+            elif sample is not None:  # watched, no cache (yet): the room may exist anyway
+                free, needed = _mib(sample.free_bytes), self._room_needed()
+                if free >= needed:
+                    return "room"
+                if self.worker.engine is not None:  # loaded, and no cache to give back
+                    raise NotEnoughVram(
+                        needed, free, "Strata holds no expert cache to shrink: what is free now"
+                    )
+            else:
+                if self.worker.engine is not None:
+                    raise NoDevice(f"cannot carry out the {what}: {self._no_device_text()}")
+                free, needed = None, None  # loading, no monitor: wait for the cache
             left = deadline - self.clock()
             if left <= 0:
+                waited = self.control.borrow_timeout_ms
+                if self.worker.engine is None:
+                    raise Timeout(
+                        f"{what}: the model is still loading after {waited} ms; it is recorded "
+                        "and is carried out once the cache exists"
+                    )
+                if free is None:
+                    target = decision.target_mib if decision is not None else None
+                    raise Timeout(
+                        f"{what}: the cache has not reached {target} MiB after {waited} ms "
+                        f"({self.cache_mib} MiB now)"
+                    )
+                explain = decision.explain if decision is not None else "no expert cache"
                 raise Timeout(
-                    f"{what}: only {free} MiB free after {self.control.borrow_timeout_ms} ms, "
-                    f"{decision.room_kept_mib} MiB needed ({decision.explain})"
+                    f"{what}: only {free} MiB free after {waited} ms, {needed} MiB needed "
+                    f"({explain})"
                 )
             self._changed.clear()
             try:
@@ -298,9 +474,34 @@ class VramController:
             except TimeoutError:
                 pass
 
+    def _mapped_mib(self) -> int:
+        """The cache's memory now, as the status's ``cache_mib`` (whole arena chunks)."""
+        cache = self.worker.cache
+        return cache.arena.mapped_bytes // MiB if cache is not None and not _closed(cache) else 0
+
+    def _outcome(self, how: str, what: str, before_mib: int) -> Outcome:
+        after = self._mapped_mib()
+        sample = self.last_sample if self.watched else None
+        free = _mib(sample.free_bytes) if sample is not None else None
+        cache = f"the cache {before_mib} -> {after} MiB" if after != before_mib else (
+            f"the cache stays at {after} MiB"
+        )  # fmt: skip
+        if how == "none":
+            text = f"the run-time reserve is cleared ({cache}; it grows back as room lasts)"
+        elif how == "room":
+            device = self.monitor.device_name
+            text = f"{what}: {free} MiB are free on {device} ({cache})"
+        else:
+            text = (
+                f"{what}: no monitor sees the device ({self.unwatched_why()}), so Strata shrank "
+                f"its cache by what is asked ({cache}); whether that memory is free on the GPU "
+                "is not checked"
+            )
+        return Outcome(how, text, after, free)
+
 
 def _closed(cache: Any) -> bool:
     return bool(getattr(cache.arena, "closed", False))
 
 
-__all__ = ["ControlConfig", "LeaseError", "LeaseNotFound", "VramController"]
+__all__ = ["ControlConfig", "LeaseError", "LeaseNotFound", "Outcome", "VramController"]

@@ -76,6 +76,7 @@ class Generation:
         self.job = job
         self.received = received
         self.started: float | None = None  # monotonic, set on the engine thread
+        self.number = 0  # its place in the order of admission (the log names it)
         self.left = False  # the client went away
         self.released = False
         self.closed = False  # the response is over: nobody takes text any more
@@ -160,6 +161,7 @@ class Generations:
         self.mean_generation_s: float | None = None
         self._lock = threading.Lock()
         self._in_flight = 0  # admitted and not finished (or given up before starting)
+        self._admitted = 0  # requests admitted since start: each one's number
         self._live: weakref.WeakSet[Generation] = weakref.WeakSet()  # for buffered()
 
     async def submit(
@@ -178,9 +180,13 @@ class Generations:
             if self._in_flight >= self.max_queued + 1:
                 raise QueueFull(self._in_flight - 1, self.mean_generation_s)
             self._in_flight += 1
+            self._admitted += 1
+            number = self._admitted
+        self.controller.request_began()  # not idle (idle_release_s) until it is over
         loop = asyncio.get_running_loop()
         job = GenerationJob(prompt, params, constraint=constraint, show_special=show_special)
         gen = Generation(job, received)
+        gen.number = number
         gen._on_cancel = self._given_up
         if stream:
 
@@ -228,9 +234,11 @@ class Generations:
 
     def _release(self, gen: Generation) -> None:
         with self._lock:
-            if not gen.released:
-                gen.released = True
-                self._in_flight -= 1
+            if gen.released:
+                return
+            gen.released = True
+            self._in_flight -= 1
+        self.controller.request_ended()
 
     def _finished(self, gen: Generation) -> None:  # on the loop, once the engine is done
         self._release(gen)
@@ -244,6 +252,7 @@ class Generations:
         else:
             result = done.result()
             outcome = result.finish_reason
+            log.info("%s", request_line(gen, result))
             if outcome != "cancelled" and gen.started is not None:
                 took = time.monotonic() - gen.started
                 mean = self.mean_generation_s
@@ -259,6 +268,22 @@ class Generations:
             gen._put(Piece("", tuple(gen._stash)))
             gen._stash = []
         gen._put(_END)
+
+
+def request_line(gen: Generation, r: GenerationResult) -> str:
+    """The log line of one finished generation, as llama-server prints one: the prompt (and how
+    much of it came from the K/V of an earlier request), what was generated, the speeds, and the
+    time from the request's arrival to its first token."""
+    computed = r.prompt_tokens - r.cached_tokens
+    prefill = f", {computed / r.prefill_s:.1f} tok/s" if computed and r.prefill_s > 0 else ""
+    decode = f"{r.decode_tok_s:.1f} tok/s" if r.decode_tok_s else "n/a tok/s"
+    first = (r.token_times[0] - gen.received) if r.token_times else None
+    ttft = f"{first * 1000:.0f} ms" if first is not None else "none"
+    return (
+        f"request {gen.number}: prompt {r.prompt_tokens} tokens ({r.cached_tokens} cached"
+        f"{prefill}), {r.completion_tokens} generated at {decode}, first token after {ttft}, "
+        f"finish {r.finish_reason}"
+    )
 
 
 def _hop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from strata import __version__
 from strata.daemon.bounded import Bounded
 from strata.daemon.generation import Generation, Generations, NotServing, QueueFull
-from strata.daemon.leases import LeaseError, NotEnoughVram, Timeout
+from strata.daemon.leases import LeaseError, NoDevice, NotEnoughVram, Timeout
 from strata.daemon.metrics import CONTENT_TYPE, Metrics
 from strata.daemon.openai_api import (
     SSE_DONE,
@@ -194,14 +194,21 @@ def create_app(daemon: Any) -> FastAPI:
         except ValueError as e:
             raise invalid(f"invalid body: {_first_error(e)}", "reserve_mib") from None
         try:
-            await daemon.reserve(body.reserve_mib)
+            outcome = await daemon.reserve(body.reserve_mib)
         except Timeout as e:
             raise ApiError(504, str(e), "timeout", "reserve_mib", "timeout") from None
         except NotEnoughVram as e:
             raise invalid(str(e), "reserve_mib", "not_enough_vram") from None
+        except NoDevice as e:
+            raise ApiError(
+                409, str(e), "invalid_request_error", "reserve_mib", "no_device"
+            ) from None
         except LeaseError as e:
             raise invalid(str(e), "reserve_mib") from None
-        return JSONResponse(daemon.status())
+        # what was done, and how: "room" (free on the device), "shrink" (no monitor: the cache
+        # shrank by the amount), "none" (a reserve of 0)
+        done = {"how": outcome.how, "message": outcome.message}
+        return JSONResponse({"result": done, **daemon.status()})
 
     @app.get("/metrics")
     async def get_metrics() -> Response:

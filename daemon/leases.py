@@ -49,13 +49,21 @@ class NotEnoughVram(LeaseError):
 
     dbus_name = "org.strata.Error.NotEnoughVram"
 
-    def __init__(self, requested_mib: int, max_freeable_mib: int) -> None:
+    def __init__(self, requested_mib: int, max_freeable_mib: int, why: str | None = None) -> None:
+        why = why or "device total - the expert cache's core - the engine's own memory"
         super().__init__(
             f"cannot free {requested_mib} MiB: at most {max_freeable_mib} MiB can ever be freed "
-            "(device total - the expert cache's core - the engine's own memory)"
+            f"({why})"
         )
         self.requested_mib = requested_mib
         self.max_freeable_mib = max_freeable_mib
+
+
+class NoDevice(LeaseError):
+    """Nothing Strata could do would make VRAM free: it watches no GPU and holds no cache in
+    one (the CPU, or a monitor that failed before the cache existed)."""
+
+    dbus_name = "org.strata.Error.NoDevice"
 
 
 class LeaseNotFound(LeaseError):

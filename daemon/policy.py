@@ -25,6 +25,17 @@ The rules, all sizes in MiB:
   unseen cookie is new explicit demand. The urgent target then stays in the state until the cache
   has reached it (or it is no longer needed), so a periodic check that runs before the safe point
   can never turn it back into a one-step shrink.
+* **Ahead of a growing program.** A failed allocation is invisible to the driver's counters, so a
+  program that grows in steps larger than the room would wait for ever. When the tenants grew
+  since the last settled reading and free VRAM is at (or below) the room, the room gains the
+  *ahead* part: at least that growth, at most ``elastic_shrink_step_mib``. It fades linearly to
+  nothing over ``elastic_stable_ms`` after the last such growth. Readings taken while a resize is
+  under way (``DeviceView.settled`` false) are not compared: ``used`` and ``ours`` are not read
+  atomically, and Strata's own unmapping would look like a tenant growing.
+* **Idle release.** With ``idle_release_ms`` set (0: never), once no request has run for that long
+  (``idle_since_ms``), the goal is the core (reason ``idle``). What it gives back from a cache at
+  its goal counts as room that has lasted, so the next request grows it back at once; room that
+  appears during the idle time (a program left) waits the stable time as usual.
 * **Grow** (goal > size) only once the room has lasted the current stable time without a break,
   and then to the goal in one decision. A shrink that comes within ``stable_backoff_reset_ms`` of
   a growth doubles the stable time (oscillation damping, at most up to
@@ -34,14 +45,19 @@ The rules, all sizes in MiB:
 Reasons a decision gives: ``tenant`` (NVML-driven step), ``reserve``, ``lease``, a hold's source
 name such as ``gamemode`` (explicit shrinks), ``vram_max`` / ``max`` (the size is above the cap),
 ``room`` (growth), ``waiting`` (room seen, not yet stable), ``core`` (held at the core: growing
-back to it, or unable to go lower), ``steady`` (no change).
+back to it, or unable to go lower), ``idle`` (idle release), ``steady`` (no change).
+
+Where no monitor sees the device (``vram_monitor = none``, or a monitor that failed),
+:func:`decide_unwatched` takes over: the cache is its size when that began, less what the
+reserve, the holds and the leases ask for since, so a request shrinks it by exactly its amount
+(reason ``unwatched``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from strata.daemon.leases import BookView, Lease, is_int
@@ -60,17 +76,19 @@ def _whole(owner: str, name: str, value: object, minimum: int) -> None:
 class PolicyConfig:
     """The policy's knobs (the service builds this from ``StrataConfig``)."""
 
-    elastic_reserve_mib: int = 500
+    elastic_reserve_mib: int = 1024
     elastic_stable_ms: int = 5000
     elastic_shrink_step_mib: int = 1024
     stable_backoff_reset_ms: int = 300_000
     vram_max_mib: int | None = None
+    idle_release_ms: int = 0  # 0: never
 
     def __post_init__(self) -> None:
         _whole("", "elastic_reserve_mib", self.elastic_reserve_mib, 0)
         _whole("", "elastic_stable_ms", self.elastic_stable_ms, 0)
         _whole("", "elastic_shrink_step_mib", self.elastic_shrink_step_mib, 1)
         _whole("", "stable_backoff_reset_ms", self.stable_backoff_reset_ms, 0)
+        _whole("", "idle_release_ms", self.idle_release_ms, 0)
         if self.vram_max_mib is not None:
             _whole("", "vram_max_mib", self.vram_max_mib, 1)
 
@@ -85,12 +103,15 @@ class DeviceView:
     """One reading of the device (``vmm.monitor.VramSample`` in MiB). ``ours_mib``: the arena's
     mapped memory plus the engine's own allocations (what Strata really holds, never the policy's
     target). ``used_mib``: memory allocated by processes, Strata included; memory the driver keeps
-    for itself is in neither used nor free. Without it, everything not free counts as used."""
+    for itself is in neither used nor free. Without it, everything not free counts as used.
+    ``settled``: false when a resize may have run between the readings of used and ours (then
+    the tenants' growth is not trusted)."""
 
     total_mib: int
     free_mib: int
     ours_mib: int
     used_mib: int | None = None
+    settled: bool = True  # no resize was under way while it was read
 
     def __post_init__(self) -> None:
         for name in ("total_mib", "free_mib", "ours_mib"):
@@ -159,7 +180,13 @@ class PolicyState:
       recognise new explicit demand (``initial`` starts from the automatic reserve; None: count
       nothing as new);
     * ``urgent_target_mib``, ``urgent_reason``: an explicit shrink the cache has not reached yet;
-    * ``growing_to_mib``: a growth decided but not reached yet (repeated, not waited for again).
+    * ``growing_to_mib``: a growth decided but not reached yet (repeated, not waited for again);
+    * ``tenants_mib``: the tenants not accounted for by a lease at the last settled reading
+      (their growth is measured from it);
+    * ``ahead_mib``, ``ahead_at_ms``: the ahead room set at the last growth, and when (it fades
+      from there over ``elastic_stable_ms``);
+    * ``unwatched_base_mib``, ``unwatched_demand_mib``: with no monitor, the cache's size when
+      that began and what the book asked for then (see :func:`decide_unwatched`).
     """
 
     stable_ms: float
@@ -171,6 +198,11 @@ class PolicyState:
     urgent_target_mib: int | None = None
     urgent_reason: str | None = None
     growing_to_mib: int | None = None
+    tenants_mib: int | None = None
+    ahead_mib: int = 0
+    ahead_at_ms: float | None = None
+    unwatched_base_mib: int | None = None
+    unwatched_demand_mib: int = 0
 
     @classmethod
     def initial(cls, cfg: PolicyConfig) -> PolicyState:
@@ -185,7 +217,8 @@ class Budget:
     ``owed_mib``: per lease cookie, the part its borrower has not allocated yet (kept free);
     ``available_mib``: ``usable - tenants - fixed - room`` (may be negative); ``cap_mib``: the
     largest size allowed (``max_mib``, or ``vram_max_mib - fixed`` when that is lower, reason
-    ``"vram_max"``); ``goal_mib``: ``available`` clamped to ``[core, cap]``, the core winning.
+    ``"vram_max"``); ``goal_mib``: ``available`` clamped to ``[core, cap]``, the core winning;
+    ``ahead_mib``: the part of the room kept for a program that is growing (in ``room_mib``).
     """
 
     tenants_mib: int
@@ -197,6 +230,7 @@ class Budget:
     cap_mib: int
     cap_reason: str
     goal_mib: int
+    ahead_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -226,7 +260,10 @@ class Decision:
 
 def base_room(cfg: PolicyConfig, reserve_mib: int, holds: Mapping[str, int]) -> tuple[int, str]:
     """``max(automatic reserve, run-time reserve, largest hold)`` and which of them it is."""
-    best, source = cfg.elastic_reserve_mib, ELASTIC_RESERVE
+    return _largest(cfg.elastic_reserve_mib, ELASTIC_RESERVE, reserve_mib, holds)
+
+
+def _largest(best: int, source: str, reserve_mib: int, holds: Mapping[str, int]) -> tuple[int, str]:
     if reserve_mib > best:
         best, source = reserve_mib, "reserve"
     for name, mib in sorted(holds.items()):
@@ -261,27 +298,70 @@ def lease_allocations(
     return out
 
 
+def faded_ahead(cfg: PolicyConfig, state: PolicyState, now_ms: float) -> int:
+    """The ahead room at ``now_ms``: as set at the last growth, fading linearly to 0 over
+    ``elastic_stable_ms``."""
+    if state.ahead_at_ms is None or state.ahead_mib <= 0:
+        return 0
+    since = max(0.0, now_ms - state.ahead_at_ms)
+    if since >= cfg.elastic_stable_ms:
+        return 0
+    return int(state.ahead_mib * (1 - since / cfg.elastic_stable_ms))
+
+
 def budget(
     device: DeviceView,
     cache: CacheView,
     book: BookView,
     lease_usage: Sequence[LeaseUsage],
     cfg: PolicyConfig,
+    ahead_mib: int = 0,
 ) -> Budget:
-    """The room to keep free and the size it leaves for the cache (steps 1 and 2 of the rules)."""
+    """The room to keep free and the size it leaves for the cache (steps 1 and 2 of the rules);
+    ``ahead_mib`` is added to the room for a program that is growing."""
     tenants = device.tenants_mib
     base, base_source = base_room(cfg, book.reserve_mib, book.holds)
     allocated = lease_allocations(book.leases, lease_usage, tenants)
     owed = {lease.cookie: lease.mib - allocated[lease.cookie] for lease in book.leases}
-    room = base + sum(owed.values())
+    room = base + sum(owed.values()) + ahead_mib
     available = device.usable_mib - tenants - cache.fixed_mib - room
     cap, cap_reason = cache.max_mib, "max"
     if cfg.vram_max_mib is not None and cfg.vram_max_mib - cache.fixed_mib < cap:
         cap, cap_reason = max(0, cfg.vram_max_mib - cache.fixed_mib), "vram_max"
     goal = max(cache.core_mib, min(available, cap))
     return Budget(
-        tenants, base, base_source, MappingProxyType(owed), room, available, cap, cap_reason, goal
-    )
+        tenants, base, base_source, MappingProxyType(owed), room, available, cap, cap_reason, goal,
+        ahead_mib,
+    )  # fmt: skip
+
+
+def _ahead(
+    now_ms: float,
+    device: DeviceView,
+    cache: CacheView,
+    book: BookView,
+    lease_usage: Sequence[LeaseUsage],
+    cfg: PolicyConfig,
+    state: PolicyState,
+) -> tuple[int, float | None, int | None]:
+    """The ahead room for this decision: ``(ahead, ahead_at, unleased tenants seen)``.
+
+    The tenants not accounted for by a lease (a borrower filling its lease is not a program
+    starving: its room is kept already) grew since the last settled reading, and free VRAM is
+    at or below the room: their growth took it. Keep at least that growth more, at most one
+    shrink step, as of now.
+    """
+    faded = faded_ahead(cfg, state, now_ms)
+    at = state.ahead_at_ms if faded else None
+    if not device.settled:
+        return faded, at, state.tenants_mib
+    b = budget(device, cache, book, lease_usage, cfg, faded)
+    leased = sum(lease.mib - b.owed_mib[lease.cookie] for lease in book.leases)
+    unleased = max(0, b.tenants_mib - leased)
+    growth = 0 if state.tenants_mib is None else unleased - state.tenants_mib
+    if growth > 0 and device.free_mib <= b.room_mib:
+        return min(cfg.elastic_shrink_step_mib, max(faded, growth)), now_ms, unleased
+    return faded, at, unleased
 
 
 def decide(
@@ -292,12 +372,16 @@ def decide(
     lease_usage: Sequence[LeaseUsage],
     cfg: PolicyConfig,
     state: PolicyState,
+    *,
+    idle_since_ms: float | None = None,
 ) -> Decision:
-    """The cache size for this moment and the state for the next call (see the module doc)."""
-    if isinstance(now_ms, bool) or not isinstance(now_ms, int | float) or not math.isfinite(now_ms):
-        raise ValueError(f"now_ms: expected a finite number of milliseconds, got {now_ms!r}")
-    b = budget(device, cache, book, lease_usage, cfg)
+    """The cache size for this moment and the state for the next call (see the module doc).
+    ``idle_since_ms``: since when no request has run (None: one runs now)."""
+    _check_now(now_ms)
+    ahead, ahead_at, tenants_seen = _ahead(now_ms, device, cache, book, lease_usage, cfg, state)
+    b = budget(device, cache, book, lease_usage, cfg, ahead)
     size, core, goal = cache.size_mib, cache.core_mib, b.goal_mib
+    idle = _idle(now_ms, cfg, idle_since_ms)
 
     # Oscillation damping: back to the base stable time after a quiet stretch.
     stable = state.stable_ms
@@ -308,7 +392,18 @@ def decide(
     urgent_target, urgent_reason = _urgent(size, core, b, book, state)
     room_since, grown_at = state.room_since_ms, state.last_growth_ms
     growing_to: int | None = None
-    if goal < size:
+    if idle:
+        # Voluntary: neither an oscillation nor the end of the room. The room keeps being
+        # tracked as though the cache were at its core, so the next request grows at once.
+        target, reason, urgent = core, "idle", size > core
+        urgent_target = urgent_reason = None
+        if goal <= core:
+            room_since = None
+        elif room_since is None or room_since > now_ms:
+            # What the release gives back from a cache at its goal is room that has lasted:
+            # the next request grows it back at once. Room that appears later waits as usual.
+            room_since = now_ms - stable if core < size <= goal else now_ms
+    elif goal < size:
         room_since = None
         if urgent_target is not None:
             # The explicit part at once, plus at most one step for what the tenants did.
@@ -351,9 +446,95 @@ def decide(
         urgent_target_mib=urgent_target,
         urgent_reason=urgent_reason,
         growing_to_mib=growing_to,
+        tenants_mib=tenants_seen,
+        ahead_mib=ahead,
+        ahead_at_ms=ahead_at,
     )
     explain = _explain(now_ms, device, cache, cfg, book, b, target, reason, next_state)
     return Decision(target, reason, urgent, next_state, b, explain)
+
+
+def _check_now(now_ms: float) -> None:
+    if isinstance(now_ms, bool) or not isinstance(now_ms, int | float) or not math.isfinite(now_ms):
+        raise ValueError(f"now_ms: expected a finite number of milliseconds, got {now_ms!r}")
+
+
+def _idle(now_ms: float, cfg: PolicyConfig, idle_since_ms: float | None) -> bool:
+    return (
+        cfg.idle_release_ms > 0
+        and idle_since_ms is not None
+        and now_ms - idle_since_ms >= cfg.idle_release_ms
+    )
+
+
+def unwatched_demand(book: BookView) -> int:
+    """What the book asks of a cache no monitor watches: the largest of the run-time reserve and
+    the holds, plus every lease (the automatic reserve was left free when the cache was sized)."""
+    return _largest(0, ELASTIC_RESERVE, book.reserve_mib, book.holds)[0] + book.borrowed_mib
+
+
+def decide_unwatched(
+    now_ms: float,
+    cache: CacheView,
+    book: BookView,
+    cfg: PolicyConfig,
+    state: PolicyState,
+    *,
+    idle_since_ms: float | None = None,
+) -> Decision:
+    """The cache size where no monitor sees the device (``vram_monitor = none``, or a monitor
+    that failed): what is free cannot be known, so a request is carried out by shrinking the
+    cache by exactly its amount.
+
+    The base is the cache's size at the first such decision and the book's demand then
+    (:func:`unwatched_demand`); the target is ``base - (demand now - demand then)``, clamped to
+    ``[core, cap]``, at once in both directions (there is no room to wait for). Idle release
+    applies as in :func:`decide`.
+    """
+    _check_now(now_ms)
+    size, core = cache.size_mib, cache.core_mib
+    demand = unwatched_demand(book)
+    base, at_base = state.unwatched_base_mib, state.unwatched_demand_mib
+    if base is None:
+        base, at_base = size, demand
+    cap, cap_reason = cache.max_mib, "max"
+    if cfg.vram_max_mib is not None and cfg.vram_max_mib - cache.fixed_mib < cap:
+        cap, cap_reason = max(0, cfg.vram_max_mib - cache.fixed_mib), "vram_max"
+    available = base + at_base - demand
+    goal = max(core, min(available, cap))
+    idle = _idle(now_ms, cfg, idle_since_ms)
+    target = core if idle else goal
+    reason = "idle" if idle and target != size else "unwatched" if target != size else "steady"
+    asked, asked_source = _largest(0, ELASTIC_RESERVE, book.reserve_mib, book.holds)
+    owed = MappingProxyType({lease.cookie: lease.mib for lease in book.leases})
+    b = Budget(0, asked, asked_source, owed, demand, available, cap, cap_reason, goal)
+    next_state = replace(
+        state,
+        base_room_mib=base_room(cfg, book.reserve_mib, book.holds)[0],
+        known_cookies=frozenset(lease.cookie for lease in book.leases),
+        urgent_target_mib=None,
+        urgent_reason=None,
+        growing_to_mib=None,
+        room_since_ms=None,
+        tenants_mib=None,
+        ahead_mib=0,
+        ahead_at_ms=None,
+        unwatched_base_mib=base,
+        unwatched_demand_mib=at_base,
+    )
+    free_of = base + at_base - core
+    text = (
+        f"no monitor sees the device: the cache is {base + at_base} MiB less what is asked "
+        f"({demand} MiB: reserve {book.reserve_mib}, holds {sum(book.holds.values())}, leases "
+        f"{book.borrowed_mib}), at most {free_of} MiB below that"
+    )
+    if idle:
+        text += f"; idle for {(now_ms - (idle_since_ms or now_ms)) / 1000:g} s: down to the core"
+    if target != size:
+        text += f"; {'shrink' if target < size else 'grow'} {size} -> {target} MiB"
+    else:
+        text += f"; no change at {size} MiB"
+    return Decision(target, reason, target < size, next_state, b, text)
 
 
 def _urgent(
@@ -401,11 +582,24 @@ def _explain(
         f"lease {lease.cookie}: {b.owed_mib[lease.cookie]} of {lease.mib} not yet allocated"
         for lease in book.leases
     ]
+    if b.ahead_mib:
+        parts.append(f"ahead {b.ahead_mib}: other programs are growing")
     text = [f"keep {b.room_mib} MiB free ({'; '.join(parts)})"]
     text.append(f"other programs use {b.tenants_mib} MiB")
 
     size = cache.size_mib
-    if target < size:
+    if reason == "idle":
+        since = now_ms - (state.room_since_ms if state.room_since_ms is not None else now_ms)
+        text.append(
+            f"no request for {cfg.idle_release_ms / 1000:g} s or more: "
+            + (f"shrink {size} -> {target} MiB, the core" if target < size else "held at the core")
+            + (
+                f" (room for {b.goal_mib - cache.core_mib} MiB more for {since / 1000:g} s)"
+                if b.goal_mib > cache.core_mib
+                else ""
+            )
+        )
+    elif target < size:
         how = {
             "tenant": f"one step of at most {cfg.elastic_shrink_step_mib} MiB: other programs grew",
             "lease": "all at once: a new lease",

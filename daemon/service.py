@@ -27,7 +27,7 @@ from typing import Any
 from strata.daemon import paths
 from strata.daemon.bounded import Bounded
 from strata.daemon.config import LoadedConfig, StrataConfig
-from strata.daemon.control import ControlConfig, VramController
+from strata.daemon.control import ControlConfig, Outcome, VramController
 from strata.daemon.leases import MAX_LEASES, Lease
 from strata.daemon.policy import PolicyConfig
 from strata.daemon.sdnotify import Notifier, http_status, watchdog_loop
@@ -105,8 +105,8 @@ class Daemon:
 
     # -- the VRAM API ---------------------------------------------------------------------------
 
-    async def reserve(self, mib: int) -> None:
-        await self.controller.set_reserve(mib)
+    async def reserve(self, mib: int) -> Outcome:
+        return await self.controller.set_reserve(mib)
 
     async def borrow(
         self, mib: int, owner: str, pid: int | None, app_id: str, reason: str
@@ -173,6 +173,7 @@ class Daemon:
                 "healthy": monitor.healthy,
                 "problem": monitor.problem,
             },
+            "vram_requests": c.requests,
             "dbus": self.dbus.status(),
             "cache_mib": cache.arena.mapped_bytes // MiB if cache else 0,
             "core_mib": cache.core_bytes // MiB if cache else 0,
@@ -203,7 +204,9 @@ class Daemon:
                 for lease in book.leases()
             ],
             "resizes": c.resizes,
-            "hit_rate": stats.hit_rate if stats else None,
+            # unknown without a cache (every fetch a miss would read as 0.0): None, left out
+            # over D-Bus, null over HTTP
+            "hit_rate": stats.hit_rate if stats is not None and stats.cached else None,
             "busy": self.worker.busy,
             "queued": self.worker.queued(),
         }
@@ -263,6 +266,7 @@ def build(
     from strata.vmm.monitor import create_monitor
 
     device = resolve_device_name(config.device)
+    require_gpu_packages(device)
     holder: dict[str, VramController] = {}
     kind = _monitor_kind(config, device)
     device_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else 0
@@ -279,7 +283,6 @@ def build(
         path = model_path(config)
         daemon.model_path = path
         options = engine_options(config, device)
-        options = _with_start_budget(options, config, monitor)
         factory = _arena_factory(monitor)
         return Engine.load(
             path,
@@ -287,6 +290,7 @@ def build(
             state_dir=paths.state_dir(),
             arena_factory=factory,
             progress=progress or _progress,
+            free_vram=_free_vram(monitor),
         )
 
     worker = EngineWorker(load)
@@ -295,11 +299,14 @@ def build(
         elastic_stable_ms=config.elastic_stable_ms,
         elastic_shrink_step_mib=config.elastic_shrink_step_mib,
         vram_max_mib=config.vram_max_mib,
+        idle_release_ms=config.idle_release_s * 1000,
     )
     control = ControlConfig(
         period_ms=config.elastic_period_ms, borrow_timeout_ms=config.borrow_timeout_ms
     )
-    controller = VramController(worker, monitor, policy, control, _fixed_bytes(device))
+    controller = VramController(
+        worker, monitor, policy, control, _fixed_bytes(device), on_gpu=device.startswith("cuda")
+    )
     holder["c"] = controller
     daemon = Daemon(config, worker, controller, path, device)
     return daemon, monitor.close
@@ -307,6 +314,71 @@ def build(
 
 def _progress(done: int, total: int, what: str) -> None:
     log.info("loading (%d/%d): %s", done, total, what)
+
+
+def require_gpu_packages(device: str) -> None:
+    """On a GPU, the arena and the host tier need ``cuda-bindings``: without it the model could
+    not load, so the daemon stops here with the package and the command that installs it."""
+    if not device.startswith("cuda"):
+        return
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError as e:
+        from strata.hints import install_hint
+
+        raise ServiceError(
+            f"computing on {device} needs the cuda-bindings package for the VRAM arena ({e}); "
+            f"{install_hint('cuda-bindings')}",
+            EXIT_CONFIG,
+        ) from None
+
+
+def describe_path(daemon: Daemon) -> str:
+    """One line: the path ``strata serve`` took (the VRAM arena, the monitor, the kernels), or
+    why not."""
+    from strata.engine.generate import decode_path
+
+    monitor = daemon.controller.monitor
+    if monitor.kind == "none":
+        watch = "no VRAM monitor (vram_monitor none)"
+    elif monitor.healthy:
+        watch = f"{monitor.kind} VRAM monitor on {monitor.device_name}"
+    else:
+        watch = f"no VRAM monitor: {monitor.problem}"
+    requests = {
+        "room": "requests wait for their room",
+        "shrink": "a request shrinks the cache by its amount",
+        "refused": "VRAM requests are refused (no GPU)",
+    }[daemon.controller.requests]
+    engine = daemon.worker.engine
+    if not daemon.device.startswith("cuda"):
+        return f"path: CPU ({_why_cpu(daemon.config.device)}); {watch}; {requests}"
+    cache = daemon.worker.cache
+    arena = type(cache.arena).__name__ if cache is not None else None
+    arena_text = {"CudaArena": "CUDA VMM arena", None: "no expert cache"}.get(arena, str(arena))
+    kernels = decode_path(engine.runner) if engine is not None else "not loaded"
+    if engine is not None and engine.runner.decoder is None:
+        from strata.engine.kernels import unavailable
+
+        why = unavailable() or ("fast_decode is off" if not daemon.config.fast_decode else None)
+        kernels += f", no Triton kernels: {why}" if why else ""
+    prefill = engine.runner.prefill_path() if engine is not None else "not loaded"
+    return (
+        f"path: {daemon.device}: {arena_text}; {watch}; {requests}; decode: {kernels}; "
+        f"prefill: {prefill}"
+    )
+
+
+def _why_cpu(asked: str) -> str:
+    if asked == "cpu":
+        return "device = cpu"
+    import torch
+
+    if torch.version.cuda is None:
+        return f"no CUDA device: this torch {torch.__version__} is a CPU build"
+    return (
+        f"no CUDA device: torch.cuda.is_available() is False (torch for CUDA {torch.version.cuda})"
+    )
 
 
 # -- telling systemd (sd_notify) ----------------------------------------------------------------
@@ -351,18 +423,15 @@ async def _announce_ready(daemon: Daemon, notifier: Notifier, host: str, port: i
     daemon.controller.listeners.append(on_event)
 
 
-def _with_start_budget(options: Any, config: StrataConfig, monitor: Any) -> Any:
-    """The start size: ``cache_mib`` when given, else free VRAM minus the reserve (on a watched
-    device), else none (the CPU: a host cache would only duplicate the file's pages)."""
-    from dataclasses import replace
+def _free_vram(monitor: Any) -> Callable[[], int | None]:
+    """Free VRAM as the monitor sees it, for the automatic cache size at load (the engine's
+    ``automatic_cache_mib`` decides; None: the engine asks CUDA, or there is no VRAM)."""
 
-    if config.cache_mib is not None:
-        return options
-    sample = monitor.sample()
-    if sample is None or (not options.device.startswith("cuda") and monitor.kind != "simulated"):
-        return options
-    free_mib = sample.free_bytes // MiB
-    return replace(options, cache_mib=max(0, free_mib - config.elastic_reserve_mib))
+    def free() -> int | None:
+        sample = monitor.sample()
+        return sample.free_bytes if sample is not None else None
+
+    return free
 
 
 def _arena_factory(monitor: Any) -> Callable[[int, int], Any] | None:
@@ -452,6 +521,7 @@ async def serve_async(
         code = EXIT_CONFIG if isinstance(err, EngineError) else EXIT_RUNTIME
     elif ready in done:
         log.info("ready: %s on %s", daemon.model_id, daemon.device)
+        log.info("%s", describe_path(daemon))
         control_task = asyncio.create_task(daemon.controller.run(), name="vram-control")
         # READY=1 last: the D-Bus name is owned (above) and GET /health answers 200 (below).
         if notifier.enabled:

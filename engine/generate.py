@@ -59,10 +59,12 @@ class EngineOptions:
     prefill_chunk_tokens: int = 1024
     kv_cache_type: str = "f16"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the dense weights, K/V and compute live
-    cache_mib: int | None = 0  # expert cache budget; None: free VRAM - reserve on a GPU, 0 on CPU
-    elastic_tail_mib: int | None = None  # None: half the cache, at most 6 GiB
+    # expert cache budget; None: free VRAM - reserve_mib where free VRAM is known (a GPU, or the
+    # daemon's monitor), else 0 (``automatic_cache_mib``)
+    cache_mib: int | None = 0
+    elastic_tail_mib: int | None = None  # None: three quarters of the cache (the core: a quarter)
     arena_chunk_mib: int = 32
-    reserve_mib: int = 500  # VRAM kept free when the cache size is automatic
+    reserve_mib: int = 1024  # VRAM kept free when the cache size is automatic
     fast_decode: bool = True  # on a GPU: decode with the fused Triton kernels
     fast_prefill: bool = True  # and prompt chunks on tensor cores (with fast_decode only)
     enforce_eager: bool = False  # the same kernels without CUDA graphs
@@ -95,6 +97,7 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: FinishReason
     prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V an earlier request left (not computed again)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     first_token_s: float | None = None  # from the call to the first generated token
@@ -230,8 +233,11 @@ class Engine:
         state_dir: Path | None = None,
         progress: Progress | None = None,
         arena_factory: Callable[[int, int], ElasticArena] | None = None,
+        free_vram: Callable[[], int | None] | None = None,
     ) -> Engine:
-        """Open ``path``; a reason it cannot serve is a :class:`ModelLoadError` naming the file."""
+        """Open ``path``; a reason it cannot serve is a :class:`ModelLoadError` naming the file.
+        ``free_vram()``: the bytes free on the device the cache lives on, read when the cache is
+        sized (the daemon passes its monitor's reading); where it gives None, CUDA's on a GPU."""
         options = options or EngineOptions()
         report = progress or (lambda done, total, what: None)
         path = Path(path)
@@ -286,7 +292,7 @@ class Engine:
         profile_file = profile_path(state_dir, model_key(index)) if state_dir else None
         profile = UsageProfile.load(profile_file, model_key(index)) if profile_file else None
         # The cache is sized last, so that an automatic size sees what the model already holds.
-        budget = _cache_budget_mib(options, device)
+        budget = automatic_cache_mib(options, _free_bytes(device, free_vram))
         host_budget = _host_budget_mib(options)
         # On the GPU fast path the cache exists even at 0 MiB, for its host tier (the decode
         # graph reads misses there) and to grow into free VRAM later.
@@ -455,6 +461,7 @@ class Engine:
 
         t0 = time.monotonic()
         todo = self.runner.start(prompt)
+        result.cached_tokens = len(prompt) - len(todo)
         try:
             logits = self.runner.feed(todo, prompt_boundary)
         except _Cancelled:  # the K/V keeps the chunks fed so far: a retry reuses them
@@ -641,14 +648,24 @@ def _build_decoder(
     return decoder
 
 
-def _cache_budget_mib(options: EngineOptions, device: torch.device) -> int:
+def automatic_cache_mib(options: EngineOptions, free_bytes: int | None) -> int:
+    """The cache budget at load: ``cache_mib`` when given, else the free VRAM less
+    ``reserve_mib`` where it is known, else 0 (the CPU: a host cache would only duplicate the
+    file's pages). The one place this is decided; the daemon passes its monitor's reading."""
     if options.cache_mib is not None:
         return options.cache_mib
-    if device.type != "cuda":
-        # A host-memory cache would only duplicate the file's pages (already in the page cache).
+    if free_bytes is None:
         return 0
+    return max(0, free_bytes // MiB - options.reserve_mib)
+
+
+def _free_bytes(device: torch.device, free_vram: Callable[[], int | None] | None) -> int | None:
+    if free_vram is not None and (free := free_vram()) is not None:
+        return free
+    if device.type != "cuda":
+        return None
     free, _ = torch.cuda.mem_get_info(device)
-    return max(0, free // MiB - options.reserve_mib)
+    return int(free)
 
 
 def _host_budget_mib(options: EngineOptions) -> int:

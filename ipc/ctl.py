@@ -229,13 +229,31 @@ async def cmd_leases(args: argparse.Namespace, client: Client) -> int:
 
 
 async def cmd_reserve(args: argparse.Namespace, client: Client) -> int:
+    before = (await client.status()).get("cache_mib")
     await client.call("SetReserve", "t", [args.mib])
     status = await client.status()
-    print(
-        f"run-time reserve: {args.mib} MiB (cache {_size(status.get('cache_mib'))}, "
-        f"free {_size(status.get('free_mib'))})"
-    )
+    print(f"run-time reserve: {args.mib} MiB: {carried_out(status, before, args.mib)}")
     return 0
+
+
+def carried_out(status: dict[str, Any], before: Any, mib: int) -> str:
+    """How a request was carried out, from the status after it (``vram_requests``)."""
+    after = status.get("cache_mib")
+    cache = f"cache {before} -> {after} MiB" if before != after else f"cache {_size(after)}"
+    if mib == 0:
+        return f"cleared ({cache}; it grows back as room lasts)"
+    if status.get("vram_requests") == "shrink":
+        monitor = status.get("monitor", {})
+        why = (
+            "vram_monitor is none"
+            if monitor.get("kind") == "none"
+            else f"the VRAM monitor failed: {monitor.get('problem')}"
+        )
+        return (
+            f"no monitor sees the device ({why}), so Strata shrank its cache by what is asked "
+            f"({cache}); whether that memory is free on the GPU is not checked"
+        )
+    return f"{_size(status.get('free_mib'))} free on {status.get('device', 'the device')} ({cache})"
 
 
 async def cmd_return(args: argparse.Namespace, client: Client) -> int:
@@ -248,11 +266,16 @@ async def cmd_borrow(args: argparse.Namespace, client: Client) -> int:
     command: list[str] = args.command
     app_id = args.app_id if args.app_id is not None else os.path.basename(command[0])
     reason = args.reason if args.reason is not None else shlex.join(command)[:200]
+    before = (await client.status()).get("cache_mib")
     call = client.call("Borrow", "tss", [args.mib, app_id, reason])
     try:
         cookie = await asyncio.wait_for(call, args.timeout)
     except TimeoutError:
         raise CtlError(f"no lease of {args.mib} MiB within {args.timeout:g} s") from None
+    status = await client.status()
+    if status.get("vram_requests") == "shrink":  # stdout is the command's: say it on stderr
+        how = carried_out(status, before, args.mib)
+        print(f"strata-ctl: lease {cookie} of {args.mib} MiB: {how}", file=sys.stderr)
     try:
         code = await run_command(command)
     finally:
@@ -344,7 +367,10 @@ def _print_signal(msg: Message) -> None:
 
 def _line(text: str) -> None:
     stamp = datetime.now().strftime("%H:%M:%S.%f")[:-3]
-    print(f"{stamp} {text}", flush=True)
+    try:
+        print(f"{stamp} {text}", flush=True)
+    except BrokenPipeError:  # `strata-ctl watch | head`: the reader left; nothing to clean up
+        os._exit(quiet_broken_pipe())
 
 
 def _compact(value: Any) -> str:
@@ -358,6 +384,13 @@ def _compact(value: Any) -> str:
 
 def _size(mib: Any) -> str:
     return f"{mib} MiB" if mib is not None else "unknown"
+
+
+_REQUESTS = {
+    "room": "carried out once the room is free on the device",
+    "shrink": "no monitor sees the device: a request shrinks the cache by its amount",
+    "refused": "refused: Strata watches no GPU and holds no VRAM",
+}
 
 
 def format_status(s: dict[str, Any]) -> str:
@@ -391,6 +424,7 @@ def format_status(s: dict[str, Any]) -> str:
         ("free VRAM", free),
         ("reserve", reserve),
         ("borrowed", f"{_size(s.get('borrowed_mib'))} in {len(leases)} lease(s)"),
+        ("requests", _REQUESTS.get(s.get("vram_requests", ""), "unknown")),
     ]
     width = max(len(k) for k, _ in rows)
     text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -443,13 +477,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, --version, or a usage error already printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:
-        return asyncio.run(_run(args.run, args))
+        code = asyncio.run(_run(args.run, args))
+        sys.stdout.flush()  # here, not at exit: a reader that left is seen below
+        return code
     except CtlError as e:
         print(f"strata-ctl: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print("strata-ctl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `strata-ctl --json status | head -1`: the reader is gone
+        return quiet_broken_pipe()
+
+
+def quiet_broken_pipe() -> int:
+    """End quietly once stdout's reader has gone, as a shell tool does (128 + SIGPIPE): point
+    stdout at /dev/null so the interpreter's last flush raises nothing either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -257,6 +257,7 @@ def property_values(status: dict[str, Any]) -> dict[str, Any]:
         "Device": status["device"] or "",
         "Model": status["model"] or "",
         "State": status["state"],
+        "VramRequests": status["vram_requests"],
     }
 
 
@@ -334,6 +335,10 @@ class Vram1(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def State(self) -> DBusStr:
         return self._edge.value("State")
+
+    @dbus_property(access=PropertyAccess.READ)
+    def VramRequests(self) -> DBusStr:
+        return self._edge.value("VramRequests")
 
     @dbus_signal()
     def CacheResized(self, cache_mib: int, free_mib: int) -> DBusCacheResized:

@@ -35,8 +35,10 @@ def _driver() -> Any:
     try:
         from cuda.bindings import driver
     except ImportError as e:
+        from strata.hints import install_hint
+
         raise BackendUnavailable(
-            f"the CUDA arena needs the cuda-bindings package (pip install 'strata[gpu]'): {e}"
+            f"the CUDA arena needs the cuda-bindings package ({e}); {install_hint('cuda-bindings')}"
         ) from e
     return driver
 

@@ -16,7 +16,7 @@ ours), so Strata's own activations and K/V never look like another program arriv
 
 Failure at run time is not an exception: a monitor whose source stops answering logs one warning,
 sets ``healthy = False`` and from then on returns ``None`` from ``sample()``; the daemon then keeps
-the cache at a fixed size. ``problem`` says why.
+the cache at its size, shrinking it only for explicit requests. ``problem`` says why.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ of the host's PID namespace.
 
 Failure. NVML absent (no ``nvidia-ml-py``, no driver library), failing to start, or not finding
 the device at creation, or any NVML error at run time: one warning, ``healthy = False``, and
-``sample()`` / ``process_used()`` return ``None`` from then on; the daemon keeps the cache at a
-fixed size. No retry: a driver that failed once (GPU lost, library mismatch after an upgrade)
-does not come back in the life of the process, and a monitor that flickers would make the cache
-flicker with it.
+``sample()`` / ``process_used()`` return ``None`` from then on; the daemon keeps the cache at its
+size, shrinking it only for explicit requests. No retry: a driver that failed once (GPU lost,
+library mismatch after an upgrade) does not come back in the life of the process, and a monitor
+that flickers would make the cache flicker with it.
 
 ``pynvml`` and ``torch`` are imported when a monitor is created, so this module imports without
 them.
@@ -236,9 +236,11 @@ class NvmlMonitor:
             try:
                 import pynvml as nvml
             except ImportError as e:
+                from strata.hints import install_hint
+
                 self._fail(
-                    f"VRAM monitor nvml on {where}: cannot import pynvml (install nvidia-ml-py, "
-                    f"or strata[gpu]): {e}"
+                    f"VRAM monitor nvml on {where}: cannot import pynvml, from the nvidia-ml-py "
+                    f"package ({e}); {install_hint('nvidia-ml-py')}"
                 )
                 return
         try:

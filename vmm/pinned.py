@@ -185,8 +185,11 @@ class CudaPinner:
         try:
             from cuda.bindings import driver
         except ImportError as e:
+            from strata.hints import install_hint
+
             raise BackendUnavailable(
-                f"page-locked host memory needs the cuda-bindings package: {e}"
+                f"page-locked host memory needs the cuda-bindings package ({e}); "
+                f"{install_hint('cuda-bindings')}"
             ) from e
         self._drv = drv = driver
         self._check("cuInit", drv.cuInit(0))

@@ -377,17 +377,18 @@ def plan_sizes(
     slot_bytes: int,
     n_experts: int,
     tail_bytes: int | None = None,
-    max_tail_bytes: int = 6 * GiB,
+    max_tail_bytes: int | None = None,
 ) -> CacheSizes:
     """The most whole slots that fit ``budget_bytes``, at most one per expert (``n_experts``);
     the last ``tail_bytes`` of them are the elastic tail, rounded up to whole slots (so at least
-    the asked bytes are elastic) and at most every slot; the default is half the effective size
-    rounded up to a slot, but at most ``max_tail_bytes`` (rounded down: the cap is hard). The rest
-    is the core. A zero budget gives zero slots; the caller logs ``effective_bytes``."""
+    the asked bytes are elastic) and at most every slot; the default leaves the core at most a
+    quarter of the slots (rounded down), so most of the cache can be lent, but at most
+    ``max_tail_bytes`` when given (rounded down: the cap is hard). The rest is the core. A zero
+    budget gives zero slots; the caller logs ``effective_bytes``."""
     for name, value in (
         ("budget_bytes", budget_bytes),
         ("n_experts", n_experts),
-        ("max_tail_bytes", max_tail_bytes),
+        ("max_tail_bytes", 0 if max_tail_bytes is None else max_tail_bytes),
     ):
         if value < 0:
             raise ValueError(f"{name}={value} is negative")
@@ -403,8 +404,10 @@ def plan_sizes(
             )
     total = min(budget_bytes // slot_bytes, n_experts)
     effective = total * slot_bytes
-    if tail_bytes is None:  # half, rounded up to a slot, but never beyond max_tail_bytes
-        tail = min(-(-(effective // 2) // slot_bytes), max_tail_bytes // slot_bytes)
+    if tail_bytes is None:  # all but a quarter, never beyond max_tail_bytes
+        tail = total - total // 4
+        if max_tail_bytes is not None:
+            tail = min(tail, max_tail_bytes // slot_bytes)
     else:
         tail = min(-(-tail_bytes // slot_bytes), total)
     return CacheSizes(total, total - tail, tail, effective)

@@ -20,5 +20,10 @@ def unavailable() -> str | None:
         from strata.engine.kernels import attention, matvec, moe, rope, step  # noqa: F401
         from strata.engine.quant import repack_kernels  # noqa: F401
     except Exception as e:  # ImportError, or Triton finding no usable backend at import
-        return f"Triton is unavailable ({type(e).__name__}: {e})".splitlines()[0]
+        reason = f"Triton is unavailable ({type(e).__name__}: {e})".splitlines()[0]
+        if isinstance(e, ImportError) and e.name == "triton":
+            from strata.hints import install_hint
+
+            reason += f"; {install_hint('triton')}"
+        return reason
     return None

@@ -4,7 +4,7 @@ A model with 12 GiB of Q4_K experts (Qwen3-30B-A3B shapes, 38 layers) is served 
 ballast process holds all but (cache + 1 GiB) of the card. Another process then allocates 8 GiB
 with torch, in 256 MiB pieces as room appears; the daemon shrinks; the process frees; the daemon
 grows back. NVML's free memory is asserted before and after, and the latencies are printed.
-The elastic tail is 9 GiB (the default, half and at most 6 GiB, could not give 8 GiB back).
+The elastic tail is 9 GiB (the default then, half and at most 6 GiB, could not give 8 GiB back).
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ def test_daemon_gives_vram_to_a_tenant_and_takes_it_back(
         "--model", str(big_model), "--device", "cuda:0", "--vram-monitor", "nvml",
         "--context-length", "2048", "--elastic-period-ms", "100", "--elastic-stable-ms", "1000",
         "--elastic-shrink-step-mib", "1024", "--elastic-tail-mib", "9216",
+        # the ballast leaves 1 GiB free: with a 1 GiB reserve its one large allocation would be
+        # a program growing to the room (and the room kept ahead of it would shrink the cache)
+        "--elastic-reserve-mib", "512",
     ]  # fmt: skip
     d = StrataDaemon(tmp_path, args)
     procs: list[subprocess.Popen[str]] = []

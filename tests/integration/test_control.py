@@ -26,7 +26,6 @@ from strata.engine import synth
 from strata.engine.params import SamplingParams
 from tests.integration.harness import write_simulated
 
-SCALE = 3
 PERIOD_MS = 200
 
 
@@ -93,14 +92,19 @@ def generate(d: InProcess, prompt: list[int], max_tokens: int) -> GenerationJob:
     return job
 
 
-def test_borrow_larger_than_the_step_is_answered_within_one_period(daemon: InProcess) -> None:
+def test_borrow_larger_than_the_step_is_answered_by_one_decision(daemon: InProcess) -> None:
+    controller = daemon.daemon.controller
+    resizes = controller.resizes
     t0 = time.monotonic()
-    lease = daemon.call(daemon.daemon.borrow(20, ":1.test", os.getpid(), "game", "test")).result(30)
+    lease = daemon.call(daemon.daemon.borrow(20, ":1.test", os.getpid(), "game", "test")).result(60)
     took = time.monotonic() - t0
     status = daemon.daemon.status()
-    print(f"\nBorrow of 20 MiB (step 4 MiB) answered in {took * 1000:.0f} ms")
-    assert took < PERIOD_MS / 1000 * SCALE
+    print(f"\nBorrow of 20 MiB (step 4 MiB) answered in {took * 1000:.0f} ms")  # not a test
     assert status["free_mib"] >= 20 + 8 and status["borrowed_mib"] == 20
+    # the whole amount in one resize, not 4 MiB a period
+    assert controller.resizes == resizes + 1
+    decision = controller.last_decision
+    assert decision is not None and decision.state.urgent_target_mib is None
     daemon.daemon.return_lease(lease.cookie, ":1.test")
     assert daemon.daemon.status()["leases"] == []
 
@@ -112,22 +116,27 @@ def test_health_and_borrow_answer_during_a_long_prefill(daemon: InProcess) -> No
     started = time.monotonic()
     while daemon.daemon.worker.steps < 2:  # the prefill is under way
         time.sleep(0.005)
-    worst = 0.0
+    worst, answered = 0.0, 0
     lease_future = daemon.call(daemon.daemon.borrow(20, ":1.t", None, "encoder", "test"))
+    steps = []
     while not job.done.done():
         t0 = time.monotonic()
-        r = httpx.get(daemon.url + "/health", timeout=5)
+        r = httpx.get(daemon.url + "/health", timeout=60)
         worst = max(worst, time.monotonic() - t0)
         assert r.status_code == 200
+        if not job.done.done():
+            answered += 1
+            steps.append(daemon.daemon.worker.steps)
         time.sleep(0.02)
-    granted_at = lease_future.result(10) and lease_future.done()
+    granted = lease_future.result(60)
     prefill_s = time.monotonic() - started
-    print(f"\nprefill of {len(prompt)} tokens took {prefill_s:.1f} s; slowest /health "
-          f"{worst * 1000:.0f} ms")  # fmt: skip
-    assert prefill_s > 1.0, "the prefill must last long enough to mean something"
-    assert worst < 0.5 * SCALE
-    assert granted_at
-    job.done.result(10)
+    print(f"\nprefill of {len(prompt)} tokens took {prefill_s:.1f} s; {answered} /health "
+          f"answers during it, the slowest {worst * 1000:.0f} ms")  # fmt: skip
+    # /health answered again and again while the engine computed: the loop never waited on it
+    # (counted in prefill chunks, the engine's own progress, not in seconds)
+    assert answered >= 3 and len(set(steps)) >= 2, (answered, steps)
+    assert granted.mib == 20
+    job.done.result(60)
 
 
 def test_borrow_is_granted_before_the_prefill_ends(daemon: InProcess) -> None:
@@ -136,8 +145,12 @@ def test_borrow_is_granted_before_the_prefill_ends(daemon: InProcess) -> None:
     job = generate(daemon, prompt, 2)
     while daemon.daemon.worker.steps < 2:
         time.sleep(0.005)
-    lease = daemon.call(daemon.daemon.borrow(20, ":1.t", None, "encoder", "test")).result(30)
-    assert not job.done.done(), "the Borrow had to wait for the prefill to end"
+    future = daemon.call(daemon.daemon.borrow(20, ":1.t", None, "encoder", "test"))
+    at_reply: dict[str, bool] = {}
+    # on the loop, the moment the reply is ready: was the prefill still running?
+    future.add_done_callback(lambda _: at_reply.update(prefilling=not job.done.done()))
+    lease = future.result(60)
+    assert at_reply["prefilling"], "the Borrow had to wait for the prefill to end"
     assert lease.mib == 20
     job.done.result(60)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -232,3 +233,17 @@ def test_bad_arguments_exit_2_naming_the_value(argv: list[str], named: str, tmp_
     r = strata_ctl(*argv, env=daemon_env(tmp_path))
     assert r.returncode == 2, r.stderr
     assert named in one_line_error(r)
+
+
+def test_output_into_a_reader_that_left_ends_quietly(
+    strata: StrataDaemon, env: dict[str, str]
+) -> None:
+    """`strata-ctl --json status | head -1`: no traceback, and the shell's exit code for it."""
+    from tests.integration.test_packaging import closed_pipe_run
+
+    for argv in (["--json", "status"], ["status"], ["leases", "--json"]):
+        r = closed_pipe_run([*strata_ctl_command(), *argv], env)
+        assert (r.returncode, r.stderr) == (141, ""), (argv, r.stderr)
+    r = subprocess.run(["sh", "-c", shlex.join(strata_ctl_command()) + " --json status | head -1"],
+                       env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0 and r.stdout == "{\n" and r.stderr == "", r.stderr

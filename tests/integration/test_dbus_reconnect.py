@@ -30,9 +30,19 @@ from tests.integration.harness import (
     ClientProcess,
     PrivateBus,
     StrataDaemon,
+    simulated_device_args,
+    write_simulated,
 )
 
 TIMEOUT_S = 120.0
+
+
+def _config(tmp: Path) -> StrataConfig:
+    """No model (nothing is loaded), a simulated device with room for the leases: without a
+    device to borrow from, a Borrow would be refused."""
+    device = tmp / "device.json"
+    write_simulated(device, 4096)
+    return StrataConfig(device="cpu", vram_monitor="simulated", simulated_vram_file=device)
 
 
 def test_a_bus_killed_and_started_again_finds_strata_back_without_the_old_leases(
@@ -41,7 +51,9 @@ def test_a_bus_killed_and_started_again_finds_strata_back_without_the_old_leases
     socket = tmp_path / "bus.socket"
     address = f"unix:path={socket}"  # as systemd's user bus: no guid, the same after a restart
     first = PrivateBus(tmp_path / "bus1", socket_path=socket)
-    d = StrataDaemon(tmp_path, ["--model", str(tiny_model), "--device", "cpu"],
+    device = tmp_path / "device.json"  # a device to borrow from (without one, Borrow is refused)
+    write_simulated(device, 600)
+    d = StrataDaemon(tmp_path, simulated_device_args(device, tiny_model),
                      env={"DBUS_SESSION_BUS_ADDRESS": address})  # fmt: skip
     daemons.append(d)
     assert d.status()["dbus"] == {"state": "up", "problem": None, "reconnects": 0}
@@ -103,7 +115,7 @@ async def _until(what: str, check: Callable[[], Awaitable[bool] | bool]) -> None
 
 
 def test_a_dropped_connection_on_a_living_bus_keeps_the_leases_of_holders_still_there(
-    bus: PrivateBus, monkeypatch: pytest.MonkeyPatch
+    bus: PrivateBus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DBUS_SESSION_BUS_ADDRESS", bus.address)
     gate = asyncio.Event()
@@ -116,7 +128,7 @@ def test_a_dropped_connection_on_a_living_bus_keeps_the_leases_of_holders_still_
     monkeypatch.setattr(edge_module, "reconnect_delay_s", lambda attempt: 0.0)
 
     async def scenario() -> None:
-        daemon, close_monitor = build(StrataConfig(device="cpu", vram_monitor="none"))
+        daemon, close_monitor = build(_config(tmp_path))
         edge = await start_dbus(daemon)
         assert edge is not None and daemon.dbus.state == "up"
         monkeypatch.setattr(edge_module, "connect_session_bus", held_connect)  # from now on
@@ -156,13 +168,13 @@ def test_a_dropped_connection_on_a_living_bus_keeps_the_leases_of_holders_still_
 
 
 def test_a_holder_leaving_after_the_reconnection_is_still_watched(
-    bus: PrivateBus, monkeypatch: pytest.MonkeyPatch
+    bus: PrivateBus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DBUS_SESSION_BUS_ADDRESS", bus.address)
     monkeypatch.setattr(edge_module, "reconnect_delay_s", lambda attempt: 0.0)
 
     async def scenario() -> None:
-        daemon, close_monitor = build(StrataConfig(device="cpu", vram_monitor="none"))
+        daemon, close_monitor = build(_config(tmp_path))
         edge = await start_dbus(daemon)
         assert edge is not None
         holder, watcher = await BusClient.connect(bus.address), await BusClient.connect(bus.address)
@@ -203,7 +215,7 @@ def test_the_gamemode_hold_follows_gamemode_onto_the_new_connection(
     gamemode = ClientProcess.program(bus, tmp_path, "gamemode", "4242")  # a game registered
 
     async def scenario() -> None:
-        daemon, close_monitor = build(StrataConfig(device="cpu", vram_monitor="none"))
+        daemon, close_monitor = build(_config(tmp_path))
         edge = await start_dbus(daemon)
         assert edge is not None
         watcher = await start_gamemode(daemon, edge, 512)

@@ -16,13 +16,18 @@ import httpx
 import pytest
 
 from strata.engine import synth
-from tests.integration.harness import StrataDaemon, write_simulated
+from tests.integration.harness import (
+    StrataDaemon,
+    grew_after_the_stable_time,
+    wait_s,
+    write_simulated,
+)
 
 TOTAL_MIB = 64
 ALL_MIB = 48
 CONTROL = ("--arena-chunk-mib", "2", "--elastic-reserve-mib", "8", "--elastic-period-ms", "100",
            "--elastic-stable-ms", "600")  # fmt: skip
-SCALE = 3  # CI allows 3x the stated times
+SCALE = 3  # the times stated, three times over; every wait allows at least WAIT_FLOOR_S
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +115,12 @@ def test_bad_option_exits_2(tmp_path: Path) -> None:
     assert "--elastic-period-ms: invalid value 'soon'" in d.log
 
 
-def test_sigterm_exits_0_within_5_s(
-    model: Path, tmp_path: Path, daemons: list[StrataDaemon]
-) -> None:
+def test_sigterm_exits_0(model: Path, tmp_path: Path, daemons: list[StrataDaemon]) -> None:
     d = StrataDaemon(tmp_path, ["--model", str(model)])
     daemons.append(d)
     t0 = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
-    assert d.proc.wait(5) == 0
+    assert d.proc.wait(wait_s(5)) == 0  # the daemon allows itself 4 s (STOP_TIMEOUT_S)
     print(f"\nSIGTERM -> exit in {time.monotonic() - t0:.2f} s")
     assert "stopped" in d.log
 
@@ -140,13 +143,13 @@ def test_tenant_takes_room_cache_shrinks_then_grows_back(
 
     t0 = time.monotonic()
     write_simulated(device, TOTAL_MIB)  # the tenant leaves
-    time.sleep(0.3)
-    assert d.status()["cache_mib"] < ALL_MIB, "grew before the room lasted the stable time"
     d.wait_for(lambda s: s["cache_experts"] == 32, (0.6 + 1.0) * SCALE, "regrow and refill")
     grow_s = time.monotonic() - t0
     print(f"\nsimulated: tenant -> shrunk in {shrink_s * 1000:.0f} ms; "
           f"room back -> refilled in {grow_s * 1000:.0f} ms (stable time 600 ms)")  # fmt: skip
     assert "cache resized" in d.log
+    # it grew once the room had lasted the stable time, by the daemon's own clock
+    assert grew_after_the_stable_time(d.log, 0.6), d.log[-3000:]
 
 
 def test_tenant_larger_than_the_tail_leaves_the_core(
@@ -159,7 +162,8 @@ def test_tenant_larger_than_the_tail_leaves_the_core(
     write_simulated(device, TOTAL_MIB, [(4242, 60)])
     s = d.wait_for(lambda s: s["cache_mib"] == core, 2.0 * SCALE, "shrink to the core")
     assert s["free_mib"] == 0  # the core is never given up
-    time.sleep(0.5)
+    resizes = s["resizes"]
+    d.wait_for(lambda s: s["resizes"] == resizes, 0, "checks that change nothing")
     assert d.status()["cache_mib"] == core
 
 
@@ -175,8 +179,8 @@ def test_reserve_over_http_answers_once_the_room_exists(
     assert r.status_code == 200, r.text
     s = r.json()
     assert s["reserve_mib"] == 30 and s["free_mib"] >= 30, s
-    print(f"\nreserve 30 MiB answered in {took * 1000:.0f} ms")
-    assert took < 1.0 * SCALE
+    print(f"\nreserve 30 MiB answered in {took * 1000:.0f} ms")  # a number, not a test
+    assert s["result"]["how"] == "room" and "MiB are free on simulated" in s["result"]["message"]
     bad = httpx.post(d.url + "/v1/vram", json={"reserve_mib": -1}, timeout=5)
     assert bad.status_code == 400 and "reserve_mib" in bad.text
     too_big = httpx.post(d.url + "/v1/vram", json={"reserve_mib": 10_000}, timeout=5)
@@ -192,7 +196,6 @@ def test_failing_monitor_keeps_a_fixed_size_cache(
     daemons.append(d)
     device.write_text('{"total_mib": 64, "failing": true}')
     d.wait_for(lambda s: not s["monitor"]["healthy"], 2.0 * SCALE, "monitor marked unhealthy")
-    time.sleep(0.3)
     s = d.status()
-    assert s["cache_mib"] == ALL_MIB and s["state"] == "ready"
+    assert s["cache_mib"] == ALL_MIB and s["state"] == "ready" and s["vram_requests"] == "shrink"
     assert d.log.count("WARNING") >= 1 and d.proc.poll() is None

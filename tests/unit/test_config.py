@@ -246,3 +246,17 @@ def test_a_config_file_that_is_not_utf8_is_one_line_naming_it(
 ) -> None:
     env.write_bytes(b"port = 9001\n# caf\xe9\n")
     _fails_with(capsys, ["config", "show"], str(env), "not UTF-8")
+
+
+def test_the_engine_options_are_the_ones_engine_options_reads() -> None:
+    """`strata generate` and `strata bench` take the engine's options as flags: every option
+    that reaches EngineOptions is one of them (a new one must not go missing from their --help)."""
+    import dataclasses
+
+    from strata.daemon.config import BENCH_OPTIONS, ENGINE_OPTIONS, OPTION_NAMES
+    from strata.engine.generate import EngineOptions
+
+    fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    read = (fields & set(OPTION_NAMES)) | {"elastic_reserve_mib", "model", "log_level"}
+    assert read == ENGINE_OPTIONS, read ^ ENGINE_OPTIONS
+    assert BENCH_OPTIONS < ENGINE_OPTIONS and "cache_mib" not in BENCH_OPTIONS

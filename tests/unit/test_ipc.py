@@ -20,6 +20,7 @@ STATUS = {
     "model_path": None,
     "device": "simulated",
     "monitor": {"kind": "simulated", "healthy": True, "problem": None},
+    "vram_requests": "room",
     "cache_mib": 48,
     "core_mib": 24,
     "tail_mib": 24,
@@ -73,6 +74,7 @@ def test_properties_come_from_the_status_schema() -> None:
     assert values["FreeMiB"] == 0 and values["Device"] == ""  # unknown: 0 and ""
     assert values["Leases"] == [[3, "org.example.A", "render", 512, 1_796_000_000_000_000]]
     assert (values["CacheMiB"], values["BorrowedMiB"], values["State"]) == (48, 512, "ready")
+    assert values["VramRequests"] == "room"
 
 
 def test_session_bus_address_falls_back_to_the_user_bus(tmp_path: Path) -> None:
@@ -96,6 +98,20 @@ def test_bad_command_lines_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2
+
+
+def test_status_table_and_reserve_line_say_how_requests_are_carried_out() -> None:
+    from strata.ipc.ctl import carried_out
+
+    assert "refused: Strata watches no GPU" in format_status({**STATUS, "vram_requests": "refused"})
+    room = carried_out(STATUS, 64, 100)
+    assert room == "488 MiB free on simulated (cache 64 -> 48 MiB)"
+    failed = {**STATUS, "vram_requests": "shrink",
+              "monitor": {"kind": "nvml", "healthy": False, "problem": "GPU is lost"}}  # fmt: skip
+    text = carried_out(failed, 64, 16)
+    assert "the VRAM monitor failed: GPU is lost" in text and "cache 64 -> 48 MiB" in text
+    assert "not checked" in text
+    assert carried_out(STATUS, 48, 0).startswith("cleared (cache 48 MiB")
 
 
 def test_status_table_says_unknown_for_absent_values() -> None:

@@ -674,7 +674,8 @@ def test_nvml_absent_gives_an_unhealthy_monitor_not_a_crash(
     assert not m.healthy and m.device_name == "unavailable"
     assert m.sample() is None and m.process_used(1) is None
     warnings = warnings_from(caplog, "strata.vmm.nvml_monitor")
-    assert len(warnings) == 1 and "install nvidia-ml-py" in warnings[0], warnings
+    assert len(warnings) == 1 and "the nvidia-ml-py package" in warnings[0], warnings
+    assert "install it with: " in warnings[0] and "strata[gpu]" not in warnings[0]
     m.close()
 
 

@@ -423,15 +423,21 @@ def test_sizes_take_whole_slots_capped_at_the_expert_set() -> None:
     assert s.total_slots == 33 and s.effective_bytes == 99 * MiB
     s = plan_sizes(64 * GiB, 3 * MiB, 48)  # budget beyond the whole set
     assert s.total_slots == 48 and s.effective_bytes == 144 * MiB
-    assert s.core_slots + s.tail_slots == 48 and s.tail_slots == 24
+    assert s.core_slots + s.tail_slots == 48 and s.tail_slots == 36
 
 
-def test_sizes_default_tail_is_half_rounded_up_and_at_most_6_gib() -> None:
-    assert plan_sizes(10 * MiB, MiB, 100) == CacheSizes(10, 5, 5, 10 * MiB)
-    assert plan_sizes(7 * 2 * MiB, 2 * MiB, 100) == CacheSizes(7, 3, 4, 14 * MiB)
-    assert plan_sizes(20 * GiB, GiB, 100) == CacheSizes(20, 14, 6, 20 * GiB)
-    # the cap is hard: 6 GiB holds one 5 GiB slot
-    assert plan_sizes(40 * GiB, 5 * GiB, 100) == CacheSizes(8, 7, 1, 40 * GiB)
+def test_sizes_default_core_is_at_most_a_quarter() -> None:
+    assert plan_sizes(10 * MiB, MiB, 100) == CacheSizes(10, 2, 8, 10 * MiB)
+    assert plan_sizes(7 * 2 * MiB, 2 * MiB, 100) == CacheSizes(7, 1, 6, 14 * MiB)
+    assert plan_sizes(20 * GiB, GiB, 100) == CacheSizes(20, 5, 15, 20 * GiB)
+    assert plan_sizes(3 * MiB, MiB, 100) == CacheSizes(3, 0, 3, 3 * MiB)
+    # Qwen3-30B-A3B (Q4_K_M) on a 24 GiB card: ~19 GiB of 2.96 MiB slots; at least 12 GiB lendable
+    s = plan_sizes(19 * GiB, int(2.96 * MiB), 6144)
+    assert s.tail_slots * int(2.96 * MiB) >= 12 * GiB and s.core_slots <= s.total_slots / 4
+    # a cap, when given, is hard: 6 GiB holds one 5 GiB slot
+    assert plan_sizes(40 * GiB, 5 * GiB, 100, max_tail_bytes=6 * GiB) == CacheSizes(
+        8, 7, 1, 40 * GiB
+    )
     assert plan_sizes(16 * MiB, MiB, 100, max_tail_bytes=4 * MiB).tail_slots == 4
 
 
@@ -440,7 +446,7 @@ def test_sizes_explicit_tail() -> None:
     assert plan_sizes(10 * MiB, 2 * MiB, 100, tail_bytes=5 * MiB).tail_slots == 3  # rounded up
     assert plan_sizes(10 * MiB, MiB, 100, tail_bytes=0) == CacheSizes(10, 10, 0, 10 * MiB)
     assert plan_sizes(10 * MiB, MiB, 4, tail_bytes=8 * MiB) == CacheSizes(4, 0, 4, 4 * MiB)
-    assert plan_sizes(20 * GiB, GiB, 100, tail_bytes=10 * GiB).tail_slots == 10  # no 6 GiB cap
+    assert plan_sizes(20 * GiB, GiB, 100, tail_bytes=10 * GiB).tail_slots == 10
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@ queue until the engine reaches it, but no longer counts as waiting."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from strata.daemon.worker import EngineWorker, GenerationJob
 from strata.engine.params import SamplingParams
 
@@ -34,3 +36,76 @@ def test_jobs_whose_client_left_are_dropped_at_the_next_submit() -> None:
     assert worker.held() == 1 and worker.queued() == 1
     assert all(job.done.cancelled() for job in left)  # as when the engine reaches them
     assert not waiting.done.done()
+
+
+# -- a growth in pieces ---------------------------------------------------------------------------
+
+
+class _Cache:
+    """The part of ExpertCache the worker drives: slots of 64 MiB, resizes recorded."""
+
+    slot_bytes = 64 * 2**20
+
+    def __init__(self, n_slots: int) -> None:
+        self.n_slots = n_slots
+        self.calls: list[int] = []
+
+    def resize(self, n_slots: int, max_shrink: int | None = None) -> Any:
+        from strata.engine.experts.cache import ResizeResult
+
+        self.calls.append(n_slots)
+        before, self.n_slots = self.n_slots, n_slots
+        return ResizeResult(before, n_slots, abs(n_slots - before), 0.001)
+
+
+class _Engine:
+    def __init__(self, cache: _Cache) -> None:
+        self.cache = cache
+        self.safe_points: list[int] = []
+
+    def generate(self, prompt, params, on_text=None, cancelled=None, safe_point=None):
+        for _ in range(20):  # a generation of 20 steps
+            self.safe_points.append(self.cache.n_slots)
+            safe_point()
+        return "done"
+
+    def save_profile(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_growth_comes_in_pieces_and_a_request_does_not_wait_for_all_of_them() -> None:
+    from strata.daemon.worker import GROW_PIECE_BYTES
+
+    cache = _Cache(4)
+    engine = _Engine(cache)
+    worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
+    piece = GROW_PIECE_BYTES // cache.slot_bytes
+    assert piece == 4
+    resized: list[tuple[int, int]] = []
+    worker.on_resized = lambda r, why: resized.append((r.from_slots, r.to_slots))
+    job = GenerationJob([1], SamplingParams(max_tokens=1))
+    with worker._cv:  # both at once, before the engine thread looks
+        worker._jobs.append(job)
+        done = worker.request_resize(4 + 5 * piece, None, "room (request)")
+    worker.start()
+    assert job.done.result(30) == "done" and done.result(30).to_slots == 4 + 5 * piece
+    worker.stop(30)
+    # one piece before the job started, then one per safe point: the job began with the cache
+    # four pieces short of its target instead of waiting for the whole refill
+    assert cache.calls == [8, 12, 16, 20, 24]
+    assert engine.safe_points[:5] == [8, 12, 16, 20, 24]
+    assert resized == [(4, 8), (8, 12), (12, 16), (16, 20), (20, 24)]
+    assert worker.resize_epoch == 10  # even: no resize under way
+
+
+def test_a_shrink_comes_at_once() -> None:
+    cache = _Cache(40)
+    worker = EngineWorker(lambda: _Engine(cache))  # type: ignore[arg-type, return-value]
+    worker.start()
+    worker.ready.result(30)
+    assert worker.request_resize(4, None, "reserve (request)").result(30).to_slots == 4
+    worker.stop(30)
+    assert cache.calls == [4]
