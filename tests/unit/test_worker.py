@@ -63,7 +63,7 @@ class _Engine:
         self.cache = cache
         self.safe_points: list[int] = []
 
-    def generate(self, prompt, params, on_text=None, cancelled=None, safe_point=None):
+    def generate(self, prompt, params, on_text=None, cancelled=None, safe_point=None, **_):
         for _ in range(20):  # a generation of 20 steps
             self.safe_points.append(self.cache.n_slots)
             safe_point()
