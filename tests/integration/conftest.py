@@ -48,6 +48,14 @@ def bus(tmp_path: Path) -> Iterator[PrivateBus]:
     b.close()
 
 
+@pytest.fixture(scope="module")
+def module_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateBus]:
+    """One private bus for a module's shared daemon and the tests that talk to it."""
+    b = PrivateBus(tmp_path_factory.mktemp("bus"))
+    yield b
+    b.close()
+
+
 @pytest.fixture(autouse=True)
 def _no_user_session_bus(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test talks to the user's own session bus: a daemon run in-process would otherwise take

@@ -34,13 +34,6 @@ from tests.integration.harness import (
 
 
 @pytest.fixture(scope="module")
-def module_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateBus]:
-    b = PrivateBus(tmp_path_factory.mktemp("bus"))
-    yield b
-    b.close()
-
-
-@pytest.fixture(scope="module")
 def shared(
     module_bus: PrivateBus, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[StrataDaemon]:
