@@ -93,17 +93,18 @@ def test_status_prints_a_table_and_the_status_schema_as_json(
 def test_borrow_holds_the_lease_while_the_command_runs(
     strata: StrataDaemon, env: dict[str, str]
 ) -> None:
-    proc = subprocess.Popen([*strata_ctl_command(), "borrow", "512", "--", "sleep", "1"], env=env,
+    proc = subprocess.Popen([*strata_ctl_command(), "borrow", "512", "--", "sleep", "5"], env=env,
                             stdin=subprocess.DEVNULL)  # fmt: skip
-    # the lease is in the book before the engine thread has shrunk the cache for it: wait for both
+    # the lease is in the book before the engine thread has shrunk the cache for it, and free_mib
+    # is the last check's: wait for all three
     status = strata.wait_for(
-        lambda s: s["leases"] and s["cache_mib"] == 24, 10, "the lease and the shrink for it"
-    )
+        lambda s: s["leases"] and s["cache_mib"] == 24 and s["free_mib"] >= 512, 10,
+        "the lease and the shrink for it",
+    )  # fmt: skip
     (lease,) = status["leases"]
-    assert (lease["mib"], lease["app_id"], lease["reason"]) == (512, "sleep", "sleep 1")
+    assert (lease["mib"], lease["app_id"], lease["reason"]) == (512, "sleep", "sleep 5")
     assert lease["pid"] == proc.pid
-    assert status["free_mib"] >= 512
-    assert proc.wait(10) == 0
+    assert proc.wait(60) == 0
     assert strata.status()["leases"] == []  # returned before strata-ctl exited
 
 

@@ -40,7 +40,7 @@ def test_a_program_growing_in_steps_larger_than_the_room_gets_them_and_the_cache
     ]  # fmt: skip
     d = StrataDaemon(tmp_path, args)
     daemons.append(d)
-    start = d.status()
+    start = d.wait_for(lambda s: s["free_mib"] is not None, WAIT_S, "the first check")
     assert start["cache_mib"] == CACHE_MIB and start["free_mib"] == RESERVE_MIB + STEP_MIB
     assert start["core_mib"] == 12
 
