@@ -396,7 +396,7 @@ class BusClient:
         return from_variant(value)
 
     async def wait_signal(
-        self, member: str, predicate: Any = lambda body: True, timeout: float = 5, start: int = 0
+        self, member: str, predicate: Any = lambda body: True, timeout: float = 30, start: int = 0
     ) -> tuple[float, list[Any]]:
         """The first signal ``member`` (from index ``start`` of ``signals``) whose body passes."""
         timeout = wait_s(timeout)

@@ -49,7 +49,7 @@ def shared(
 def strata(shared: StrataDaemon, logs_on_failure: list[StrataDaemon]) -> StrataDaemon:
     """The module's daemon, with no lease left by an earlier test; its log shown on failure."""
     logs_on_failure.append(shared)
-    shared.wait_for(lambda s: s["leases"] == [], 5, "no leases")
+    shared.wait_for(lambda s: s["leases"] == [], 30, "no leases")
     return shared
 
 
@@ -126,7 +126,7 @@ def test_sigkill_of_strata_ctl_returns_the_lease(strata: StrataDaemon, env: dict
         strata.wait_for(lambda s: s["leases"], 10, "the lease")
         killed = time.monotonic()
         ctl.proc.send_signal(signal.SIGKILL)
-        strata.wait_for(lambda s: s["leases"] == [], 1, "the lease returned")
+        strata.wait_for(lambda s: s["leases"] == [], 30, "the lease returned")
         print(
             f"\nstrata-ctl SIGKILL to its lease gone: {(time.monotonic() - killed) * 1000:.0f} ms"
         )
