@@ -434,7 +434,9 @@ class VramController:
                     return "room"
             elif decision is not None:  # unwatched: the cache at its target is all there is
                 assert cache is not None
-                if cache.n_slots <= cache.slots_for_bytes(decision.target_mib * MiB):
+                slots = cache.slots_for_bytes(decision.target_mib * MiB)
+                # unmapped, not only planned: the slots go first, the memory chunk by chunk
+                if cache.arena.mapped_bytes <= cache.mapped_bytes_for(slots):
                     return "shrink"
                 free, needed = None, decision.room_kept_mib
             elif sample is not None:  # watched, no cache (yet): the room may exist anyway
