@@ -178,6 +178,7 @@ class ExpertCache:
             if n_host:
                 cache.tier = HostTier(n_host, slot_bytes, pinner)
                 cache._build_tier(progress)
+            cache._sweep_readahead()
         except BaseException:
             cache.close()
             raise
@@ -676,6 +677,19 @@ class ExpertCache:
             self.released_bytes += self.index.release(runs)
         except OSError as e:
             log.warning("could not give back the file pages of %d experts: %s", len(keys), e)
+
+    def _sweep_readahead(self) -> None:
+        """Once the load has copied every expert it could: give back the file pages of all the
+        experts that have a home again. Each copy's pages went back after it, but the kernel's
+        readahead for later copies brings back pages of runs already given back (measured:
+        3-13 MiB of 192 MiB on a test file, varying run to run). Not counted in
+        ``released_bytes``: these are the same runs."""
+        held = self.table.cached_keys() | (self.tier.table.cached_keys() if self.tier else set())
+        runs = [(r.offset, r.nbytes) for k in held for r in self.index.expert(*k).runs]
+        try:
+            self.index.release(runs)
+        except OSError as e:
+            log.warning("could not give back the file pages read ahead at load: %s", e)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
