@@ -102,7 +102,7 @@ def test_json_schema_output_on_the_graph_path(model: Path) -> None:
     assert dec is not None and dec.plan.complete
     assert decode_path(e.runner) == "fused Triton kernels, one CUDA graph per step"
     counted = CountedGraph(dec.graph)
-    dec.graph = counted  # type: ignore[assignment]
+    dec.graphs[dec.prefetching] = counted  # type: ignore[assignment]
     prompt = e.encode_chat([{"role": "user", "content": "The weather as JSON."}])
     steps = 0
     for seed in range(12):
@@ -177,17 +177,21 @@ def test_required_tool_call_and_json_schema_through_the_daemon(daemon: StrataDae
         (call,) = choice.message.tool_calls
         params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
         jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
-    # streamed, a named function: id and name first, then the arguments in pieces
-    deltas = []
+    # streamed, a named function (parallel calls allowed, as by default): each call's id and
+    # name first, then its arguments in pieces, under its own index
+    calls: dict[int, list[Any]] = {}
     for chunk in client.chat.completions.create(
         model=model, messages=ASK, tools=tools, stream=True, max_tokens=300, seed=9,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     ):  # fmt: skip
-        if chunk.choices and chunk.choices[0].delta.tool_calls:
-            deltas += chunk.choices[0].delta.tool_calls
-    assert deltas[0].id and deltas[0].function.name == "get_weather"
-    args = "".join(d.function.arguments or "" for d in deltas)
-    jsonschema.validate(json.loads(args), SCHEMA)
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            calls.setdefault(d.index, []).append(d)
+    assert sorted(calls) == list(range(len(calls))) and calls, calls
+    for deltas in calls.values():
+        assert deltas[0].id and deltas[0].function.name == "get_weather"
+        assert all(d.id is None and d.function.name is None for d in deltas[1:])
+        args = "".join(d.function.arguments or "" for d in deltas)
+        jsonschema.validate(json.loads(args), SCHEMA)
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
     for seed in range(6):
         r = client.chat.completions.create(model=model, messages=ASK, response_format=fmt,
