@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 _INTERP_BN = 128  # rows per program in Triton's interpreter: few, wide programs
 
 USAGE_FLUSH_STEPS = 64
+# chooses a greedy step's token another way (a grammar's mask): (logits, ring slot) -> None
+Pick = Callable[[torch.Tensor, int], None]
 VERIFY_SAMPLE = 8  # experts whose copies each adapt() checks, with verify_experts
 
 # Rows per program and warps (None: one thread per unit of a step) of each launch, measured on an
@@ -566,15 +568,28 @@ class FastDecoder:
         self.pos.fill_(pos)
         self.step_no.zero_()
 
-    def launch(self, n: int) -> None:
+    def launch(self, n: int, pick: Pick | None = None) -> None:
         """Queue step n of a greedy run (its input is on the device already) and the copy of
-        its token to the host; nothing waits."""
+        its token to the host; nothing waits. ``pick``: as ``finish``'s."""
+        self.run_ahead()
+        self.finish(n, pick)
+
+    def run_ahead(self) -> None:
+        """Queue a greedy run's next step: its input is the token its predecessor left on the
+        device. ``finish`` then files its token."""
         self.counts_dirty = True
         if self.graph is not None:
             self.graph.replay()
         else:
             self._forward(None)
+
+    def finish(self, n: int, pick: Pick | None = None) -> None:
+        """Queue the copy of step n's token to the host. ``pick(logits, slot)`` first chooses
+        that token another way than the step's plain argmax (a grammar's mask), writing it as
+        the next input and into ring slot n % 2."""
         slot = n % 2
+        if pick is not None:
+            pick(self.logits, slot)
         self._ring_host[slot : slot + 1].copy_(self.ring[slot : slot + 1], non_blocking=True)
         if self._ring_done is not None:
             self._ring_done[slot].record()

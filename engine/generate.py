@@ -470,13 +470,11 @@ class Engine:
             return result
         result.prefill_s = time.monotonic() - t0
         t_first = None
-        # greedy without a repeat penalty needs nothing from the host between steps: the fast
-        # decoder then runs one step ahead (Runner.greedy), and `token` comes from it. Not with
-        # a grammar (the mask of step n+1 needs the token of step n) or logprobs (they need
-        # the logits).
-        look_ahead = (
-            params.greedy and params.repeat_penalty == 1.0 and constraint is None and top_n is None
-        )
+        # greedy without a repeat penalty needs nothing from the host between steps but a
+        # grammar's mask: the fast decoder then runs one step ahead (Runner.greedy), and `token`
+        # comes from it (under a grammar, step n+1 runs while the host computes its mask from
+        # token n). Not with logprobs (they need the logits on the host).
+        look_ahead = params.greedy and params.repeat_penalty == 1.0 and top_n is None
         steps: Iterator[int] | None = None
         token: int | None = None
         while True:
@@ -522,7 +520,7 @@ class Engine:
                 break
             if steps is None and look_ahead and self.runner.can_look_ahead():
                 left = params.max_tokens - len(result.tokens)
-                steps = self.runner.greedy(token, left, boundary)
+                steps = self.runner.greedy(token, left, boundary, constraint)
             if steps is not None:
                 nxt = next(steps, None)
                 if nxt is not None:

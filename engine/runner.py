@@ -76,14 +76,19 @@ class Runner:
         running the step that produces ``logits``, as nothing here waits for it — and one copy
         and one masked fill on the device apply it. The decode graph is not involved: it is
         replayed as always, and the mask applies to the logits it leaves."""
+        mask = self._mask_for(logits)
+        if not constraint.fill(mask.host):
+            return logits
+        return mask.apply(logits)
+
+    def _mask_for(self, logits: torch.Tensor) -> TokenMask:
+        """The runner's token mask, sized for ``logits`` [V] on their device."""
         from strata.engine.grammar import TokenMask
 
         mask = self._token_mask
         if mask is None or mask.word.numel() != logits.numel():
             mask = self._token_mask = TokenMask(logits.numel(), logits.device)
-        if not constraint.fill(mask.host):
-            return logits
-        return mask.apply(logits)
+        return mask
 
     def _prompt_done(self) -> None:
         """The prefill path counts a prompt's expert uses on the device: hand them over (one
@@ -110,39 +115,77 @@ class Runner:
         """Whether ``greedy`` can run steps ahead of the host now."""
         return self.decoder is not None and self.decoder.can_look_ahead
 
-    def greedy(self, token: int, limit: int, safe_point: SafePoint | None = None) -> Iterator[int]:
+    def greedy(
+        self,
+        token: int,
+        limit: int,
+        safe_point: SafePoint | None = None,
+        constraint: Constraint | None = None,
+    ) -> Iterator[int]:
         """Greedy decoding from ``token``, one step ahead of the caller: each ``next()`` feeds the
         token given last (``token``, then each one yielded) and yields its argmax successor,
         while the step after it already runs. ``limit``: most tokens to yield. It ends early,
         leaving the last yielded token *unfed*, when steps can no longer run ahead (a shrink left
         an expert without a readable home, the context is full): the caller then goes on with
         ``feed``. A token it yields and the caller never asks past is never fed either. The same
-        tokens as ``feed`` and an argmax would give, bit for bit (the same kernels)."""
+        tokens as ``feed`` and an argmax would give, bit for bit (the same kernels).
+
+        ``constraint`` (accepted up to ``token``; the caller accepts each token yielded before
+        asking for the next): the argmax is over the tokens its grammar allows. Step n + 1 still
+        runs while the caller handles token n; its mask, which needs token n, is computed
+        meanwhile and applied to its logits on the device before its token is chosen. A grammar
+        that fails ends the run with the token yielded last unfed (``feed`` then shows the
+        error)."""
         dec = self.decoder
         if dec is None or not dec.can_look_ahead:
             raise RuntimeError("greedy look-ahead needs the fast decoder with every expert home")
         pos = len(self.tokens)
         if pos + 1 > self.n_ctx:
             raise ContextOverflow(f"{pos + 1} tokens do not fit the context of {self.n_ctx} tokens")
+        masked = None if constraint is None else self._masked_pick(constraint, dec)
+        pick = None if masked is None else masked()
+        if constraint is not None and constraint.error is not None:
+            return
         dec.begin(token, pos)
-        dec.launch(0)
+        dec.launch(0, pick)
         self._fed(token, dec)
         n = 0
         try:
             while True:
                 ahead = n + 1 < limit and len(self.tokens) + 1 <= self.n_ctx and dec.can_look_ahead
-                if ahead:
+                if ahead and masked is None:
                     dec.launch(n + 1)  # feeds step n's token: runs while the caller handles it
+                elif ahead:
+                    dec.run_ahead()  # its token waits for the mask that token n decides
                 nxt = dec.result(n)
                 if safe_point is not None:
                     safe_point()
                 yield nxt
                 if not ahead:
                     return
+                if masked is not None:
+                    pick = masked()
+                    if constraint is not None and constraint.error is not None:
+                        return
+                    dec.finish(n + 1, pick)
                 self._fed(nxt, dec)
                 n += 1
         finally:
             dec.adapt()
+
+    def _masked_pick(
+        self, constraint: Constraint, dec: FastDecoder
+    ) -> Callable[[], Callable[[torch.Tensor, int], None] | None]:
+        """A function that computes the grammar's mask for the next step on the host and returns
+        how to choose that step's token on the device (None when the step is free)."""
+        from strata.engine.kernels.step import choose
+
+        mask = self._mask_for(dec.logits)
+
+        def pick(logits: torch.Tensor, slot: int) -> None:
+            choose(mask.apply(logits), dec.tok, dec.ring, slot)
+
+        return lambda: pick if constraint.fill(mask.host) else None
 
     def _fed(self, token: int, dec: FastDecoder) -> None:
         self.tokens.append(int(token))

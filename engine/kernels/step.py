@@ -4,7 +4,8 @@ After the output head, ``advance`` takes the argmax of the logits, writes it as 
 token, moves the position on by one and files the token in a two-slot ring (slot = step number
 mod 2) that the host reads without waiting for later steps. A greedy generation can then run one
 step ahead of the host: step n + 1 is already running while the host handles token n. The host
-still writes the input itself whenever it chooses a token another way.
+still writes the input itself whenever it chooses a token another way, or ``choose`` writes it
+on the device (the argmax of logits a grammar's mask has changed).
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ def advance(logits: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, ring: to
     ring int32 [2]); the first index among equal maxima, as torch.argmax."""
     best = torch.argmax(logits)
     _advance_kernel[(1,)](best, tok, pos, ring, step, num_warps=1)
+
+
+def choose(logits: torch.Tensor, tok: torch.Tensor, ring: torch.Tensor, slot: int) -> None:
+    """tok <- argmax(logits), ring[slot] <- the same: the step's token chosen again after its
+    logits changed (a grammar's mask); the position and the step count stay as ``advance``
+    left them. Nothing waits."""
+    best = torch.argmax(logits)
+    tok.copy_(best)
+    ring[slot : slot + 1].copy_(best)
 
 
 def advance_reference(logits: torch.Tensor, pos: int, step: int) -> tuple[int, int, int]:

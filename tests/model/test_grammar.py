@@ -245,7 +245,7 @@ def test_a_special_marker_is_kept_in_the_text(tmp_path: Path) -> None:
 def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
     """The same constrained tokens from the fused kernels (Triton's interpreter on the CPU) as
     from the reference path: the mask goes onto the logits the decode step leaves, and a masked
-    greedy run never steps ahead of the host."""
+    greedy run still steps ahead of the host (``Runner.greedy`` with the constraint)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     pytest.importorskip("triton", reason="Triton is not installed")
@@ -254,11 +254,17 @@ def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
     path = tiny_models.path("qwen3moe", "Q8_0")
     base = Engine.load(path, EngineOptions(kv_cache_type="f32", context_length=64))
     schema = {"enum": ["yes", "no", "maybe so"]}
-    out = []
+    out, ahead = [], []
     for runner in (reference_runner(path), fast_runner(path, 1.0)):
         e = Engine(base.index, base.tokenizer, base.template, runner)
         if runner.decoder is not None:
-            runner.greedy = None  # type: ignore[method-assign]  # must not be used
+            greedy = runner.greedy
+
+            def counted(*args, greedy=greedy):  # the run ahead, seen taking the constraint
+                ahead.append(args[3])
+                yield from greedy(*args)
+
+            runner.greedy = counted  # type: ignore[method-assign]
         c = e.grammars.compile(GrammarSpec.json(schema))
         r = e.generate([1, 5, 9, 100, 7], SamplingParams(max_tokens=8, temperature=0),
                        constraint=c)  # fmt: skip
@@ -266,6 +272,10 @@ def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
         out.append(r.tokens)
         assert runner._token_mask is not None
     assert out[0] == out[1]
+    assert ahead and all(a is not None for a in ahead)
+    # unconstrained, the same prompt picks other tokens: the mask did choose them
+    free = e.generate([1, 5, 9, 100, 7], SamplingParams(max_tokens=8, temperature=0))
+    assert free.tokens[: len(out[1])] != out[1]
 
 
 def test_the_output_plan_for_each_tool_choice(engine: Engine, tiny_models) -> None:
