@@ -183,7 +183,8 @@ class Runner:
         mask = self._mask_for(dec.logits)
 
         def pick(logits: torch.Tensor, slot: int) -> None:
-            choose(mask.apply(logits), dec.tok, dec.ring, slot)
+            with torch.inference_mode():  # the decoder's buffers are inference tensors
+                choose(mask.apply(logits), dec.tok, dec.ring, slot)
 
         return lambda: pick if constraint.fill(mask.host) else None
 
