@@ -236,6 +236,66 @@ def running(tmp: Path, *args: str, **kw: Any) -> Iterator[StrataDaemon]:
         d.stop()
 
 
+class StatusEvents:
+    """``GET /v1/vram/events`` read in a thread: each event as (name, id or None, data parsed),
+    in arrival order; ``ended`` once the server closed the stream cleanly, ``error`` if it broke.
+    """
+
+    def __init__(self, url: str, headers: Mapping[str, str] = {}) -> None:
+        self.events: queue.Queue[tuple[str, int | None, Any]] = queue.Queue()
+        self.seen: list[tuple[str, int | None, Any]] = []
+        self.status_code: int | None = None
+        self.ended = threading.Event()
+        self.error: BaseException | None = None
+        self._client = httpx.Client(timeout=httpx.Timeout(10, read=None))
+        self._thread = threading.Thread(target=self._read, args=(url, dict(headers)), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, headers: dict[str, str]) -> None:
+        try:
+            with self._client.stream("GET", url + "/v1/vram/events", headers=headers) as r:
+                self.status_code = r.status_code
+                name, ident, data = "message", None, []
+                for line in r.iter_lines():
+                    if line == "":
+                        if data:
+                            self.events.put((name, ident, json.loads("\n".join(data))))
+                        name, ident, data = "message", None, []
+                    elif line.startswith("event: "):
+                        name = line[7:]
+                    elif line.startswith("id: "):
+                        ident = int(line[4:])
+                    elif line.startswith("data: "):
+                        data.append(line[6:])
+        except BaseException as e:  # what broke the stream, for the test to show
+            self.error = e
+        finally:
+            self.ended.set()
+
+    def next(self, timeout: float = 30) -> tuple[str, int | None, Any]:
+        timeout = wait_s(timeout)
+        try:
+            event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no event in {timeout} s (error {self.error!r})") from None
+        self.seen.append(event)
+        return event
+
+    def wait_status(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
+        """The first status event (from here on) whose data passes ``predicate``."""
+        deadline = time.monotonic() + wait_s(timeout)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{what}: no such status event; seen {self.seen[-3:]}")
+            name, _, data = self.next(left)
+            if name == "status" and predicate(data):
+                return data
+
+    def close(self) -> None:
+        self._client.close()
+
+
 # -- D-Bus: helpers for test_dbus, test_ctl and test_gamemode -----------------------------------
 
 CLIENTS = Path(__file__).with_name("dbus_clients.py")
