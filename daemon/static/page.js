@@ -316,14 +316,17 @@ function drawMemory(now) {
   const top = 8;
   const bottom = H - 20;
   const layers = LAYERS.filter((l) => s.total_mib != null || !l.device);
-  let max = s.total_mib != null ? s.total_mib : s.max_cache_mib;
-  for (const x of samples) {
-    const sum = layers.reduce((a, l) => a + l.value(x.s), 0);
-    max = Math.max(max, sum);
+  // the device's memory is the scale; without a monitor, the largest the cache can be (a
+  // sample read between a resize and the next look at the device may add up to a little more:
+  // clipped at the top)
+  let max = s.total_mib;
+  if (max == null) {
+    max = s.max_cache_mib;
+    for (const p of samples) max = Math.max(max, layers.reduce((a, l) => a + l.value(p.s), 0));
   }
   max = Math.max(1, max);
   const x = (t) => left + ((Math.max(t, start) - start) / (now - start)) * (right - left);
-  const y = (v) => bottom - (v / max) * (bottom - top);
+  const y = (v) => Math.max(top, bottom - (v / max) * (bottom - top));
   // each sample holds until the next one (the last until now): steps
   const edges = samples.map((p, i) => [x(p.t), i + 1 < samples.length ? x(samples[i + 1].t) : right]);
   const base = samples.map(() => 0);

@@ -293,27 +293,43 @@ def screenshot_dir(tmp_path: Path) -> Path:
 def test_screenshots_at_1280x800_and_narrow(
     strata: StrataDaemon, page: Any, module_bus: PrivateBus, tmp_path: Path
 ) -> None:
-    """A scene worth a picture: a game that grows and shrinks back (resizes on the time axis),
-    an image tool's lease, a reserve, a short chat."""
+    """A scene worth a picture, on the simulated GPU: a game grows until the cache must shrink
+    (a resize on the time axis) and shrinks back (the cache grows again), an image tool borrows
+    100 MiB over D-Bus, a reserve is set, a short chat. The test waits for states only; with
+    ``$STRATA_SCREENSHOTS`` set, each step is also held a few seconds so that the scene spreads
+    over the picture's minute."""
+    hold = 9.0 if os.environ.get("STRATA_SCREENSHOTS") else 0.0
     env = daemon_env(tmp_path, bus_env(module_bus))
     device = strata.tmp / "device.json"
-    resizes = strata.status()["resizes"]
-    write_simulated(device, TOTAL_MIB, [(GAME_PID, TOTAL_MIB - 40)])
-    strata.wait_for(lambda s: s["resizes"] > resizes, 60, "the cache shrinks for the game")
-    write_simulated(device, TOTAL_MIB, [(GAME_PID, GAME_MIB)])
-    strata.wait_for(lambda s: s["cache_mib"] == 48, 60, "the cache grows back")
-    holder = ClientProcess([*strata_ctl_command(), "borrow", "40", "--app-id",
-                            "org.example.ImageTool", "--reason", "upscaling a photo", "--",
-                            "sleep", "600"], env)  # fmt: skip
+    page.execute_script(
+        "const w = document.getElementById('window'); w.value = '60';"
+        "w.dispatchEvent(new Event('change'));"
+    )
+    holder = None
     try:
-        assert strata_ctl("reserve", "30", env=env).returncode == 0
+        time.sleep(hold)
+        resizes = strata.status()["resizes"]
+        write_simulated(device, TOTAL_MIB, [(GAME_PID, TOTAL_MIB - 30)])
+        strata.wait_for(lambda s: s["resizes"] > resizes, 60, "the cache shrinks for the game")
+        time.sleep(hold)
+        write_simulated(device, TOTAL_MIB, [(GAME_PID, 200)])
+        strata.wait_for(lambda s: s["cache_mib"] == 48, 60, "the cache grows back")
+        time.sleep(hold)
+        holder = ClientProcess([*strata_ctl_command(), "borrow", "100", "--app-id",
+                                "org.example.ImageTool", "--reason", "upscaling a photo", "--",
+                                "sleep", "600"], env)  # fmt: skip
         wait_until(lambda: lease_rows(page), "the lease in the list")
-        chat(page, "Hello! What can you do?", 40)
+        time.sleep(hold)
+        assert strata_ctl("reserve", "30", env=env).returncode == 0
+        time.sleep(hold)
+        chat(page, "Hello! What can you do?", 64)
         wait_until(lambda: "finish" in last_reply(page)["note"], "the answer finishes")
+        wait_until(lambda: text(page, "busy") == "idle", "the page shows the engine idle")
+        page.find_element("css selector", "#settings summary").click()
         out = screenshot_dir(tmp_path)
         wide = out / "page-1280x800.png"
         assert page.save_screenshot(str(wide))
-        viewport(page, 420, 1500)
+        viewport(page, 420, 1320)
         page.execute_script("window.dispatchEvent(new Event('resize'))")  # redrawn to fit
         narrow = out / "page-narrow.png"
         assert page.save_screenshot(str(narrow))
@@ -321,6 +337,8 @@ def test_screenshots_at_1280x800_and_narrow(
             assert shot.stat().st_size > 10_000, shot
         print(f"\nscreenshots: {wide}, {narrow}")
     finally:
-        holder.kill(signal.SIGTERM)
+        if holder is not None:
+            holder.kill(signal.SIGTERM)
         strata_ctl("reserve", "0", env=env)
+        write_simulated(device, TOTAL_MIB, [(GAME_PID, GAME_MIB)])
         viewport(page, 1280, 800)
