@@ -298,13 +298,19 @@ function timeLabels(svg, x, start, now, bottom) {
   }
 }
 
-function drawMemory(now) {
-  const svg = $("chart");
-  const box = $("chart-box");
+// An emptied SVG picture sized to its box: {svg, W, H} in CSS pixels.
+function canvas(svgId, boxId, minHeight) {
+  const svg = $(svgId);
+  const box = $(boxId);
   const W = Math.max(200, box.clientWidth);
-  const H = Math.max(120, box.clientHeight);
+  const H = Math.max(minHeight, box.clientHeight);
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   svg.replaceChildren();
+  return { svg, W, H };
+}
+
+function drawMemory(now) {
+  const { svg, W, H } = canvas("chart", "chart-box", 120);
   const s = page.status;
   const { start, samples } = inWindow(now);
   if (!s || !samples.length) {
@@ -379,12 +385,7 @@ function tokPerS(now, span) {
 }
 
 function drawSpeed(now) {
-  const svg = $("speed");
-  const box = $("speed-box");
-  const W = Math.max(200, box.clientWidth);
-  const H = Math.max(40, box.clientHeight);
-  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
-  svg.replaceChildren();
+  const { svg, W, H } = canvas("speed", "speed-box", 40);
   const { start, samples } = inWindow(now);
   if (!samples.length) return;
   const left = 58;

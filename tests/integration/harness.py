@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -236,6 +236,16 @@ def running(tmp: Path, *args: str, **kw: Any) -> Iterator[StrataDaemon]:
         d.stop()
 
 
+def take(items: queue.Queue[Any], timeout: float, what: Callable[[], str]) -> Any:
+    """The next item of a queue a reader thread fills; an AssertionError saying ``what()`` when
+    none comes in ``wait_s(timeout)``."""
+    timeout = wait_s(timeout)
+    try:
+        return items.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"{what()} in {timeout} s") from None
+
+
 class StatusEvents:
     """``GET /v1/vram/events`` read in a thread: each event as (name, id or None, data parsed),
     in arrival order; ``ended`` once the server closed the stream cleanly, ``error`` if it broke.
@@ -273,11 +283,7 @@ class StatusEvents:
             self.ended.set()
 
     def next(self, timeout: float = 30) -> tuple[str, int | None, Any]:
-        timeout = wait_s(timeout)
-        try:
-            event = self.events.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no event in {timeout} s (error {self.error!r})") from None
+        event = take(self.events, timeout, lambda: f"no event (error {self.error!r})")
         self.seen.append(event)
         return event
 
@@ -308,18 +314,19 @@ def bus_env(bus: PrivateBus) -> dict[str, str]:
 
 def simulated_device_args(
     vram_file: Path,
-    model: Path,
+    model: Path | None,
     *,
     cache_mib: int = 48,
     reserve_mib: int = 0,
     stable_ms: int = 500,
     period_ms: int = 100,
 ) -> list[str]:
-    """``strata serve`` options for ``model`` on the simulated device described by ``vram_file``:
-    2 MiB chunks, a fast control loop, half the cache elastic (the tests' sizes were worked out
-    with a core of half the cache)."""
+    """``strata serve`` options for ``model`` (None: the built-in demo) on the simulated device
+    described by ``vram_file``: 2 MiB chunks, a fast control loop, half the cache elastic (the
+    tests' sizes were worked out with a core of half the cache)."""
+    chosen = ["--model", str(model)] if model is not None else []
     return [
-        "--model", str(model), "--device", "cpu", "--vram-monitor", "simulated",
+        *chosen, "--device", "cpu", "--vram-monitor", "simulated",
         "--simulated-vram-file", str(vram_file), "--cache-mib", str(cache_mib),
         "--elastic-tail-mib", str(cache_mib // 2),
         "--elastic-reserve-mib", str(reserve_mib), "--arena-chunk-mib", "2",
@@ -382,11 +389,7 @@ class ClientProcess:
             self.lines.put(line.rstrip("\n"))
 
     def line(self, timeout: float = 15) -> str:
-        timeout = wait_s(timeout)
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no output in {timeout} s; so far {self.seen}") from None
+        line = take(self.lines, timeout, lambda: f"no output; so far {self.seen}")
         self.seen.append(line)
         return line
 

@@ -28,6 +28,7 @@ from tests.integration.harness import (
     StrataDaemon,
     bus_env,
     daemon_env,
+    simulated_device_args,
     strata_ctl,
     strata_ctl_command,
     wait_s,
@@ -74,10 +75,7 @@ def strata(
     tmp = tmp_path_factory.mktemp("strata")
     device = tmp / "device.json"
     write_simulated(device, TOTAL_MIB, [(GAME_PID, GAME_MIB)])
-    args = ["--device", "cpu", "--vram-monitor", "simulated", "--simulated-vram-file",
-            str(device), "--cache-mib", "48", "--elastic-tail-mib", "24",
-            "--elastic-reserve-mib", "0", "--arena-chunk-mib", "2",
-            "--elastic-stable-ms", "500", "--elastic-period-ms", "100"]  # fmt: skip
+    args = simulated_device_args(device, None)  # no --model: the demo
     d = StrataDaemon(tmp, args, env=bus_env(module_bus))
     yield d
     d.stop()
