@@ -602,7 +602,11 @@ async function send() {
   } finally {
     chat.abort = null;
     setBusy(false);
-    if (!reply.content && reply.note === "failed") chat.messages.pop();
+    if (!reply.content && reply.note === "failed") {
+      // nothing came back: the message goes back into the box, to send again once fixed
+      chat.messages.splice(-2, 2);
+      if (!$("prompt").value) $("prompt").value = prompt;
+    }
     saveChat();
     showChat();
   }

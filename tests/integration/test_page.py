@@ -209,6 +209,21 @@ def test_a_chat_message_streams_an_answer(strata: StrataDaemon, page: Any) -> No
     assert text(page, "chat-error") == ""
 
 
+def test_bad_sampling_settings_show_the_servers_error_and_keep_the_message(page: Any) -> None:
+    page.execute_script("document.getElementById('top-p').value = '7';")
+    try:
+        page.find_element("id", "prompt").send_keys("Hello?")
+        page.find_element("id", "send").click()
+        error = wait_until(lambda: text(page, "chat-error"), "the error shown")
+        assert "top_p" in error, error  # the server's own message, naming the field
+        assert page.find_element("id", "prompt").get_attribute("value") == "Hello?"
+    finally:
+        page.execute_script(
+            "document.getElementById('top-p').value = '0.95';"
+            "document.getElementById('prompt').value = '';"
+        )
+
+
 def test_stop_cancels_a_long_generation(strata: StrataDaemon, page: Any) -> None:
     before = metric(strata.url, "strata_generations_total", outcome="cancelled")
     tokens = strata.status()["generated_tokens"]
@@ -340,3 +355,26 @@ def test_screenshots_at_1280x800_and_narrow(
         strata_ctl("reserve", "0", env=env)
         write_simulated(device, TOTAL_MIB, [(GAME_PID, GAME_MIB)])
         viewport(page, 1280, 800)
+
+
+def test_with_an_api_key_the_page_asks_for_it_and_keeps_it_for_the_tab(
+    tiny_model: Path, browser: Any, tmp_path: Path, daemons: list[StrataDaemon]
+) -> None:
+    key = "sk-page-test-key"
+    d = StrataDaemon(tmp_path, ["--model", str(tiny_model), "--device", "cpu"],
+                     env={"STRATA_API_KEY": key})  # fmt: skip
+    daemons.append(d)
+    browser.get(d.url + "/")  # the page itself needs no key
+    wait_until(lambda: browser.find_element("id", "key-form").is_displayed(), "the key asked for")
+    assert "API key" in text(browser, "link")
+    browser.find_element("id", "key-input").send_keys("wrong")
+    browser.find_element("css selector", "#key-form button").click()
+    wait_until(lambda: "invalid API key" in text(browser, "key-error"), "a wrong key refused")
+    browser.find_element("id", "key-input").send_keys(key)
+    browser.find_element("css selector", "#key-form button").click()
+    wait_until(lambda: text(browser, "state") == "ready", "the status, read with the key")
+    wait_until(lambda: text(browser, "link") == "live", "the status stream is live")
+    assert not browser.find_element("id", "key-form").is_displayed()
+    kept = browser.execute_script("return [sessionStorage.length, localStorage.length]")
+    assert kept == [1, 0]  # in this tab's session storage only (the key; no chat yet)
+    assert key not in browser.page_source
