@@ -4,6 +4,7 @@ end when the daemon stops."""
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +54,10 @@ def test_the_stream_starts_with_the_history_and_the_current_status(
     name, ident, current = events.next()
     assert name == "status" and isinstance(ident, int) and ident >= 1
     assert set(current) == set(strata.status())
+    # what the stream holds is counted, with its bound
+    metrics = httpx.get(strata.url + "/metrics", timeout=30).text
+    assert re.search(r"^strata_status_streams 1\.0$", metrics, re.M), metrics
+    assert re.search(r"^strata_status_history_samples_limit 600\.0$", metrics, re.M)
 
 
 def test_after_many_quick_changes_the_last_event_carries_the_final_state(

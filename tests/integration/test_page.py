@@ -57,13 +57,13 @@ def browser_or_skip(profile: Path) -> Any:
         from selenium.webdriver.chrome.service import Service
     except ImportError:
         pytest.skip("selenium is not installed (the project's test extra has it)")
-    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager, should it run, never downloads
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in CHROMIUM_ARGS:
         options.add_argument(arg)
     options.add_argument(f"--user-data-dir={profile}")
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    # the driver's path given: Selenium Manager (which would download one) never runs
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
