@@ -1,11 +1,12 @@
 """The HTTP edge: parse, call one daemon method, map errors. No policy or state lives here.
 
 Routes: ``/health``, ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/vram``, ``/metrics`` (docs/http.md). Around them, outermost first: request counting, the
-``Host`` and ``Origin`` checks that keep web pages out, CORS (only when ``cors_allow_origins`` is
-set), the bearer key (only when ``api_key`` is set;
-``/health`` stays open), the cap on requests in progress, the body-size limit. Every error leaves
-as an OpenAI-shaped JSON body, mapped once, in :func:`as_api_error`.
+``/v1/vram``, ``/v1/vram/events``, ``/metrics``, and the page at ``/`` (docs/http.md). Around
+them, outermost first: request counting, the ``Host`` and ``Origin`` checks that keep web pages
+out, CORS (only when ``cors_allow_origins`` is set), the bearer key (only when ``api_key`` is
+set; ``/health`` and the page's static files stay open), the cap on requests in progress, the
+body-size limit. Every error leaves as an OpenAI-shaped JSON body, mapped once, in
+:func:`as_api_error`.
 
 What requests in progress hold is counted (:class:`HttpLoad`) and shown in ``/metrics`` with its
 bound: at most ``max_requests_in_progress`` requests, each with a body of at most
@@ -32,6 +33,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata import __version__
+from strata.daemon import page
 from strata.daemon.bounded import Bounded
 from strata.daemon.generation import Generation, Generations, NotServing, QueueFull
 from strata.daemon.leases import LeaseError, NoDevice, NotEnoughVram, Timeout
@@ -53,14 +55,15 @@ from strata.daemon.openai_api import (
     sse,
 )
 from strata.daemon.openai_stream import ReplyStream, reply_body
+from strata.daemon.status_feed import event_stream
 from strata.engine.errors import EngineError
 
 log = logging.getLogger(__name__)
 
 FINGERPRINT = f"strata-{__version__}"
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", *page.PATHS})  # the page holds no secret; its calls need the key
 ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions",
-                       "/v1/completions", "/v1/vram"})  # fmt: skip
+                       "/v1/completions", "/v1/vram", "/v1/vram/events", *page.PATHS})  # fmt: skip
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # nginx's status for a request its client abandoned (never sent: it is gone)
 
@@ -210,11 +213,28 @@ def create_app(daemon: Any) -> FastAPI:
         done = {"how": outcome.how, "message": outcome.message}
         return JSONResponse({"result": done, **daemon.status()})
 
+    @app.get("/v1/vram/events")
+    async def vram_events() -> StreamingResponse:
+        return StreamingResponse(
+            event_stream(daemon.feed, time.time), media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )  # fmt: skip
+
     @app.get("/metrics")
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    for path, file in page.load().items():
+        app.add_api_route(path, _page_file(file), methods=["GET"], include_in_schema=False)
+
     return app
+
+
+def _page_file(file: page.PageFile) -> Any:
+    async def serve() -> Response:
+        return Response(file.body, media_type=file.media_type, headers=page.HEADERS)
+
+    return serve
 
 
 async def _events(stream: ReplyStream, gen: Generation) -> AsyncIterator[bytes]:

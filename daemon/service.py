@@ -31,6 +31,7 @@ from strata.daemon.control import ControlConfig, Outcome, VramController
 from strata.daemon.leases import MAX_LEASES, Lease
 from strata.daemon.policy import PolicyConfig
 from strata.daemon.sdnotify import Notifier, http_status, watchdog_loop
+from strata.daemon.status_feed import StatusFeed
 from strata.daemon.worker import EngineWorker, State
 from strata.engine.errors import EngineError
 
@@ -42,6 +43,7 @@ EXIT_CONFIG = 2
 STOP_TIMEOUT_S = 4.0  # SIGTERM to exit: well inside systemd's and the tests' 5 s
 LOAD_STEP_TIMEOUT_S = 300.0  # each load step gives systemd's start timeout this much more time
 READY_PROBE_TIMEOUT_S = 10.0  # model loaded to /health answering 200 on our own socket
+FEED_PERIOD_S = 0.5  # the status is looked at this often for changes no event announces
 
 
 class ServiceError(Exception):
@@ -90,6 +92,8 @@ class Daemon:
         self.dbus = BusLink()
         # more counted sizes, from the edges (the D-Bus edge's watched callers)
         self.size_sources: list[Callable[[], list[Bounded]]] = []
+        # the status over time: its history and the change events of GET /v1/vram/events
+        self.feed = StatusFeed()
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -146,9 +150,14 @@ class Daemon:
                         "(the library does not count them; words of 256 bytes or more are never "
                         "cached)", None, engine.tokenizer.cache_words_limit, "words"),
             ]  # fmt: skip
+        out += self.feed.sizes(self.config.max_requests_in_progress)
         for source in list(self.size_sources):
             out += source()
         return out
+
+    def publish_status(self) -> None:
+        """Hand the status to the feed: an event if it changed, a history sample when due."""
+        self.feed.update(time.time(), self.status())
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -186,6 +195,7 @@ class Daemon:
             "free_mib": sample.free_bytes // MiB if sample else None,
             "ours_mib": sample.ours_bytes // MiB if sample else None,
             "tenants_mib": sample.tenants_bytes // MiB if sample else None,
+            "kv_mib": self._kv_mib(),
             "reserve_mib": book.reserve_mib,
             "elastic_reserve_mib": self.config.elastic_reserve_mib,
             "holds": dict(book.holds),
@@ -209,7 +219,15 @@ class Daemon:
             "hit_rate": stats.hit_rate if stats is not None and stats.cached else None,
             "busy": self.worker.busy,
             "queued": self.worker.queued(),
+            "generated_tokens": self.worker.tokens,
         }
+
+    def _kv_mib(self) -> int:
+        """Device memory the K/V cache holds (part of ``ours_mib``); 0 on the CPU."""
+        engine = self.worker.engine
+        if engine is None or not self.device.startswith("cuda"):
+            return 0
+        return engine.runner.kv.nbytes // MiB
 
 
 # -- start-up pieces ----------------------------------------------------------------------------
@@ -504,6 +522,10 @@ async def serve_async(
         with contextlib.suppress(RuntimeError, ValueError):  # not the main thread: in-process
             loop.add_signal_handler(sig, stop.set)
     daemon.controller.bind(loop)
+    # the controller's events (a reserve, a lease, a resize) reach the feed at once; the rest
+    # (free memory, hit rate, a generation's start and end) within FEED_PERIOD_S
+    daemon.controller.listeners.append(lambda name, fields: daemon.publish_status())
+    feed_task = asyncio.create_task(_feed_loop(daemon), name="status-feed")
     server_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
     daemon.worker.start()
     if started is not None:
@@ -530,9 +552,11 @@ async def serve_async(
     log.info("stopping")
     notifier.stopping()
     daemon.stopping = True
-    for task in (control_task, announce, stopped):
+    for task in (control_task, announce, stopped, feed_task):
         if task is not None:
             task.cancel()
+    # the event streams send the "stopping" status and end, so no response holds the server up
+    daemon.feed.close(time.time(), daemon.status())
     if gamemode is not None:
         await gamemode.close()
     if edge is not None:
@@ -547,6 +571,15 @@ async def serve_async(
     notifier.close()
     log.info("stopped")
     return code
+
+
+async def _feed_loop(daemon: Daemon) -> None:
+    while True:
+        try:
+            daemon.publish_status()
+        except Exception:
+            log.exception("reading the status for its history failed")
+        await asyncio.sleep(FEED_PERIOD_S)
 
 
 def run(loaded: LoadedConfig, args: Any) -> int:

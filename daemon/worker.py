@@ -80,6 +80,7 @@ class EngineWorker:
         self._stop = False
         self.busy = False
         self.steps = 0  # safe points passed: prefill chunks and decode steps
+        self.tokens = 0  # tokens generated since start, counted as each one is
         # Odd while a resize maps or unmaps memory: a reading of the device taken while it
         # changed (or was odd) may count Strata's own memory as another program's.
         self.resize_epoch = 0
@@ -186,6 +187,7 @@ class EngineWorker:
                 constraint=job.constraint,
                 show_special=job.show_special,
                 on_logprobs=job.on_logprobs,
+                on_token=self._count_token,
             )
         except BaseException as e:
             job.done.set_exception(e)
@@ -193,6 +195,9 @@ class EngineWorker:
             job.done.set_result(result)
         finally:
             self.busy = False
+
+    def _count_token(self) -> None:
+        self.tokens += 1  # one writer (this thread); the loop only reads it
 
     def _safe_point(self) -> None:
         self.steps += 1

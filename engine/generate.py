@@ -412,6 +412,7 @@ class Engine:
         constraint: Constraint | None = None,
         show_special: frozenset[int] = frozenset(),
         on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+        on_token: Callable[[], None] | None = None,
     ) -> GenerationResult:
         """Generate up to ``params.max_tokens`` tokens after ``prompt``.
 
@@ -426,7 +427,8 @@ class Engine:
         before that is ``length``, with the output incomplete. ``show_special``: special tokens
         whose text the output keeps (a tool-call marker a parser needs). With
         ``params.logprobs``, each token's :class:`TokenLogprob` goes into ``result.logprobs``
-        and, streaming, to ``on_logprobs`` just before the text that follows it.
+        and, streaming, to ``on_logprobs`` just before the text that follows it. ``on_token``
+        runs once per generated token, as it is generated (a counter for the live speed).
         """
         if not prompt:
             raise EngineError("the prompt is empty: it needs at least one token")
@@ -503,6 +505,8 @@ class Engine:
                 result.logprobs.append(entry)
             result.tokens.append(token)
             result.token_times.append(now)
+            if on_token is not None:
+                on_token()
             history.append(token)
             if constraint is not None:
                 constraint.accept(token)

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -236,6 +236,72 @@ def running(tmp: Path, *args: str, **kw: Any) -> Iterator[StrataDaemon]:
         d.stop()
 
 
+def take(items: queue.Queue[Any], timeout: float, what: Callable[[], str]) -> Any:
+    """The next item of a queue a reader thread fills; an AssertionError saying ``what()`` when
+    none comes in ``wait_s(timeout)``."""
+    timeout = wait_s(timeout)
+    try:
+        return items.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"{what()} in {timeout} s") from None
+
+
+class StatusEvents:
+    """``GET /v1/vram/events`` read in a thread: each event as (name, id or None, data parsed),
+    in arrival order; ``ended`` once the server closed the stream cleanly, ``error`` if it broke.
+    """
+
+    def __init__(self, url: str, headers: Mapping[str, str] = {}) -> None:
+        self.events: queue.Queue[tuple[str, int | None, Any]] = queue.Queue()
+        self.seen: list[tuple[str, int | None, Any]] = []
+        self.status_code: int | None = None
+        self.ended = threading.Event()
+        self.error: BaseException | None = None
+        self._client = httpx.Client(timeout=httpx.Timeout(10, read=None))
+        self._thread = threading.Thread(target=self._read, args=(url, dict(headers)), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, headers: dict[str, str]) -> None:
+        try:
+            with self._client.stream("GET", url + "/v1/vram/events", headers=headers) as r:
+                self.status_code = r.status_code
+                name, ident, data = "message", None, []
+                for line in r.iter_lines():
+                    if line == "":
+                        if data:
+                            self.events.put((name, ident, json.loads("\n".join(data))))
+                        name, ident, data = "message", None, []
+                    elif line.startswith("event: "):
+                        name = line[7:]
+                    elif line.startswith("id: "):
+                        ident = int(line[4:])
+                    elif line.startswith("data: "):
+                        data.append(line[6:])
+        except BaseException as e:  # what broke the stream, for the test to show
+            self.error = e
+        finally:
+            self.ended.set()
+
+    def next(self, timeout: float = 30) -> tuple[str, int | None, Any]:
+        event = take(self.events, timeout, lambda: f"no event (error {self.error!r})")
+        self.seen.append(event)
+        return event
+
+    def wait_status(self, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
+        """The first status event (from here on) whose data passes ``predicate``."""
+        deadline = time.monotonic() + wait_s(timeout)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{what}: no such status event; seen {self.seen[-3:]}")
+            name, _, data = self.next(left)
+            if name == "status" and predicate(data):
+                return data
+
+    def close(self) -> None:
+        self._client.close()
+
+
 # -- D-Bus: helpers for test_dbus, test_ctl and test_gamemode -----------------------------------
 
 CLIENTS = Path(__file__).with_name("dbus_clients.py")
@@ -248,18 +314,19 @@ def bus_env(bus: PrivateBus) -> dict[str, str]:
 
 def simulated_device_args(
     vram_file: Path,
-    model: Path,
+    model: Path | None,
     *,
     cache_mib: int = 48,
     reserve_mib: int = 0,
     stable_ms: int = 500,
     period_ms: int = 100,
 ) -> list[str]:
-    """``strata serve`` options for ``model`` on the simulated device described by ``vram_file``:
-    2 MiB chunks, a fast control loop, half the cache elastic (the tests' sizes were worked out
-    with a core of half the cache)."""
+    """``strata serve`` options for ``model`` (None: the built-in demo) on the simulated device
+    described by ``vram_file``: 2 MiB chunks, a fast control loop, half the cache elastic (the
+    tests' sizes were worked out with a core of half the cache)."""
+    chosen = ["--model", str(model)] if model is not None else []
     return [
-        "--model", str(model), "--device", "cpu", "--vram-monitor", "simulated",
+        *chosen, "--device", "cpu", "--vram-monitor", "simulated",
         "--simulated-vram-file", str(vram_file), "--cache-mib", str(cache_mib),
         "--elastic-tail-mib", str(cache_mib // 2),
         "--elastic-reserve-mib", str(reserve_mib), "--arena-chunk-mib", "2",
@@ -322,11 +389,7 @@ class ClientProcess:
             self.lines.put(line.rstrip("\n"))
 
     def line(self, timeout: float = 15) -> str:
-        timeout = wait_s(timeout)
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no output in {timeout} s; so far {self.seen}") from None
+        line = take(self.lines, timeout, lambda: f"no output; so far {self.seen}")
         self.seen.append(line)
         return line
 

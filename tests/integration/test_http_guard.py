@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from strata.engine.synth import ensure_synthetic
-from tests.integration.harness import StrataDaemon
+from tests.integration.harness import StatusEvents, StrataDaemon
 
 KEY = "sk-local-test-key"
 ORIGIN = "http://app.example"
@@ -62,6 +62,27 @@ def test_api_key_is_required_except_for_health(server: StrataDaemon, model: Path
             assert set(error) == {"message", "type", "param", "code"}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=auth(), timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_the_page_is_open_but_its_calls_and_the_status_stream_need_the_key(
+    server: StrataDaemon,
+) -> None:
+    for path in ("/", "/page.js", "/page.css", "/favicon.svg"):
+        r = httpx.get(server.url + path, timeout=5)
+        assert r.status_code == 200, (path, r.text)
+        assert KEY not in r.text  # the page holds no secret
+    r = httpx.get(server.url + "/v1/vram/events", timeout=5)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    events = StatusEvents(server.url, auth())
+    try:
+        assert events.next()[0] == "history" and events.status_code == 200
+        assert events.next()[0] == "status"
+    finally:
+        events.close()
+    # a page of another origin cannot read the stream, key or not
+    r = httpx.get(server.url + "/v1/vram/events", headers={"Origin": "http://evil.example",
+                  **auth()}, timeout=5)  # fmt: skip
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
 
 
 def test_the_official_client_sends_the_key(server: StrataDaemon, model: Path) -> None:

@@ -1,7 +1,7 @@
 """What a fresh machine gets from the project: the GPU path's packages on Linux x86-64 (from the
 package index, as pip resolves them), a checkout that runs from PYTHONPATH without an install,
-bootstrap variables that never collide with Strata's options, and a CLI whose --version and
---help import no torch.
+bootstrap variables that never collide with Strata's options, a CLI whose --version and --help
+import no torch, and a wheel that carries the page's files.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,28 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path: Path) -> None
     r = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("# configuration file"), r.stderr
     assert r.stderr == "", r.stderr
+
+
+def test_a_wheel_carries_the_page(tmp_path: Path) -> None:
+    """An installed wheel serves the page at / too: its static files are package data."""
+    from strata.daemon import page
+
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    tree = tmp_path / "tree"
+    for name in files:
+        source, target = ROOT / name, tree / name
+        if not source.is_symlink() and not source.is_file():
+            continue  # deleted in the work tree
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            target.symlink_to(os.readlink(source))
+        else:
+            target.write_bytes(source.read_bytes())
+    r = _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
+             str(tree))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (wheel,) = (tmp_path / "dist").glob("strata-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name, _ in page.FILES.values():
+        assert f"strata/daemon/static/{name}" in names, sorted(names)
