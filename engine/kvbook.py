@@ -37,7 +37,7 @@ class KVBookError(Exception):
 
 @dataclass
 class Held:
-    """A conversation's tokens and the pages holding their K/V (position p: ``pages[p // page]``)."""
+    """A conversation's tokens and the pages of their K/V (position p: ``pages[p // page]``)."""
 
     tokens: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)

@@ -72,7 +72,7 @@ def test_a_second_turn_shares_its_prefix_pages_and_copies_the_page_it_writes() -
     b = book()
     first = list(range(10))  # pages 1, 2 full, page 3 holds two positions
     run(b, first, extra=3)  # 13 positions: pages 1, 2, 3, 4
-    turn2 = first + [1000, 1001, 1002] + [50, 51, 52, 53]
+    turn2 = [*first, 1000, 1001, 1002, 50, 51, 52, 53]
     assert b.pages_needed(0) == 0
     reused = b.begin(turn2)
     assert reused == 13
@@ -192,7 +192,7 @@ def test_common_prefix() -> None:
     a = list(range(300))
     assert common_prefix(a, a, 1000) == 300
     assert common_prefix(a, a, 7) == 7
-    b = a[:130] + [-1] + a[131:]
+    b = [*a[:130], -1, *a[131:]]
     assert common_prefix(a, b, 1000) == 130
     assert common_prefix([], a, 5) == 0
 
