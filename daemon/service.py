@@ -182,6 +182,7 @@ class Daemon:
             "cache_experts": cache.cached_experts if cache else 0,
             "total_experts": cache.max_slots if cache else None,
             **_host_tier_status(cache),
+            **_kv_status(self.worker.engine),
             "total_mib": sample.total_bytes // MiB if sample else None,
             "free_mib": sample.free_bytes // MiB if sample else None,
             "ours_mib": sample.ours_bytes // MiB if sample else None,
@@ -555,6 +556,25 @@ def run(loaded: LoadedConfig, args: Any) -> int:
     except ServiceError as e:
         log.error("%s", e)
         return e.code
+
+
+def _kv_status(engine: Any) -> dict[str, Any]:
+    """The K/V's part of the status (docs/status.md): its share of the budget it shares with
+    the expert cache, the active conversation and the kept ones."""
+    if engine is None or engine.runner.kv.arena.closed:
+        return {"kv_mib": 0, "kv_active_tokens": 0, "kv_active_mib": 0, "kv_kept_mib": 0,
+                "kv_kept": [], "budget_mib": None, "kv_fits_tokens": None}  # fmt: skip
+    kv = engine.kv_status()
+    budget = kv["budget_bytes"]
+    return {
+        "kv_mib": -(-kv["mapped_bytes"] // MiB),
+        "kv_active_tokens": kv["active_tokens"],
+        "kv_active_mib": -(-kv["active_bytes"] // MiB),
+        "kv_kept_mib": -(-kv["kept_bytes"] // MiB),
+        "kv_kept": [{"tokens": n} for n in kv["kept_tokens"]],
+        "budget_mib": budget // MiB if budget >= 0 else None,
+        "kv_fits_tokens": kv["fits_tokens"],
+    }
 
 
 def _host_tier_status(cache: Any) -> dict[str, Any]:

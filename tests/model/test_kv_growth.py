@@ -74,20 +74,27 @@ def test_the_kv_grows_for_a_long_prompt_and_trims_after_a_short_one(path: Path) 
         grow.close()
 
 
+def second_turn(warm: Engine, cold: Engine, n: int) -> list[int]:
+    """A first turn of ``n`` tokens, then a second that extends it: only the new tokens (and
+    the reply's last, sampled but never fed) are computed, and the output is a cold run's.
+    Returns the second turn's prompt."""
+    p1 = words(warm, n)
+    r1 = gen(warm, p1)
+    assert r1.cached_tokens == 0
+    new = words(warm, 40, seed=3)
+    p2 = p1 + r1.tokens + new
+    r2 = gen(warm, p2)
+    assert r2.cached_tokens == len(p1) + len(r1.tokens) - 1
+    assert r2.prompt_tokens - r2.cached_tokens == len(new) + 1
+    c2 = gen(cold, p2)
+    assert c2.cached_tokens == 0 and c2.tokens == r2.tokens
+    return p2
+
+
 def test_a_second_turn_reuses_the_first_and_matches_a_cold_run(path: Path) -> None:
     warm, cold = load(path), load(path)
     try:
-        p1 = words(warm, 300)
-        r1 = gen(warm, p1)
-        assert r1.cached_tokens == 0
-        new = words(warm, 40, seed=3)
-        p2 = p1 + r1.tokens + new
-        r2 = gen(warm, p2)
-        # the first turn's last token was sampled, never fed: it is computed with the new ones
-        assert r2.cached_tokens == len(p1) + len(r1.tokens) - 1
-        assert r2.prompt_tokens - r2.cached_tokens == len(new) + 1
-        c2 = gen(cold, p2)
-        assert c2.cached_tokens == 0 and c2.tokens == r2.tokens
+        second_turn(warm, cold, 300)
     finally:
         warm.close()
         cold.close()
