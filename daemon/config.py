@@ -55,6 +55,7 @@ class Setting:
 
 MAX_ADAPT_SWAPS = 256  # each swap holds one expert slot of VRAM while it passes through
 MAX_PREFETCH_EXPERTS = 256  # two sets of staging slots of this many experts each: VRAM
+MAX_KV_KEEP = 64  # each may hold a whole context of K/V pages (bounded by the budget)
 
 
 class StrataConfig(BaseSettings):
@@ -76,7 +77,23 @@ class StrataConfig(BaseSettings):
         None, ge=1, le=1024, description="CPU threads for compute (unset: physical cores - 1)"
     )
     context_length: int | None = Field(
-        None, ge=16, description="context window in tokens (unset: min(the model's, 16384))"
+        None,
+        ge=16,
+        description="context window in tokens (unset: the model's; its K/V grows with the "
+        "conversations, so a long context costs only what is used)",
+    )
+    kv_keep_conversations: int = Field(
+        4,
+        ge=0,
+        le=MAX_KV_KEEP,
+        description="conversations whose K/V is kept after their request, so a later request "
+        "that extends one of them computes only its new tokens (they count in the VRAM budget "
+        "and are the first to go when it is short; 0: only the last request's)",
+    )
+    kv_fixed: bool = Field(
+        False,
+        description="map the K/V for the whole context at load and never give it back (the "
+        "growing K/V's control, for measurements)",
     )
     prefill_chunk_tokens: int = Field(
         1024, ge=1, le=65536, description="prompt tokens computed per prefill chunk (a safe point)"
@@ -324,7 +341,7 @@ ENGINE_OPTIONS: frozenset[str] = frozenset({
     "model", "log_level", "threads", "context_length", "prefill_chunk_tokens", "kv_cache_type",
     "device", "cache_mib", "elastic_tail_mib", "elastic_reserve_mib", "host_budget_mib",
     "adapt_swaps", "prefetch_experts", "verify_experts", "arena_chunk_mib", "fast_decode",
-    "enforce_eager", "fast_prefill",
+    "enforce_eager", "fast_prefill", "kv_keep_conversations", "kv_fixed",
 })  # fmt: skip
 # `strata bench` sizes the cache itself (its --cache-mib is a list of budgets, all elastic).
 BENCH_OPTIONS = ENGINE_OPTIONS - {"cache_mib", "elastic_tail_mib", "elastic_reserve_mib"}

@@ -113,10 +113,21 @@ class VramController:
     # -- what Strata holds ----------------------------------------------------------------------
 
     def ours_bytes(self) -> int:
-        """The arena's mapped bytes plus the engine's own device memory: what we really hold."""
+        """The arenas' mapped bytes (the cache's, the K/V's) plus the engine's own device
+        memory: what we really hold."""
         cache = self.worker.cache
         mapped = cache.arena.mapped_bytes if cache is not None and not _closed(cache) else 0
-        return mapped + self.fixed_bytes()
+        return mapped + self._kv_bytes()[0] + self.fixed_bytes()
+
+    def _kv_bytes(self) -> tuple[int, int, int]:
+        """The K/V's (mapped, floor, reservation) bytes where it shares the cache's budget
+        (docs/policy.md), else zeros: the policy's size is the cache's and the K/V's."""
+        engine = self.worker.engine
+        runner = getattr(engine, "runner", None)
+        if runner is None or getattr(runner, "budget", None) is None or runner.kv.arena.closed:
+            return 0, 0, 0
+        kv = runner.kv
+        return kv.mapped_bytes, kv.floor_bytes(), kv.arena.reserved_bytes
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -215,13 +226,21 @@ class VramController:
         if cache is None or _closed(cache):
             return None
         fixed = _mib(self.fixed_bytes())
+        # One budget: where the K/V shares it, the policy's size is the cache's and the K/V's
+        # together, and its core the cache's core plus what the K/V cannot give back now.
+        kv_mapped, kv_floor, kv_max = self._kv_bytes()
+        budget = self._engine_budget()
         size_mib = self._policy_size_mib
-        if size_mib is None or cache.slots_for_bytes(size_mib * MiB) != cache.n_slots:
+        if budget is not None:
+            if size_mib is None or size_mib * MiB != budget:
+                size_mib = -(-(cache.arena.mapped_bytes + kv_mapped) // MiB)
+        elif size_mib is None or cache.slots_for_bytes(size_mib * MiB) != cache.n_slots:
             size_mib = -(-cache.arena.mapped_bytes // MiB)
+        core_mib = _mib(cache.core_bytes) + -(-kv_floor // MiB)
         view = CacheView(
-            size_mib=max(size_mib, _mib(cache.core_bytes)),
-            core_mib=_mib(cache.core_bytes),
-            max_mib=-(-cache.mapped_bytes_for(cache.max_slots) // MiB),
+            size_mib=max(size_mib, core_mib),
+            core_mib=core_mib,
+            max_mib=-(-(cache.mapped_bytes_for(cache.max_slots) + kv_max) // MiB),
             fixed_mib=fixed,
         )
         now_ms = self.clock() * 1000
@@ -248,13 +267,24 @@ class VramController:
             )  # fmt: skip
         self.state = decision.state
         self.last_decision = decision
-        slots = cache.slots_for_bytes(decision.target_mib * MiB)
         self._policy_size_mib = decision.target_mib
+        if budget is not None:
+            if decision.target_mib * MiB != budget:
+                log.debug("budget %d MiB (%s, %s): %s", decision.target_mib, decision.reason,
+                          why, decision.explain)  # fmt: skip
+                self.worker.request_budget(decision.target_mib * MiB, f"{decision.reason} ({why})")
+            return decision
+        slots = cache.slots_for_bytes(decision.target_mib * MiB)
         if slots != cache.n_slots:
             log.debug("resize to %d slots (%s, %s): %s", slots, decision.reason, why,
                       decision.explain)  # fmt: skip
             self.worker.request_resize(slots, None, f"{decision.reason} ({why})")
         return decision
+
+    def _engine_budget(self) -> int | None:
+        """The engine's budget for the cache and the K/V (None: the cache alone is steered)."""
+        runner = getattr(self.worker.engine, "runner", None)
+        return getattr(runner, "budget", None) if self._kv_bytes()[2] else None
 
     def _lease_usage(self, lease: Lease) -> LeaseUsage:
         if lease.pid is None:
@@ -274,6 +304,7 @@ class VramController:
             return None
         cache = self.worker.cache
         core = _mib(cache.core_bytes) if cache is not None else 0
+        core += -(-self._kv_bytes()[1] // MiB)  # the K/V's pages in use stay
         usable = _mib(sample.used_bytes + sample.free_bytes)
         return max_freeable_mib(usable, core, _mib(self.fixed_bytes()))
 
@@ -294,7 +325,8 @@ class VramController:
         if cache is None or _closed(cache):
             return  # still loading: the request waits for the cache (or times out)
         base, at_base = self._unwatched_base(cache)
-        allowed = base + at_base - _mib(cache.core_bytes)
+        # what the cache's core and the K/V's pages in use keep can never be given
+        allowed = base + at_base - _mib(cache.core_bytes) - -(-self._kv_bytes()[1] // MiB)
         if demand_after > allowed:
             others = demand_after - mib
             raise NotEnoughVram(
@@ -434,7 +466,7 @@ class VramController:
                     return "room"
             elif decision is not None:  # unwatched: the cache at its target is all there is
                 assert cache is not None
-                slots = cache.slots_for_bytes(decision.target_mib * MiB)
+                slots = cache.slots_for_bytes(decision.target_mib * MiB - self._kv_bytes()[0])
                 # unmapped, not only planned: the slots go first, the memory chunk by chunk
                 if cache.arena.mapped_bytes <= cache.mapped_bytes_for(slots):
                     return "shrink"

@@ -47,6 +47,8 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         adapt_swaps=config.adapt_swaps,
         prefetch_experts=config.prefetch_experts,
         verify_experts=config.verify_experts,
+        kv_keep_conversations=config.kv_keep_conversations,
+        kv_fixed=config.kv_fixed,
     )
 
 

@@ -100,6 +100,27 @@ class _StatusCollector(Collector):
             ("strata_cache_mib", "expert cache size in MiB", s.get("cache_mib")),
             ("strata_cache_experts", "experts the cache holds", s.get("cache_experts")),
             ("strata_cache_hit_rate", "expert cache hit rate (0-1)", s.get("hit_rate")),
+            ("strata_kv_mib", "K/V cache mapped in MiB", s.get("kv_mib")),
+            (
+                "strata_kv_active_tokens",
+                "positions of the active conversation's K/V",
+                s.get("kv_active_tokens"),
+            ),
+            (
+                "strata_kv_kept_mib",
+                "K/V of kept conversations only (freed first) in MiB",
+                s.get("kv_kept_mib"),
+            ),
+            (
+                "strata_kv_kept_conversations",
+                "conversations kept for prefix reuse",
+                len(s.get("kv_kept") or []),
+            ),
+            (
+                "strata_budget_mib",
+                "VRAM budget of the expert cache and the K/V in MiB",
+                s.get("budget_mib"),
+            ),
             ("strata_free_vram_mib", "free VRAM on the device in MiB", s.get("free_mib")),
             ("strata_ours_vram_mib", "VRAM Strata holds in MiB", s.get("ours_mib")),
             ("strata_reserve_mib", "run-time VRAM reserve in MiB", s.get("reserve_mib")),

@@ -587,9 +587,11 @@ class Reply:
         completion_tokens: int,
         calls: list[ToolCall] | None = None,
         logprobs: dict[str, Any] | None = None,
+        cached_tokens: int = 0,
     ) -> dict[str, Any]:
         """The whole reply; chat ``calls`` become ``message.tool_calls`` (``text`` None: no
-        content beside them); ``logprobs``: the choice's, in the endpoint's shape."""
+        content beside them); ``logprobs``: the choice's, in the endpoint's shape;
+        ``cached_tokens``: prompt tokens whose K/V an earlier request left."""
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
@@ -600,7 +602,7 @@ class Reply:
             choice = {"index": 0, "text": text or "", "logprobs": logprobs,
                       "finish_reason": finish_reason}  # fmt: skip
         return {**self._head(self.object), "choices": [choice],
-                "usage": usage(prompt_tokens, completion_tokens)}  # fmt: skip
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}  # fmt: skip
 
     def chunk(
         self,
@@ -632,15 +634,20 @@ class Reply:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)}  # fmt: skip
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}  # fmt: skip
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens whose
+    K/V a kept conversation had (not computed again)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:

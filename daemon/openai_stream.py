@@ -43,7 +43,9 @@ def reply_body(
         if calls and finish == "stop":
             finish = "tool_calls"
     lp = logprobs_json(reply.kind, r.logprobs, tokenizer)
-    return reply.body(text, finish, r.prompt_tokens, r.completion_tokens, calls, lp)
+    return reply.body(
+        text, finish, r.prompt_tokens, r.completion_tokens, calls, lp, r.cached_tokens
+    )
 
 
 class ReplyStream:
@@ -82,7 +84,9 @@ class ReplyStream:
             finish = "tool_calls"
         out.append(self.reply.chunk(None, finish))
         if self.reply.include_usage:
-            out.append(self.reply.usage_chunk(r.prompt_tokens, r.completion_tokens))
+            out.append(
+                self.reply.usage_chunk(r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+            )
         return out
 
     def _take(self) -> dict[str, Any] | None:

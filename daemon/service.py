@@ -191,11 +191,11 @@ class Daemon:
             "cache_experts": cache.cached_experts if cache else 0,
             "total_experts": cache.max_slots if cache else None,
             **_host_tier_status(cache),
+            **_kv_status(self.worker.engine),
             "total_mib": sample.total_bytes // MiB if sample else None,
             "free_mib": sample.free_bytes // MiB if sample else None,
             "ours_mib": sample.ours_bytes // MiB if sample else None,
             "tenants_mib": sample.tenants_bytes // MiB if sample else None,
-            "kv_mib": self._kv_mib(),
             "reserve_mib": book.reserve_mib,
             "elastic_reserve_mib": self.config.elastic_reserve_mib,
             "holds": dict(book.holds),
@@ -222,12 +222,6 @@ class Daemon:
             "generated_tokens": self.worker.tokens,
         }
 
-    def _kv_mib(self) -> int:
-        """Device memory the K/V cache holds (part of ``ours_mib``); 0 on the CPU."""
-        engine = self.worker.engine
-        if engine is None or not self.device.startswith("cuda"):
-            return 0
-        return engine.runner.kv.nbytes // MiB
 
 
 # -- start-up pieces ----------------------------------------------------------------------------
@@ -588,6 +582,25 @@ def run(loaded: LoadedConfig, args: Any) -> int:
     except ServiceError as e:
         log.error("%s", e)
         return e.code
+
+
+def _kv_status(engine: Any) -> dict[str, Any]:
+    """The K/V's part of the status (docs/status.md): its share of the budget it shares with
+    the expert cache, the active conversation and the kept ones."""
+    if engine is None or engine.runner.kv.arena.closed:
+        return {"kv_mib": 0, "kv_active_tokens": 0, "kv_active_mib": 0, "kv_kept_mib": 0,
+                "kv_kept": [], "budget_mib": None, "kv_fits_tokens": None}  # fmt: skip
+    kv = engine.kv_status()
+    budget = kv["budget_bytes"]
+    return {
+        "kv_mib": -(-kv["mapped_bytes"] // MiB),
+        "kv_active_tokens": kv["active_tokens"],
+        "kv_active_mib": -(-kv["active_bytes"] // MiB),
+        "kv_kept_mib": -(-kv["kept_bytes"] // MiB),
+        "kv_kept": [{"tokens": n} for n in kv["kept_tokens"]],
+        "budget_mib": budget // MiB if budget >= 0 else None,
+        "kv_fits_tokens": kv["fits_tokens"],
+    }
 
 
 def _host_tier_status(cache: Any) -> dict[str, Any]:

@@ -65,6 +65,9 @@ class _Resize:
     from_slots: int | None = None  # where a growth in pieces began
     seconds: float = 0.0  # the pieces' time so far
     copied: int = 0
+    # bytes for the cache and the K/V together: n_slots follows from it at each piece (the
+    # K/V's share first, as it is then)
+    budget: int | None = None
 
 
 class EngineWorker:
@@ -133,6 +136,19 @@ class EngineWorker:
             self._cv.notify()
         return fut
 
+    def request_budget(self, budget: int, reason: str) -> cf.Future[ResizeResult]:
+        """Ask for ``budget`` bytes for the cache and the K/V together at the next safe point
+        (at once when idle): the K/V's kept conversations yield first, the cache gets the rest
+        (never below its core)."""
+        fut: cf.Future[ResizeResult] = cf.Future()
+        with self._cv:
+            futures = self._resize.futures if self._resize else []
+            cache = self.cache
+            now = cache.n_slots if cache is not None else 0
+            self._resize = _Resize(now, None, reason, [*futures, fut], budget=budget)
+            self._cv.notify()
+        return fut
+
     def stop(self, timeout: float | None = None) -> None:
         """Cancel queued and running work, free the cache's memory, end the thread."""
         with self._cv:
@@ -153,6 +169,10 @@ class EngineWorker:
             self.ready.set_exception(e)
             return
         self.state = State.READY
+        # the K/V's growth resizes the cache itself: the control plane hears of it as of any
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None:
+            runner.on_cache_resized = self._resized_by_kv
         self.ready.set_result(None)
         try:
             while True:
@@ -199,6 +219,10 @@ class EngineWorker:
     def _count_token(self) -> None:
         self.tokens += 1  # one writer (this thread); the loop only reads it
 
+    def _resized_by_kv(self, result: ResizeResult, reason: str) -> None:
+        if self.on_resized is not None:
+            self.on_resized(result, reason)
+
     def _safe_point(self) -> None:
         self.steps += 1
         self._apply_resize()
@@ -215,6 +239,12 @@ class EngineWorker:
                 f.set_exception(err)
             return
         start = cache.n_slots
+        if pending.budget is not None and self.engine is not None:
+            self.resize_epoch += 1  # the K/V may unmap
+            try:
+                pending.n_slots = self.engine.set_budget(pending.budget)
+            finally:
+                self.resize_epoch += 1
         piece = max(1, GROW_PIECE_BYTES // cache.slot_bytes)
         to = min(pending.n_slots, start + piece) if pending.n_slots > start else pending.n_slots
         self.resize_epoch += 1
@@ -235,7 +265,8 @@ class EngineWorker:
             with self._cv:
                 if self._resize is None:
                     self._resize = _Resize(pending.n_slots, pending.max_shrink, pending.reason,
-                                           pending.futures, began, seconds, copied)  # fmt: skip
+                                           pending.futures, began, seconds, copied,
+                                           pending.budget)  # fmt: skip
                     self._cv.notify()
                     return
                 newer = self._resize  # a newer size replaced it: its futures wait for that one

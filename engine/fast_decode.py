@@ -424,7 +424,7 @@ class FastDecoder:
                 n = w.shape[0]
                 self._dense(self.qkv[at : at + n], self.h, w, _mat(w))
                 at += n
-        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        k_cache, v_cache = kv.layer(layer)
         rope_store(
             self.qkv,
             self.cos,
@@ -441,8 +441,11 @@ class FastDecoder:
             a.head_dim,
             kv.page,
             a.rope_neox,
+            kv.page_stride,
         )
-        self.attention(self.attn_out, self.qkv, k_cache, v_cache, kv.block_table, self.pos)
+        self.attention(
+            self.attn_out, self.qkv, k_cache, v_cache, kv.block_table, self.pos, kv.page_stride
+        )
         self._dense(self.x, self.attn_out, b.attn.o, lyr.o, residual=True)
 
     def _prefetch(self, layer: int) -> None:

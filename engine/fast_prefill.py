@@ -74,9 +74,6 @@ class FastPrefill:
         self.kv = dec.kv
         self.scale = 1.0 / math.sqrt(a.head_dim)
         self.q_dim, self.kv_dim = a.n_head * a.head_dim, a.n_head_kv * a.head_dim
-        # where the paged K/V of a sequence is one contiguous run (the identity block table)
-        if self.kv.pages != list(range(self.kv.n_pages)):
-            raise ValueError("the prefill path reads the K/V pages of the identity block table")
         self.graphs: dict[int, _ChunkGraph] = {}  # chunk size -> its captured segments
         self.pool: tuple[int, int] | None = None  # their one memory pool (run one at a time)
         self.capturing = False
@@ -119,9 +116,10 @@ class FastPrefill:
         cos = self.dec.cos.index_select(0, pos)[:, None, :]  # [T, 1, d/2]
         sin = self.dec.sin.index_select(0, pos)[:, None, :]
         q_out.copy_(rotate(q, cos, sin, a.rope_neox))
-        rows = kv.block_table.index_select(0, pos // kv.page).long() * kv.page + pos % kv.page
-        kv.k[layer].index_copy_(0, rows, rotate(k, cos, sin, a.rope_neox).to(kv.dtype))
-        kv.v[layer].index_copy_(0, rows, v.to(kv.dtype))
+        pages = kv.block_table.index_select(0, pos // kv.page).long()  # through the block table
+        rows = pos % kv.page
+        kv.pool[pages, layer, 0, rows] = rotate(k, cos, sin, a.rope_neox).to(kv.dtype)
+        kv.pool[pages, layer, 1, rows] = v.to(kv.dtype)
 
     def _attend(self, layer: int, q: torch.Tensor, start: int, out: torch.Tensor) -> None:
         """Causal attention of the chunk's queries q [T, H, d] (positions start..start+T-1)
@@ -129,8 +127,8 @@ class FastPrefill:
         kv = self.kv
         T, H, d = q.shape
         S = start + T
-        keys = kv.k[layer, :S].permute(1, 0, 2)[None]  # [1, Hkv, S, d]
-        values = kv.v[layer, :S].permute(1, 0, 2)[None]
+        keys, values = kv.read(layer, S, kv.dtype)  # [S, Hkv, d], gathered from the pages
+        keys, values = keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None]  # [1, Hkv, S, d]
         qh = q.permute(1, 0, 2)[None]  # [1, H, T, d]
         if start == 0:
             o = F.scaled_dot_product_attention(
@@ -310,8 +308,9 @@ class FastPrefill:
 
     def _graph_for(self, T: int, start: int) -> _ChunkGraph | None:
         """The smallest captured size that holds T tokens at ``start`` (its padding rows write
-        K/V rows past the chunk, never read before they are rewritten: they must exist)."""
-        rows = self.kv.n_pages * self.kv.page
+        K/V rows past the chunk, never read before they are rewritten: into the sequence's own
+        last page, or the sink page where the block table has no page yet)."""
+        rows = self.kv.table_pages * self.kv.page
         fits = [n for n in self.graphs if n >= T and start + n <= rows]
         return self.graphs[min(fits)] if fits else None
 

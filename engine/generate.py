@@ -30,7 +30,7 @@ from strata.engine.layers.decoder import MoEDecoder
 from strata.engine.models import architecture_module
 from strata.engine.params import SamplingParams
 from strata.engine.quant import REPACKED_TYPES
-from strata.engine.runner import Runner, SafePoint
+from strata.engine.runner import KVFull, Runner, SafePoint
 from strata.engine.sampling import Sampler
 from strata.engine.tokenizer import Tokenizer
 from strata.engine.vocab import Vocab
@@ -54,7 +54,7 @@ Progress = Callable[[int, int, str], None]  # (done, total, what)
 class EngineOptions:
     """The engine's share of the configuration (built from the daemon's config at the edge)."""
 
-    context_length: int | None = None  # None: min(the model's, 16384)
+    context_length: int | None = None  # None: the model's (the K/V grows with the conversations)
     threads: int | None = None  # None: physical cores - 1
     prefill_chunk_tokens: int = 1024
     kv_cache_type: str = "f16"
@@ -78,6 +78,9 @@ class EngineOptions:
     # routing (``kernels.prefetch``); 0: never (on the H200 it made decode slower: docs)
     prefetch_experts: int = 0
     verify_experts: bool = False  # checksum experts at load; check every fill, move, and samples
+    # conversations whose K/V is kept for a later request that extends one of them
+    kv_keep_conversations: int = 4
+    kv_fixed: bool = False  # map the K/V for the whole context at load (never grown or trimmed)
 
 
 @dataclass(frozen=True)
@@ -209,13 +212,15 @@ class Engine:
         return provider if isinstance(provider, ExpertCache) else None
 
     def close(self) -> None:
-        """Give the cache's memory back (the arena is unmapped and released), and the pinned
-        staging buffers of expert misses."""
+        """Give the cache's memory back (the arena is unmapped and released), the pinned
+        staging buffers of expert misses, and the K/V's memory."""
         self.runner.close_decoder()
         cache = self.cache
         self.provider.close()
         if cache is not None:
             self.runner.model.provider = cache.file
+        self.runner.budget = None
+        self.runner.kv.close()
 
     @property
     def model_id(self) -> str:
@@ -272,8 +277,13 @@ class Engine:
         threads = options.threads or default_threads()
         torch.set_num_threads(threads)
         step(3, "allocating the K/V cache")
-        _check_kv_fits(model.args, n_ctx, options.kv_cache_type, device, path)
-        runner = Runner(model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens)
+        n_ctx = _check_kv_fits(
+            model.args, n_ctx, options.kv_cache_type, device, path, options.context_length is None
+        )
+        kv_options = _kv_options(options, arena_factory)
+        runner = Runner(
+            model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens, **kv_options
+        )
         decoder = None
         if why_not is None:
             decoder = _build_decoder(
@@ -284,10 +294,14 @@ class Engine:
                 not options.enforce_eager,
             )
             if decoder is None:  # the kernels failed to build: the reference path, raw weights
+                runner.kv.close()
                 del model, runner
                 torch.cuda.empty_cache()
                 model = module.Model(index, FileExpertProvider(index, device), device)
-                runner = Runner(model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens)
+                runner = Runner(
+                    model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens,
+                    **kv_options,
+                )  # fmt: skip
         # The usage profile of earlier runs orders the cache's first fill.
         profile_file = profile_path(state_dir, model_key(index)) if state_dir else None
         profile = UsageProfile.load(profile_file, model_key(index)) if profile_file else None
@@ -315,7 +329,11 @@ class Engine:
                     verify=options.verify_experts,
                 )
             except VmmError as e:  # page-locking refused or partial, no CUDA driver bindings
+                runner.kv.close()
                 raise ModelLoadError(f"{path}: {e}") from None
+            # One budget for the cache and the K/V: what they hold now. The K/V grows into it
+            # (the cache's tail yields), the daemon's policy moves it.
+            runner.budget = model.provider.arena.mapped_bytes + runner.kv.mapped_bytes
         if decoder is not None:
             if options.adapt_swaps < 0:
                 raise EngineError(f"adapt_swaps={options.adapt_swaps} is negative")
@@ -393,11 +411,39 @@ class Engine:
         return self._tools_rendered
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        """A prompt and ``max_tokens`` beyond the context, or a prompt whose K/V cannot fit the
+        VRAM budget even with the expert cache at its core, is a :class:`ContextOverflow`
+        naming the numbers. (Generated tokens the budget has no room for end the generation,
+        finish reason ``length``.)"""
         if n_prompt + max_tokens > self.n_ctx:
             raise ContextOverflow(
                 f"prompt of {n_prompt} tokens + max_tokens {max_tokens} = "
                 f"{n_prompt + max_tokens} exceeds the context length of {self.n_ctx} tokens"
             )
+        fit = self.runner.tokens_that_fit()
+        if n_prompt + 1 > fit:
+            runner, MiB = self.runner, 2**20
+            limit = runner.kv_limit_bytes() or 0
+            need = runner.kv.context_bytes(n_prompt + 1)
+            raise ContextOverflow(
+                f"prompt of {n_prompt} tokens needs {need / MiB:,.0f} MiB of K/V; the VRAM "
+                f"budget of {(runner.budget or 0) / MiB:,.0f} MiB for the expert cache and the "
+                f"K/V leaves {max(0, limit) / MiB:,.0f} MiB with the cache at its core: at most "
+                f"{max(0, fit - 1)} prompt tokens fit"
+            )
+
+    def set_budget(self, budget: int) -> int:
+        """At a safe point: the bytes the expert cache and the K/V may hold together (the
+        daemon's policy). The K/V's kept conversations go first; returns the slots the cache
+        should have (the caller resizes it)."""
+        return self.runner.fit_budget(budget)
+
+    def kv_status(self) -> dict[str, int | list[int]]:
+        """The K/V's share of the budget, for the status and the metrics."""
+        out = self.runner.kv.status()
+        out["budget_bytes"] = self.runner.budget if self.runner.budget is not None else -1
+        out["fits_tokens"] = self.runner.tokens_that_fit()
+        return out
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -531,7 +577,11 @@ class Engine:
                     token = nxt
                     continue
                 steps = None  # the look-ahead ended: `token` is not fed yet
-            logits = self.runner.feed([token], boundary)
+            try:
+                logits = self.runner.feed([token], boundary)
+            except KVFull as e:  # the budget has no room for one more position: as a context end
+                log.warning("generation ends: %s", e)
+                break
             token = None
         if steps is not None:
             steps.close()
@@ -549,6 +599,7 @@ class Engine:
             result.decode_s = time.monotonic() - t_first
         if constraint is not None:
             result.mask_s = constraint.mask_s
+        self.runner.settle()
         return result
 
 
@@ -689,29 +740,61 @@ def _pinner(device: torch.device) -> Pinner | None:
     return CudaPinner(device.index or 0)
 
 
-def _check_kv_fits(args: Any, n_ctx: int, kind: str, device: torch.device, path: Path) -> None:
-    """A context whose K/V cache cannot fit the device's memory is an error naming the option
-    and both sizes, before anything is allocated (not an allocator's message from deep inside)."""
-    from strata.engine.kv import KV_DTYPES, KVCache
+def _kv_options(
+    options: EngineOptions, arena_factory: Callable[[int, int], ElasticArena] | None
+) -> dict[str, Any]:
+    """``KVCache``'s keywords from the options: its arena's chunks and backend (the cache's)."""
+    if options.kv_keep_conversations < 0:
+        raise EngineError(f"kv_keep_conversations={options.kv_keep_conversations} is negative")
+    return {
+        "keep": options.kv_keep_conversations,
+        "chunk_bytes": options.arena_chunk_mib * MiB,
+        "arena_factory": arena_factory,
+        "fixed": options.kv_fixed,
+    }
+
+
+def _check_kv_fits(
+    args: Any, n_ctx: int, kind: str, device: torch.device, path: Path, default: bool
+) -> int:
+    """The context, checked against the device's memory before anything is allocated: one
+    sequence of ``n_ctx`` positions whose K/V could not fit all of it is an error naming the
+    option and both sizes (not an allocator's message from deep inside); a ``default`` context
+    (the model's) is lowered to what fits instead, with a line in the log."""
+    from strata.engine.kv import KV_DTYPES, KVCache, page_bytes_for
 
     if kind not in KV_DTYPES:
-        return  # the K/V cache names the bad type itself
+        return n_ctx  # the K/V cache names the bad type itself
     need = KVCache.nbytes_for(args.n_layer, n_ctx, args.n_head_kv, args.head_dim, kind)
     if device.type == "cuda":
         have, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
     else:
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the RAM"
-    if need > have:
-        raise ModelLoadError(
-            f"{path}: context_length {n_ctx} needs a K/V cache of {need / 2**30:,.1f} GiB "
-            f"({kind}), more than all of {where} ({have / 2**30:,.1f} GiB); the model was "
-            f"trained for {args.context_length} tokens"
-        )
+    if need <= have:
+        return n_ctx
+    if default:
+        from strata.engine.kv import PAGE_TOKENS
+
+        page = page_bytes_for(args.n_layer, args.n_head_kv, args.head_dim, kind, PAGE_TOKENS)
+        fits = max(PAGE_TOKENS, have // 2 // page * PAGE_TOKENS)
+        log.warning(
+            "the model's context of %d tokens needs %.1f GiB of K/V (%s), more than all of %s "
+            "(%.1f GiB): context_length %d (half of it); set context_length to choose",
+            n_ctx, need / 2**30, kind, where, have / 2**30, fits,
+        )  # fmt: skip
+        return fits
+    raise ModelLoadError(
+        f"{path}: context_length {n_ctx} needs a K/V cache of {need / 2**30:,.1f} GiB "
+        f"({kind}), more than all of {where} ({have / 2**30:,.1f} GiB); the model was "
+        f"trained for {args.context_length} tokens"
+    )
 
 
 def _context_length(model_ctx: int, asked: int | None, path: Path) -> int:
+    """The model's context (from the GGUF; DEFAULT_MAX_CONTEXT where it says none), or the one
+    asked for: the K/V grows with the conversations, so a long context costs only what is used."""
     if asked is None:
-        return min(model_ctx, DEFAULT_MAX_CONTEXT) if model_ctx > 0 else DEFAULT_MAX_CONTEXT
+        return model_ctx if model_ctx > 0 else DEFAULT_MAX_CONTEXT
     if model_ctx > 0 and asked > model_ctx:
         log.warning(
             "context_length %d is beyond the %d tokens %s was trained for; quality may drop",

@@ -1,22 +1,50 @@
-"""The K/V cache: per layer, fixed-size pages of positions and a block table that says which
-page holds which stretch of the sequence.
+"""The K/V cache: pages of positions in one reserved virtual range, mapped in chunks as
+conversations need them and unmapped as they are freed; a block table says which page holds
+which stretch of the active sequence.
 
-Position ``p`` lives in page ``block_table[p // page]`` at row ``p % page``. One conversation
-uses the cache today, through the identity table, so the pages of a sequence are also contiguous
-in memory and the reference path reads them as one slice; the decode kernels always go through
-the table (a device copy of it), so a growing cache and several kept conversations later need no
-kernel change.
+Page ``i`` holds every layer's keys and values of ``page`` positions: ``[L, 2, page, Hkv, d]``
+at byte ``i * page_bytes`` of an elastic arena (CUDA VMM on a GPU, the host arena on the CPU,
+``vmm.arena``), whose base never moves. Position ``p`` of the active sequence lives in page
+``block_table[p // page]`` at row ``p % page``; a layer's keys are a strided view of the pages
+(``page_stride`` elements from one page to the next), so kernels keep the addresses they were
+given (a captured decode graph stays valid as the K/V grows) and read the table and the
+position from device memory. Which pages exist, who holds them and which conversations are kept
+for reuse is ``kvbook.KVBook``'s bookkeeping; this class maps the memory it counts, copies the
+pages it moves, and keeps the device's block table equal to the book's.
+
+Unused block-table entries point at the sink page (``kvbook.SINK``): a padded prompt chunk's
+extra rows land there, never in a page someone holds.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
+
+from strata.engine.kvbook import KVBook, pages_for
+from strata.vmm.arena import ElasticArena, create_arena
+
+log = logging.getLogger(__name__)
 
 KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}
 PAGE_TOKENS = 64  # positions per page
+DEFAULT_CHUNK_BYTES = 32 * 2**20
+DEFAULT_KEEP = 4  # conversations kept for reuse besides the active one
+
+ArenaFactory = Callable[[int, int], ElasticArena]  # (reserved bytes, chunk bytes)
+
+
+def page_bytes_for(n_layer: int, n_head_kv: int, head_dim: int, kind: str, page: int) -> int:
+    return 2 * n_layer * page * n_head_kv * head_dim * KV_DTYPES[kind].itemsize
 
 
 class KVCache:
+    """The paged K/V (module doc). ``keep``: conversations kept for reuse; ``chunk_bytes``: how
+    the range maps and unmaps; ``fixed``: map pages for the whole context (and one page more
+    per kept conversation's partial tail) at once and never trim (the growing K/V's control)."""
+
     def __init__(
         self,
         n_layer: int,
@@ -26,62 +54,231 @@ class KVCache:
         kind: str = "f16",
         device: torch.device | str = "cpu",
         page: int = PAGE_TOKENS,
+        *,
+        keep: int = DEFAULT_KEEP,
+        chunk_bytes: int | None = None,
+        arena_factory: ArenaFactory | None = None,
+        fixed: bool = False,
     ) -> None:
         if kind not in KV_DTYPES:
             raise ValueError(f"kv_cache_type {kind!r} is not one of {', '.join(KV_DTYPES)}")
         if page < 1:
             raise ValueError(f"K/V page of {page} positions: must be at least 1")
-        self.n_ctx = n_ctx
-        self.page = page
+        if n_ctx < 1:
+            raise ValueError(f"context_length {n_ctx}: must be at least 1")
+        self.device = torch.device(device)
+        self.n_ctx, self.page, self.n_layer = n_ctx, page, n_layer
+        self.n_head_kv, self.head_dim = n_head_kv, head_dim
         self.dtype = KV_DTYPES[kind]
-        self.n_pages = -(-n_ctx // page)
-        rows = self.n_pages * page
-        # k, v: [L, pages * page, Hkv, d], row = page number * page + offset in the page. Left
-        # uninitialised: only positions [0, length) are ever read.
-        shape = (n_layer, rows, n_head_kv, head_dim)
-        self.k = torch.empty(shape, dtype=self.dtype, device=device)
-        self.v = torch.empty(shape, dtype=self.dtype, device=device)
-        self.pages: list[int] = list(range(self.n_pages))  # the block table, on the host
-        self.block_table = torch.tensor(self.pages, dtype=torch.int32, device=device)
-        self.length = 0  # positions [0, length) hold valid entries
+        self.fixed = fixed
+        self.table_pages = pages_for(n_ctx, page)  # the block table's entries: a whole context
+        self.page_bytes = page_bytes_for(n_layer, n_head_kv, head_dim, kind, page)
+        self.page_stride = self.page_bytes // self.dtype.itemsize  # elements between pages
+        self.row_stride = n_head_kv * head_dim  # elements between positions of a page
+        chunk = chunk_bytes or DEFAULT_CHUNK_BYTES
+        # the sink, a whole context for the active sequence, as much again for kept ones
+        max_pages = 1 + 2 * self.table_pages
+        self.book = KVBook(page, self.page_bytes, chunk, max_pages, keep)
+        factory = arena_factory or _default_arena(self.device)
+        self.arena = factory(self.book.reserved_bytes, chunk)
+        self.pool = torch.empty(0)
+        self.block_table = torch.zeros(self.table_pages, dtype=torch.int32, device=self.device)
+        self._table_synced: list[int] = []
+        self.length = 0  # kept for the kernels' callers; the book's active tokens are the truth
+        try:
+            first = 1 + self.table_pages if fixed else 1
+            self._map(self.book.bytes_for(first))
+            if self.book.mapped < first:
+                raise torch.OutOfMemoryError(
+                    f"K/V: mapped {self.arena.mapped_bytes} of the "
+                    f"{self.book.bytes_for(first)} bytes asked for"
+                )
+        except BaseException:
+            self.arena.close()
+            raise
 
-    def _rows(self, start: int, end: int) -> slice | torch.Tensor:
-        """The physical rows of positions [start, end): a slice where they are contiguous."""
-        first, last = start // self.page, (end - 1) // self.page
-        pages = self.pages[first : last + 1]
-        if pages == list(range(pages[0], pages[0] + len(pages))):
-            base = pages[0] * self.page - first * self.page
-            return slice(base + start, base + end)
-        pos = torch.arange(start, end)
-        table = torch.tensor(self.pages, dtype=torch.long)
-        return (table[pos // self.page] * self.page + pos % self.page).to(self.k.device)
+    # -- memory ----------------------------------------------------------------------------------
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v: [T, Hkv, d]
-        end = start + k.shape[0]
-        if end > self.n_ctx:
-            raise ValueError(f"K/V write up to position {end} beyond the context of {self.n_ctx}")
-        rows = self._rows(start, end)
-        self.k[layer, rows] = k.to(self.dtype)
-        self.v[layer, rows] = v.to(self.dtype)
-
-    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> k, v: [end, Hkv, d] in float32
-        rows = self._rows(0, end)
-        return self.k[layer, rows].float(), self.v[layer, rows].float()
-
-    def truncate(self, length: int) -> None:
-        """Forget positions from ``length`` on (a prompt sharing a prefix reuses the rest)."""
-        self.length = min(self.length, length)
+    @property
+    def mapped_bytes(self) -> int:
+        return self.arena.mapped_bytes
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.arena.mapped_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.arena.chunk_bytes
+
+    def _map(self, target: int) -> None:
+        """Map or unmap to ``target`` bytes (whole chunks); the book and the views follow."""
+        target = min(target, self.arena.reserved_bytes)
+        if target < self.arena.mapped_bytes:
+            self.book.set_mapped(target)  # refuses while a page up there is held
+            self.pool = self.pool[: self.book.mapped]
+            self.arena.resize(target)
+        elif target > self.arena.mapped_bytes:
+            self.arena.resize(target)  # may map less: the memory ran out
+            self.book.set_mapped(self.arena.mapped_bytes)
+        else:
+            return
+        n = self.book.mapped
+        shape = (n, self.n_layer, 2, self.page, self.n_head_kv, self.head_dim)
+        self.pool = self.arena.view(0, n * self.page_bytes, self.dtype).view(shape)
+
+    def bytes_to_map(self, pages: int) -> int:
+        """The bytes to map more for ``pages`` more free pages (whole chunks; 0 when the
+        reservation is full)."""
+        want = self.book.bytes_for(self.book.mapped + pages)
+        return max(0, min(want, self.arena.reserved_bytes) - self.arena.mapped_bytes)
+
+    def grow(self, nbytes: int) -> int:
+        """Map ``nbytes`` more (whole chunks); returns the bytes mapped."""
+        before = self.arena.mapped_bytes
+        self._map(before + nbytes)
+        return self.arena.mapped_bytes - before
+
+    def trim(self, keep_free_pages: int = 0) -> int:
+        """Unmap the chunks above the pages in use (moving those up there into free pages
+        below first), keeping ``keep_free_pages`` free pages mapped; returns the bytes unmapped.
+        Never in a fixed K/V. At a safe point only."""
+        if self.fixed:
+            return 0
+        target = max(1, self.book.used_pages + keep_free_pages)
+        nbytes = self.book.bytes_for(target)
+        if nbytes >= self.arena.mapped_bytes:
+            return 0
+        moves = self.book.trim_plan(self.book.pages_in(nbytes))
+        assert moves is not None, "the pages in use fit below the target by construction"
+        self._copy_pages(moves)
+        self.book.relocate(moves)
+        self._sync_table()
+        before = self.arena.mapped_bytes
+        self._map(nbytes)
+        return before - self.arena.mapped_bytes
+
+    def _copy_pages(self, moves: list[tuple[int, int]]) -> None:
+        if not moves:
+            return
+        src = torch.tensor([s for s, _ in moves], device=self.device)
+        dst = torch.tensor([d for _, d in moves], device=self.device)
+        self.pool.index_copy_(0, dst, self.pool.index_select(0, src))
+
+    def close(self) -> None:
+        self.pool = torch.empty(0)
+        self.arena.close()
+
+    # -- the active sequence ---------------------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens whose K/V the active sequence holds, position by position."""
+        return self.book.active.tokens
+
+    def begin(self, prompt: list[int]) -> int:
+        """Start the active sequence from the longest held prefix of ``prompt`` (see
+        ``KVBook.begin``); returns its length."""
+        n = self.book.begin(prompt)
+        self.length = n
+        self._sync_table()
+        return n
+
+    def pages_short(self, end: int) -> int:
+        """Free pages missing for the active sequence to hold positions up to ``end``."""
+        return max(0, self.book.pages_needed(end) - self.book.free_pages)
+
+    def prepare(self, end: int) -> None:
+        """Pages for positions up to ``end`` (``pages_short(end)`` must be 0): shared pages the
+        sequence will write into are copied first, and the device table follows."""
+        if end > self.n_ctx:
+            raise ValueError(f"K/V up to position {end} beyond the context of {self.n_ctx}")
+        if self.book.pages_needed(end) == 0:
+            return
+        self._copy_pages(self.book.reserve(end))
+        self._sync_table()
+
+    def commit(self, tokens: list[int]) -> None:
+        """The K/V of ``tokens`` (after the active sequence's) is written."""
+        self.book.extend(tokens)
+        self.length = len(self.book.active.tokens)
+
+    def truncate(self, length: int) -> None:
+        """Forget the active sequence's positions from ``length`` on."""
+        self.book.truncate(length)
+        self.length = len(self.book.active.tokens)
+        self._sync_table()
+
+    def _sync_table(self) -> None:
+        table = self.book.table(self.table_pages)
+        if table != self._table_synced:
+            self.block_table.copy_(torch.tensor(table, dtype=torch.int32))
+            self._table_synced = table
+
+    # -- reading and writing (the reference path, the prefill path) ------------------------------
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's keys and values as views of the pages, [pages, page, Hkv, d] each: what the
+        decode kernels take as base addresses (``page_stride`` apart)."""
+        return self.pool[:, layer, 0], self.pool[:, layer, 1]
+
+    def _where(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, row) of positions [start, end), through the device's block table."""
+        pos = torch.arange(start, end, device=self.device)
+        return self.block_table[pos // self.page].long(), pos % self.page
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [T, Hkv, d] at positions start..start+T-1 (their pages prepared)
+        end = start + k.shape[0]
+        if end > self.n_ctx:
+            raise ValueError(f"K/V write up to position {end} beyond the context of {self.n_ctx}")
+        if pages_for(end, self.page) > len(self.book.active.pages):
+            raise ValueError(f"K/V write up to position {end}: its pages are not prepared")
+        pages, rows = self._where(start, end)
+        self.pool[pages, layer, 0, rows] = k.to(self.dtype)
+        self.pool[pages, layer, 1, rows] = v.to(self.dtype)
+
+    def read(self, layer: int, end: int, dtype: torch.dtype = torch.float32
+             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        # -> k, v: [end, Hkv, d] (a copy, gathered through the block table)
+        pages, rows = self._where(0, end)
+        return (self.pool[pages, layer, 0, rows].to(dtype),
+                self.pool[pages, layer, 1, rows].to(dtype))  # fmt: skip
+
+    # -- what it holds ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, int | list[int]]:
+        """Numbers for the status and the metrics (bytes and tokens)."""
+        b = self.book
+        return {
+            "mapped_bytes": self.arena.mapped_bytes,
+            "page_bytes": self.page_bytes,
+            "active_tokens": len(b.active.tokens),
+            "active_bytes": b.active_pages() * self.page_bytes,
+            "kept_bytes": b.kept_only_pages() * self.page_bytes,
+            "kept_tokens": b.kept_tokens(),
+            "free_bytes": b.free_pages * self.page_bytes,
+        }
+
+    def floor_bytes(self) -> int:
+        """What the K/V cannot give back now: the pages the active sequence holds (and the
+        sink), packed down and in whole chunks. Kept conversations and free pages can go."""
+        b = self.book
+        return b.bytes_for(max(1, b.used_pages - b.kept_only_pages()))
+
+    def context_bytes(self, tokens: int) -> int:
+        """What ``tokens`` positions of one sequence need mapped (whole pages)."""
+        return pages_for(tokens, self.page) * self.page_bytes
 
     @staticmethod
     def nbytes_for(
         n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, kind: str, page: int = PAGE_TOKENS
     ) -> int:
-        """What a cache of these sizes holds (K and V), before allocating it."""
-        rows = -(-n_ctx // page) * page
-        return 2 * n_layer * rows * n_head_kv * head_dim * KV_DTYPES[kind].itemsize
+        """What a whole context of one sequence holds (K and V), before allocating it."""
+        return pages_for(n_ctx, page) * page_bytes_for(n_layer, n_head_kv, head_dim, kind, page)
+
+
+def _default_arena(device: torch.device) -> ArenaFactory:
+    if device.type == "cuda":
+        return lambda reserved, chunk: create_arena("cuda", reserved, chunk, device.index or 0)
+    return lambda reserved, chunk: create_arena("host", reserved, chunk)

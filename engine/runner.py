@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from strata.engine.errors import ContextOverflow
+from strata.engine.experts.cache import ExpertCache, ResizeResult
 from strata.engine.kv import KVCache
 from strata.engine.layers.decoder import MoEDecoder
 
@@ -25,18 +26,142 @@ log = logging.getLogger(__name__)
 SafePoint = Callable[[], None]
 
 
+class KVFull(ContextOverflow):
+    """The K/V cannot get the pages a step needs: the VRAM budget is spent even with the expert
+    cache at its core (the message has the numbers)."""
+
+
 class Runner:
-    def __init__(self, model: MoEDecoder, n_ctx: int, kv_kind: str, prefill_chunk: int) -> None:
+    def __init__(
+        self, model: MoEDecoder, n_ctx: int, kv_kind: str, prefill_chunk: int, **kv_options: Any
+    ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk}")
         self.model = model
         self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
-        self.kv: KVCache = model.new_kv(n_ctx, kv_kind)
-        self.tokens: list[int] = []  # what the K/V cache holds, position by position
+        self.kv: KVCache = model.new_kv(n_ctx, kv_kind, **kv_options)
         self.steps = 0  # forward calls so far (prefill chunks and decode steps)
         self.decoder: FastDecoder | None = None  # set by Engine.load on the GPU fast path
         self._token_mask: TokenMask | None = None  # built on the first constrained step
+        # bytes for the expert cache's arena and the K/V together (None: the K/V grows within
+        # its reservation, as the machine's memory allows; no cache then)
+        self.budget: int | None = None
+        # told of each cache resize the K/V's growth makes (the daemon's control plane)
+        self.on_cache_resized: Callable[[ResizeResult, str], None] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the K/V cache holds for the active sequence, position by position."""
+        return self.kv.tokens
+
+    @property
+    def cache(self) -> ExpertCache | None:
+        provider = self.model.provider
+        return provider if isinstance(provider, ExpertCache) else None
+
+    # -- the K/V's room in the budget --------------------------------------------------------
+
+    def budget_room(self) -> int | None:
+        """Bytes the budget leaves unmapped (None: no budget)."""
+        if self.budget is None:
+            return None
+        cache = self.cache
+        held = cache.arena.mapped_bytes if cache is not None else 0
+        return self.budget - held - self.kv.mapped_bytes
+
+    def kv_limit_bytes(self) -> int | None:
+        """The most the K/V may map: the budget less the expert cache's core (None: no
+        budget)."""
+        if self.budget is None:
+            return None
+        cache = self.cache
+        core = cache.mapped_bytes_for(cache.sizes.core_slots) if cache is not None else 0
+        return self.budget - core
+
+    def tokens_that_fit(self) -> int:
+        """The longest sequence whose K/V fits the budget with the cache at its core (the
+        sink page and whole chunks counted), at most the context."""
+        limit = self.kv_limit_bytes()
+        if limit is None:
+            return self.n_ctx
+        kv = self.kv
+        usable = max(0, limit) // kv.chunk_bytes * kv.chunk_bytes
+        pages = min(usable // kv.page_bytes, kv.book.max_pages) - 1  # less the sink
+        return max(0, min(self.n_ctx, pages * kv.page))
+
+    def make_room(self, end: int) -> None:
+        """Free pages for the active sequence up to position ``end``, at a safe point: from the
+        budget's unused room, then from the kept conversations (least recently used first),
+        then from the expert cache's tail (its hottest experts move into colder slots first);
+        :class:`KVFull` when even the cache at its core leaves too little."""
+        kv = self.kv
+        while (short := kv.pages_short(end)) > 0:
+            want = kv.bytes_to_map(short)
+            room = self.budget_room()
+            if want and not kv.fixed and (room is None or room >= want):
+                if kv.grow(want):
+                    continue
+            if kv.book.kept:
+                kv.book.evict()
+                continue
+            cache = self.cache
+            if want and room is not None and cache is not None:
+                slots = cache.slots_for_bytes(cache.arena.mapped_bytes - (want - room))
+                if slots < cache.n_slots:
+                    result = cache.resize(slots)
+                    if self.on_cache_resized is not None:
+                        self.on_cache_resized(result, "K/V growth")
+                    continue
+            raise self._full(end, short)
+        kv.prepare(end)
+
+    def _full(self, end: int, short: int) -> KVFull:
+        kv, MiB = self.kv, 2**20
+        need = short * kv.page_bytes
+        if self.budget is None or not kv.bytes_to_map(short):
+            return KVFull(
+                f"{end} positions need {short} more K/V pages ({need / MiB:,.0f} MiB) than its "
+                f"reservation of {kv.arena.reserved_bytes / MiB:,.0f} MiB or the memory holds"
+            )
+        limit = self.kv_limit_bytes()
+        assert limit is not None
+        return KVFull(
+            f"{end} positions need {need / MiB:,.0f} MiB more K/V than the VRAM budget leaves: "
+            f"{self.budget / MiB:,.0f} MiB for the expert cache and the K/V, of which the "
+            f"cache's core keeps {(self.budget - limit) / MiB:,.0f} MiB and the K/V holds "
+            f"{kv.mapped_bytes / MiB:,.0f} MiB; at most {self.tokens_that_fit()} tokens fit"
+        )
+
+    def settle(self) -> int:
+        """After a request: unmap the K/V's free chunks above its pages in use, and let the
+        expert cache's tail grow into the budget's room (the hottest missing experts); returns
+        the bytes the K/V gave back."""
+        freed = self.kv.trim()
+        cache, room = self.cache, self.budget_room()
+        if cache is not None and room is not None and room >= cache.arena.chunk_bytes:
+            slots = cache.slots_for_bytes(cache.arena.mapped_bytes + room)
+            if slots > cache.n_slots:
+                result = cache.resize(slots)
+                if self.on_cache_resized is not None:
+                    self.on_cache_resized(result, "room the K/V gave back")
+        return freed
+
+    def fit_budget(self, budget: int) -> int:
+        """A new budget (the policy's target for the cache and the K/V together): the kept
+        conversations go first (least recently used), the K/V's free chunks are unmapped; then
+        the cache takes what is left, never below its core. Returns the cache's slots to
+        resize to (the caller resizes, in pieces). The active sequence keeps its pages."""
+        self.budget = budget
+        kv, cache = self.kv, self.cache
+        assert cache is not None, "a budget needs an expert cache"
+        while cache.mapped_bytes_for(cache.sizes.core_slots) + kv.mapped_bytes > budget:
+            if not kv.book.kept:
+                break
+            kv.book.evict()
+            kv.trim()
+        kv.trim()
+        return cache.slots_for_bytes(budget - kv.mapped_bytes)
 
     @torch.inference_mode()
     def feed(self, ids: Sequence[int], safe_point: SafePoint | None = None) -> torch.Tensor:
@@ -50,18 +175,21 @@ class Runner:
                 f"{start + len(ids)} tokens do not fit the context of {self.n_ctx} tokens"
             )
         if len(ids) == 1 and self.decoder is not None:
+            self.make_room(start + 1)
             logits = self.decoder.step(int(ids[0]), start).clone()
-            self.tokens.append(int(ids[0]))
-            self.kv.length = start + 1
+            self.kv.commit([int(ids[0])])
             self.steps += 1
             if safe_point is not None:
                 safe_point()
             return logits
+        # the whole prompt's pages at once: a budget cut during its prefill (a lease) then
+        # finds them in use, and waits or is refused, instead of failing the request midway
+        self.make_room(start + len(ids))
         logits = None
         for i in range(0, len(ids), self.prefill_chunk):
             chunk = list(ids[i : i + self.prefill_chunk])
             logits = self._chunk(chunk, len(self.tokens), last_only=True)
-            self.tokens.extend(chunk)
+            self.kv.commit(chunk)
             self.steps += 1
             if safe_point is not None:
                 safe_point()
@@ -99,6 +227,7 @@ class Runner:
     def _chunk(self, ids: Sequence[int], start: int, last_only: bool = False) -> torch.Tensor:
         """One prefill chunk at ``start``: on tensor cores where the fast decoder has a prefill
         path, else the reference forward. [T, V] logits (or [1, V])."""
+        self.make_room(start + len(ids))
         x = torch.tensor(list(ids), dtype=torch.long, device=self.model.device)
         prefill = self.decoder.prefill if self.decoder is not None else None
         if prefill is not None:
@@ -146,13 +275,19 @@ class Runner:
         pick = None if masked is None else masked()
         if constraint is not None and constraint.error is not None:
             return
+        self.make_room(pos + 1)
         dec.begin(token, pos)
         dec.launch(0, pick)
         self._fed(token, dec)
         n = 0
         try:
             while True:
-                ahead = n + 1 < limit and len(self.tokens) + 1 <= self.n_ctx and dec.can_look_ahead
+                ahead = (
+                    n + 1 < limit
+                    and len(self.tokens) + 1 <= self.n_ctx
+                    and dec.can_look_ahead
+                    and self._room_ahead(len(self.tokens) + 1)
+                )
                 if ahead and masked is None:
                     dec.launch(n + 1)  # feeds step n's token: runs while the caller handles it
                 elif ahead:
@@ -188,24 +323,28 @@ class Runner:
 
         return lambda: pick if constraint.fill(mask.host) else None
 
+    def _room_ahead(self, end: int) -> bool:
+        """Pages up to ``end`` for a step run ahead; False (the look-ahead ends, and ``feed``
+        meets the reason) where there is no room."""
+        try:
+            self.make_room(end)
+        except KVFull:
+            return False
+        return True
+
     def _fed(self, token: int, dec: FastDecoder) -> None:
-        self.tokens.append(int(token))
-        self.kv.length = len(self.tokens)
+        self.kv.commit([int(token)])
         self.steps += 1
         dec.accept()
 
     def start(self, prompt: Sequence[int]) -> list[int]:
-        """Keep the longest cached prefix of ``prompt`` (at least its last token is recomputed, to
-        get its logits); return the tokens still to feed."""
-        common = 0
-        limit = min(len(prompt) - 1, len(self.tokens))
-        while common < limit and self.tokens[common] == prompt[common]:
-            common += 1
-        self.rewind(common)
+        """Start from the longest prefix of ``prompt`` that a held conversation has in the K/V
+        (the previous request's or a kept one's; at least its last token is recomputed, to get
+        its logits); return the tokens still to feed."""
+        common = self.kv.begin(list(prompt))
         return list(prompt[common:])
 
     def rewind(self, length: int) -> None:
-        del self.tokens[length:]
         self.kv.truncate(length)
 
     def flush_usage(self) -> None:
@@ -229,7 +368,7 @@ class Runner:
         out, pos = [], 0
         for n in sizes:
             out.append(self._chunk(ids[pos : pos + n], pos))
-            self.tokens.extend(ids[pos : pos + n])
+            self.kv.commit(list(ids[pos : pos + n]))
             pos += n
         self._prompt_done()
         return torch.cat(out).float().cpu()

@@ -421,6 +421,7 @@ def format_status(s: dict[str, Any]) -> str:
             f"{_size(s.get('tail_mib'))} (at most {_size(s.get('max_cache_mib'))}; "
             f"{s.get('cache_experts', '?')} of {s.get('total_experts', '?')} experts)",
         ),
+        ("K/V", _kv_line(s)),
         ("free VRAM", free),
         ("reserve", reserve),
         ("borrowed", f"{_size(s.get('borrowed_mib'))} in {len(leases)} lease(s)"),
@@ -430,6 +431,23 @@ def format_status(s: dict[str, Any]) -> str:
     text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
     if leases:
         text += "\n\n" + format_leases(leases)
+    return text
+
+
+def _kv_line(s: dict[str, Any]) -> str:
+    """The K/V's share: mapped, the active conversation, the kept ones, and the budget."""
+    kept = s.get("kv_kept") or []
+    text = (
+        f"{_size(s.get('kv_mib'))} (active {s.get('kv_active_tokens', '?')} tokens in "
+        f"{_size(s.get('kv_active_mib'))}; {len(kept)} kept conversation(s) "
+        f"[{', '.join(str(k.get('tokens', '?')) for k in kept)}] tokens, "
+        f"{_size(s.get('kv_kept_mib'))} of their own)"
+    )
+    if s.get("budget_mib") is not None:
+        text += (
+            f"; budget {s['budget_mib']} MiB for cache + K/V, "
+            f"a prompt of up to {s.get('kv_fits_tokens', '?')} tokens fits"
+        )
     return text
 
 

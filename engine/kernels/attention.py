@@ -7,7 +7,8 @@ splits beyond the length write an empty partial. A second launch combines the sp
 head.
 
 K/V rows are found through the block table: position p lives in page ``block_table[p // page]``
-at row ``p % page`` (one conversation uses the identity table today).
+at row ``p % page``; pages are ``page_stride`` elements apart (``engine.kv``: a page holds every
+layer's keys and values, so a layer's rows of one page are a slice of it), rows ``Hkv * d``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import triton.language as tl
 
 @triton.jit
 def _attn_partial(
-    q, kc, vc, bt, pos_p, acc_out, ml_out, sm_scale, HKV,
+    q, kc, vc, bt, pos_p, acc_out, ml_out, sm_scale, HKV, PS,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr,
     NSPLIT: tl.constexpr,
 ):  # fmt: skip
@@ -40,8 +41,8 @@ def _attn_partial(
     for t0 in range(start, end, BS):
         p = t0 + tl.arange(0, BS)
         pm = p < end
-        row = tl.load(bt + p // PAGE, mask=pm, other=0).to(tl.int64) * PAGE + p % PAGE
-        off = ((row * HKV + hk) * D)[:, None] + d[None, :]
+        at = tl.load(bt + p // PAGE, mask=pm, other=0).to(tl.int64) * PS + (p % PAGE) * HKV * D
+        off = (at + hk * D)[:, None] + d[None, :]
         k = tl.load(kc + off, mask=pm[:, None], other=0.0).to(tl.float32)  # [BS, D]
         v = tl.load(vc + off, mask=pm[:, None], other=0.0).to(tl.float32)  # [BS, D]
         sc = tl.sum(k * qv[None, :], 1) / sm_scale  # [BS]
@@ -97,11 +98,15 @@ class DecodeAttention:
 
     def __call__(
         self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        block_table: torch.Tensor, pos: torch.Tensor,
+        block_table: torch.Tensor, pos: torch.Tensor, page_stride: int | None = None,
     ) -> None:  # fmt: skip
-        """out: [H * d] float32 <- softmax(q k^T / sqrt(d)) v over positions 0..pos."""
+        """out: [H * d] float32 <- softmax(q k^T / sqrt(d)) v over positions 0..pos.
+        ``page_stride``: elements from one page to the next (None: pages of one layer side by
+        side, ``page * Hkv * d``)."""
+        ps = self.page * self.HKV * self.D if page_stride is None else page_stride
         _attn_partial[(self.H, self.n_split)](
             q, k_cache, v_cache, block_table, pos, self.acc, self.ml, math.sqrt(self.D), self.HKV,
+            ps,
             G=self.G, D=self.D, PAGE=self.page, BS=self.BS, NSPLIT=self.n_split, num_warps=2,
         )  # fmt: skip
         _attn_combine[(self.H,)](self.acc, self.ml, out, D=self.D, NSPLIT=self.n_split, num_warps=1)

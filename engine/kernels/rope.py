@@ -37,6 +37,7 @@ def _rope_kernel(
     eps,
     H,
     HKV,
+    PS,
     D: tl.constexpr,
     PAGE: tl.constexpr,
     NEOX: tl.constexpr,
@@ -45,7 +46,8 @@ def _rope_kernel(
     i = tl.program_id(0)
     pos = tl.load(pos_p)
     ia, ib = _halves(D, NEOX)
-    phys = tl.load(bt + pos // PAGE).to(tl.int64) * PAGE + pos % PAGE  # the token's K/V row
+    # the token's K/V row: its page's start, then the row in the page
+    at = tl.load(bt + pos // PAGE).to(tl.int64) * PS + (pos % PAGE) * HKV * D
     if i < H + HKV:
         a = tl.load(qkv + i * D + ia)
         b = tl.load(qkv + i * D + ib)
@@ -66,14 +68,14 @@ def _rope_kernel(
             tl.store(qkv + i * D + ia, ra)
             tl.store(qkv + i * D + ib, rb)
         else:
-            row = kc + (phys * HKV + (i - H)) * D
+            row = kc + at + (i - H) * D
             tl.store(row + ia, ra.to(kc.dtype.element_ty))
             tl.store(row + ib, rb.to(kc.dtype.element_ty))
     else:
         hv = i - H - HKV
         d = tl.arange(0, D)
         v = tl.load(qkv + (H + HKV + hv) * D + d)
-        tl.store(vc + (phys * HKV + hv) * D + d, v.to(vc.dtype.element_ty))
+        tl.store(vc + at + hv * D + d, v.to(vc.dtype.element_ty))
 
 
 def rope_store(
@@ -92,9 +94,11 @@ def rope_store(
     head_dim: int,
     page: int,
     neox: bool,
+    page_stride: int | None = None,
 ) -> None:
     """qkv: [(H + 2 Hkv) * d] float32, q rotated in place; k_cache, v_cache: one layer's
-    [n_pages * page, Hkv, d]; block_table: int32 [n_pages]; pos: int32 [1] on the device."""
+    pages, ``page_stride`` elements apart (None: side by side, ``page * Hkv * d``), each
+    [page, Hkv, d]; block_table: int32 [n_pages]; pos: int32 [1] on the device."""
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim {head_dim} is not a power of two")
     qk = q_norm is not None and k_norm is not None
@@ -112,6 +116,7 @@ def rope_store(
         eps,
         n_head,
         n_head_kv,
+        page * n_head_kv * head_dim if page_stride is None else page_stride,
         D=head_dim,
         PAGE=page,
         NEOX=neox,

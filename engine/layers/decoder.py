@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -147,9 +148,10 @@ class MoEDecoder:
             router=self._w(p + "ffn_gate_inp.weight"),
         )
 
-    def new_kv(self, n_ctx: int, kind: str) -> KVCache:
+    def new_kv(self, n_ctx: int, kind: str, **options: Any) -> KVCache:
+        """The K/V cache for this model (``options``: ``KVCache``'s keywords)."""
         a = self.args
-        return KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim, kind, self.device)
+        return KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim, kind, self.device, **options)
 
     def forward(
         self, tokens: torch.Tensor, start: int, kv: KVCache, last_only: bool = False

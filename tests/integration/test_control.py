@@ -60,12 +60,21 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def daemon(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[InProcess]:
+    d = InProcess(config_for(model, tmp_path, monkeypatch))
+    yield d
+    d.close()
+    assert d.code == 0
+
+
+def config_for(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **more: Any
+) -> StrataConfig:
     for var in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
         (tmp_path / var).mkdir(mode=0o700)
         monkeypatch.setenv(var, str(tmp_path / var))
     device = tmp_path / "device.json"
     write_simulated(device, 64)
-    config = StrataConfig(
+    return StrataConfig(
         model=model,
         port=0,
         device="cpu",
@@ -79,11 +88,8 @@ def daemon(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
         elastic_shrink_step_mib=4,
         prefill_chunk_tokens=8,
         kv_cache_type="f32",
+        **more,
     )
-    d = InProcess(config)
-    yield d
-    d.close()
-    assert d.code == 0
 
 
 def generate(d: InProcess, prompt: list[int], max_tokens: int) -> GenerationJob:
@@ -168,3 +174,41 @@ def test_generation_with_a_resize_equals_one_without(daemon: InProcess) -> None:
     assert daemon.daemon.controller.resizes > resizes_before, "no resize happened"
     assert resized.tokens == quiet.tokens
     assert resized.text == quiet.text
+
+
+def test_the_kv_grows_trims_and_grows_again_under_a_lease_within_one_budget(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 3000 tokens of f32 K/V are 12 MiB of the 64 MiB device: the cache's tail yields them
+    d = InProcess(config_for(model, tmp_path, monkeypatch, kv_keep_conversations=0))
+    try:
+        worker, engine = d.daemon.worker, d.daemon.worker.engine
+        runner, cache = engine.runner, engine.cache
+        over: list[str] = []
+        safe_point = worker._safe_point
+
+        def checked() -> None:  # on the engine thread, between steps: nothing moves meanwhile
+            safe_point()
+            held = cache.arena.mapped_bytes + runner.kv.mapped_bytes
+            if runner.budget is not None and held > runner.budget:
+                over.append(f"{held} bytes held, budget {runner.budget}")
+
+        worker._safe_point = checked
+        long = engine.tokenizer.encode("The miller counted sacks of grain by the river. " * 300)
+        long = long[:3000]
+        first = generate(d, long, 4).done.result(120)
+        grown = d.daemon.status()
+        assert grown["kv_mib"] >= 12 and grown["kv_active_tokens"] == 3003
+        generate(d, [5, 6, 7], 2).done.result(60)
+        assert d.daemon.status()["kv_mib"] == 2, "trimmed to one chunk after a short prompt"
+        lease = d.call(d.daemon.borrow(20, ":1.t", None, "encoder", "test")).result(60)
+        again = generate(d, long, 4).done.result(120)  # grows again while the lease holds
+        leased = d.daemon.status()
+        assert leased["kv_mib"] >= 12 and leased["borrowed_mib"] == 20
+        assert leased["cache_mib"] + leased["kv_mib"] <= leased["budget_mib"]
+        assert again.tokens == first.tokens
+        d.daemon.return_lease(lease.cookie, ":1.t")
+        assert not over, over[:3]
+    finally:
+        d.close()
+    assert d.code == 0

@@ -1,9 +1,9 @@
 """``strata-ctl`` as a user runs it, against the real daemon on a private bus.
 
 One daemon serves the whole module (its start costs seconds); each test starts from a daemon with
-no lease and returns what it borrowed. Sizes as in test_dbus: a 48 MiB cache (24 MiB core) on a
-600 MiB simulated device where another program holds 64 MiB, so 488 MiB are free and a lease of
-512 MiB makes the cache shrink.
+no lease and returns what it borrowed. Sizes as in test_dbus: a 48 MiB cache (24 MiB core) and
+the K/V's first 2 MiB chunk on a 602 MiB simulated device where another program holds 64 MiB, so
+488 MiB are free and a lease of 512 MiB makes the cache shrink.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def shared(
     module_bus: PrivateBus, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[StrataDaemon]:
     tmp = tmp_path_factory.mktemp("strata")
-    write_simulated(tmp / "device.json", 600, [(4242, 64)])
+    write_simulated(tmp / "device.json", 602, [(4242, 64)])  # 2 MiB: the K/V's first chunk
     d = StrataDaemon(tmp, simulated_device_args(tmp / "device.json", tiny_model),
                      env=bus_env(module_bus))  # fmt: skip
     yield d
@@ -74,7 +74,7 @@ def test_status_prints_a_table_and_the_status_schema_as_json(
     assert rows["state"] == "ready" and rows["model"] == strata.status()["model"]
     assert rows["device"].startswith("simulated")
     assert rows["cache"].startswith("48 MiB = core 24 MiB + tail 24 MiB")
-    assert rows["free VRAM"].startswith("488 MiB of 600 MiB")
+    assert rows["free VRAM"].startswith("488 MiB of 602 MiB")
     assert rows["reserve"].startswith("0 MiB run-time")
     assert rows["borrowed"] == "0 MiB in 0 lease(s)"
     for argv in (["status", "--json"], ["--json", "status"]):

@@ -27,7 +27,7 @@ GAMEMODE = ("com.feralinteractive.GameMode", "/com/feralinteractive/GameMode")
 
 
 def start(tmp: Path, bus: PrivateBus, model: Path, daemons: list[StrataDaemon]) -> StrataDaemon:
-    write_simulated(tmp / "device.json", 600, [(4242, 64)])
+    write_simulated(tmp / "device.json", 602, [(4242, 64)])  # 2 MiB: the K/V's first chunk
     args = [*simulated_device_args(tmp / "device.json", model), "--gamemode-reserve-mib", str(HOLD)]
     d = StrataDaemon(tmp, args, env=bus_env(bus))
     daemons.append(d)

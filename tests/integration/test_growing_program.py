@@ -3,7 +3,8 @@ daemon: as games and image tools do, it allocates a fixed step at a time, and an
 does not fit fails where only the program sees it (the driver's counters show what succeeded).
 
 Sizes: the tiny model's 48 MiB cache (core 12 MiB: a quarter), an 8 MiB automatic reserve, steps
-of 10 MiB; the device leaves room for exactly one step at the start (66 MiB: 48 + 8 + 10). The
+of 10 MiB; the device leaves room for exactly one step at the start (68 MiB: 48 + 8 + 10, and
+the K/V's first 2 MiB chunk). The
 program wants 4 steps (40 MiB), more than the room and the first step's margin together.
 
 What is counted is the daemon's own work (its resize decisions, from its log), never how long
@@ -21,7 +22,10 @@ import httpx
 from tests.integration.harness import StrataDaemon, write_simulated
 
 CACHE_MIB, RESERVE_MIB, STEP_MIB, STEPS = 48, 8, 10, 4
-TOTAL_MIB = CACHE_MIB + RESERVE_MIB + STEP_MIB  # room for its first step
+KV_MIB = 2  # the K/V's first chunk, beside the cache
+TOTAL_MIB = CACHE_MIB + KV_MIB + RESERVE_MIB + STEP_MIB  # room for its first step
+# the controller's line for a new size: the cache's slots, or the budget it shares with the K/V
+DECIDED = r"(?:resize to \d+ slots|budget \d+ MiB)"
 PID = 4242
 WAIT_S = 120.0  # only a hang fails here
 
@@ -51,7 +55,7 @@ def test_a_program_growing_in_steps_larger_than_the_room_gets_them_and_the_cache
             assert time.monotonic() < deadline, f"{held} MiB after {WAIT_S} s: {trace[-5:]}"
             s = http.get("/v1/vram").json()
             # what a driver would say: the cache as mapped now, the program's own memory
-            free = TOTAL_MIB - held - s["cache_mib"]
+            free = TOTAL_MIB - held - s["cache_mib"] - s["kv_mib"]
             if free >= STEP_MIB:
                 held += STEP_MIB
                 write_simulated(device, TOTAL_MIB, [(PID, held)])
@@ -78,13 +82,13 @@ def test_a_program_growing_in_steps_larger_than_the_room_gets_them_and_the_cache
     write_simulated(device, TOTAL_MIB)
     d.wait_for(lambda s: s["cache_mib"] == CACHE_MIB and s["cache_experts"] == 32, WAIT_S,
                "the cache growing back")  # fmt: skip
-    assert re.search(r"grow \d+ -> 48 MiB \(the room lasted 1 s\)", d.log), d.log[-3000:]
+    assert re.search(r"grow \d+ -> \d+ MiB \(the room lasted 1 s\)", d.log), d.log[-3000:]
 
 
 def _shrinks(log: str) -> list[str]:
     """The reasons of the daemon's resize decisions that shrank the cache, in order."""
     out = []
-    for m in re.finditer(r"resize to \d+ slots \((\w+), \w[\w ]*\): .*?shrink (\d+) -> (\d+)", log):
+    for m in re.finditer(DECIDED + r" \((\w+), \w[\w ]*\): .*?shrink (\d+) -> (\d+)", log):
         out.append(m.group(1))
     return out
 
@@ -109,6 +113,6 @@ def test_idle_release_gives_all_but_the_core_and_the_next_request_grows_it_back(
                    json={"model": tiny_model.stem, "prompt": "Once", "max_tokens": 4})  # fmt: skip
     assert r.status_code == 200, r.text
     # the request's own check grew it back, at once: the room had lasted through the idle time
-    assert re.search(r"resize to 32 slots \(room, request\)", d.log), d.log[-3000:]
+    assert re.search(DECIDED + r" \(room, request\)", d.log), d.log[-3000:]
     back = d.wait_for(lambda s: s["cache_experts"] == 32, WAIT_S, "the refill")
     assert back["cache_mib"] == CACHE_MIB

@@ -169,6 +169,32 @@ def test_completions_streamed_and_not_are_the_engines_greedy_output(
     assert by_ids.choices[0].text == want.text
 
 
+def test_a_second_turn_reports_its_cached_prompt_tokens_and_the_kv_is_in_the_status(
+    client: openai.OpenAI, server: StrataDaemon, engine: Engine, model: Path
+) -> None:
+    first = engine.encode_prompt("The harbour master counted the boats at dawn") * 3
+    r1 = client.completions.create(model=model.stem, prompt=first, max_tokens=N, temperature=0)
+    assert r1.usage is not None and r1.usage.prompt_tokens_details is not None
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    # another conversation between: the first one is kept
+    client.completions.create(model=model.stem, prompt=[7, 8, 9], max_tokens=2, temperature=0)
+    second = first + engine.encode_prompt(" and again at dusk")
+    r2 = client.completions.create(model=model.stem, prompt=second, max_tokens=N, temperature=0)
+    assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
+    assert r2.usage.prompt_tokens_details.cached_tokens == len(first)
+    assert r2.choices[0].text == greedy(engine, second).text  # as a cold run
+    status = server.status()
+    # every generated token was fed but the last one of a reply cut by max_tokens
+    fed = r2.usage.completion_tokens - (r2.choices[0].finish_reason == "length")
+    assert status["kv_mib"] > 0 and status["kv_active_tokens"] == len(second) + fed
+    # [7, 8, 9] and its first generated token (unless that one ended it)
+    assert any(k["tokens"] in (3, 4) for k in status["kv_kept"]), status["kv_kept"]
+    assert status["budget_mib"] is None  # no expert cache on the CPU: no budget to share
+    samples = scrape(server)
+    assert metric(samples, "strata_kv_mib") == status["kv_mib"]
+    assert metric(samples, "strata_kv_kept_conversations") >= 1
+
+
 def test_each_request_logs_one_line_with_its_tokens_speeds_and_time_to_first_token(
     client: openai.OpenAI, server: StrataDaemon, model: Path
 ) -> None:

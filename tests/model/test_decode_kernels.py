@@ -194,6 +194,49 @@ def test_split_attention_matches_softmax_attention(H, HKV, D, length) -> None:
     assert (out.cpu() - want).abs().max() < TOL
 
 
+@pytest.mark.parametrize("length", [1, 40, 100])
+def test_attention_and_rope_read_and_write_the_growing_kv_pages(length) -> None:
+    # the K/V's own layout: a page holds every layer's K and V, so one layer's pages are
+    # ``page_stride`` elements apart; the table's unused entries point at the sink (page 0)
+    from strata.engine.kv import KVCache
+
+    H, HKV, D, L, layer = 4, 2, 32, 3, 1
+    kv = KVCache(L, 128, HKV, D, "f32", DEVICE, page=16, keep=1, chunk_bytes=1 << 16)
+
+    def prepare(end: int) -> None:  # what the runner does: map chunks for the pages missing
+        kv.grow(kv.bytes_to_map(kv.pages_short(end)))
+        kv.prepare(end)
+
+    try:
+        kv.begin([1] * 3 + [2] * 60)  # another conversation holds the lowest pages first
+        prepare(63)
+        kv.commit([1] * 3 + [2] * 60)
+        kv.begin([3] * length)
+        prepare(length)
+        assert kv.book.active.pages[0] > 4 and kv.page_stride > 16 * HKV * D
+        kc, vc = kv.layer(layer)
+        torch.manual_seed(length)
+        k, v = (torch.randn(length, HKV, D, device=DEVICE) for _ in range(2))
+        kv.write(layer, 0, k, v)
+        pos = torch.tensor([length - 1], dtype=torch.int32, device=DEVICE)
+        # RoPE's write of the last position lands where the reference path reads it
+        qkv = torch.randn((H + 2 * HKV) * D, device=DEVICE)
+        cos, sin = rp.rope_tables(D, 1e6, 128, DEVICE)
+        rp.rope_store(qkv, cos, sin, None, None, kc, vc, kv.block_table, pos, 1e-6, H, HKV, D,
+                      kv.page, True, kv.page_stride)  # fmt: skip
+        keys, values = kv.read(layer, length)
+        assert torch.equal(values[-1], qkv[(H + HKV) * D :].view(HKV, D).cpu().to(values))
+        assert torch.equal(keys[:-1].cpu(), k[:-1].cpu()), "only the last row was written"
+        att = at.DecodeAttention(H, HKV, D, kv.page, 4, DEVICE)
+        q = torch.randn(H * D, device=DEVICE)
+        out = nan(H * D)
+        att(out, q, kc, vc, kv.block_table, pos, kv.page_stride)
+        want = at.attention_reference(q.view(H, D).cpu(), keys.cpu(), values.cpu())
+        assert (out.cpu() - want).abs().max() < TOL
+    finally:
+        kv.close()
+
+
 def test_attention_rejects_uneven_groups() -> None:
     with pytest.raises(ValueError, match="6 query heads do not share 4 K/V heads"):
         at.DecodeAttention(6, 4, 32, 16, 8, DEVICE)

@@ -185,6 +185,34 @@ def test_greedy_look_ahead_gives_the_tokens_of_step_by_step_decoding(q8: Path) -
     assert runner.tokens == [*PROMPT, first, want[0]]
 
 
+def test_a_conversation_in_other_pages_and_one_resumed_give_the_same_bits(q8: Path) -> None:
+    # the decode kernels read the K/V through the block table: a sequence whose page is not
+    # the first free one (another conversation is kept below it), and one resumed from a kept
+    # prefix, compute the same bits as a cold run
+    cold = fast_runner(q8, 1.0)
+    want = decode(cold, 4, 13)
+    runner = fast_runner(q8, 1.0)
+    runner.start([7, 7, 7])
+    runner.feed([7, 7, 7])
+    assert runner.start(PROMPT) == PROMPT
+    logits = [runner.feed(PROMPT)]
+    assert runner.kv.book.active.pages != cold.kv.book.active.pages
+    tok = 13
+    for _ in range(4):
+        logits.append(runner.feed([tok]).cpu())
+        tok = (tok * 31 + 7) % 500
+    for a, b in zip(want, logits, strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+    # resumed after another conversation (the pages run short: the oldest kept one goes)
+    seq = list(runner.tokens)
+    runner.start([9, 9])
+    runner.feed([9, 9])
+    todo = runner.start([*seq, tok])
+    assert todo == [tok] and runner.kv.book.kept
+    assert torch.equal(runner.feed(todo).cpu(), cold.feed([tok]).cpu())
+    runner.kv.book.check()
+
+
 def test_look_ahead_hands_back_when_a_shrink_leaves_a_miss(q8: Path) -> None:
     runner = fast_runner(q8, 1.0)
     cache = runner.model.provider

@@ -137,9 +137,15 @@ def test_a_context_whose_kv_cannot_fit_the_memory_names_the_option(tiny_models) 
         Engine.load(path, EngineOptions(kv_cache_type="f32", context_length=100_000_000_000))
 
 
-def test_the_kv_size_checked_at_load_is_what_the_cache_allocates() -> None:
+def test_the_kv_size_checked_at_load_is_what_a_whole_context_maps() -> None:
     from strata.engine.kv import KVCache
 
     for n_ctx, kind in ((1, "f32"), (100, "f16"), (4096, "f32")):
-        kv = KVCache(3, n_ctx, 2, 8, kind)
-        assert KVCache.nbytes_for(3, n_ctx, 2, 8, kind) == kv.nbytes
+        kv = KVCache(3, n_ctx, 2, 8, kind, chunk_bytes=4096, fixed=True)
+        try:
+            whole = KVCache.nbytes_for(3, n_ctx, 2, 8, kind)
+            assert whole == kv.context_bytes(n_ctx)
+            # a fixed K/V maps a whole context and the sink page, in whole chunks
+            assert kv.nbytes == kv.book.bytes_for(1 + whole // kv.page_bytes)
+        finally:
+            kv.close()

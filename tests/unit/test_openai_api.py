@@ -136,6 +136,18 @@ def test_stream_chunks_have_the_openai_shape() -> None:
         "index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}  # fmt: skip
 
 
+def test_usage_reports_the_cached_prompt_tokens_as_openai_does() -> None:
+    req = parse_chat(body(messages=[{"role": "user", "content": "x"}], stream=True,
+                          stream_options={"include_usage": True}))  # fmt: skip
+    reply = Reply.new(req, "m", "fp")
+    whole = reply.body("hi", "stop", 120, 5, cached_tokens=100)
+    assert whole["usage"] == {"prompt_tokens": 120, "completion_tokens": 5, "total_tokens": 125,
+                              "prompt_tokens_details": {"cached_tokens": 100}}  # fmt: skip
+    assert reply.usage_chunk(120, 5, 100)["usage"] == whole["usage"]
+    assert reply.body("hi", "stop", 3, 1)["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 0}  # fmt: skip
+
+
 def loading_daemon(**config: Any) -> Any:
     status = {"state": "loading", "queued": 0, "busy": False, "cache_mib": 0, "hit_rate": None,
               "free_mib": None, "resizes": 0}  # fmt: skip
