@@ -318,7 +318,8 @@ class Runner:
         mask = self._mask_for(dec.logits)
 
         def pick(logits: torch.Tensor, slot: int) -> None:
-            with torch.inference_mode():  # the decoder's buffers are inference tensors
+            # as mask_logits: the mask's buffers may have been made there, in inference mode
+            with torch.inference_mode():
                 choose(mask.apply(logits), dec.tok, dec.ring, slot)
 
         return lambda: pick if constraint.fill(mask.host) else None

@@ -273,6 +273,15 @@ def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
         assert runner._token_mask is not None
     assert out[0] == out[1]
     assert ahead and all(a is not None for a in ahead)
+    # a sampled constrained request first (step by step: its mask is made in inference mode),
+    # then a greedy one that runs ahead with the same mask (on a GPU, writing the mask's device
+    # words outside inference mode failed): the same tokens as before
+    e.runner._token_mask = None
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    e.generate([1, 5, 9, 100, 7], sampled, constraint=e.grammars.compile(GrammarSpec.json(schema)))
+    again = e.generate([1, 5, 9, 100, 7], SamplingParams(max_tokens=8, temperature=0),
+                       constraint=e.grammars.compile(GrammarSpec.json(schema)))  # fmt: skip
+    assert again.tokens == out[1]
     # unconstrained, the same prompt picks other tokens: the mask did choose them
     free = e.generate([1, 5, 9, 100, 7], SamplingParams(max_tokens=8, temperature=0))
     assert free.tokens[: len(out[1])] != out[1]
