@@ -173,6 +173,7 @@ class EngineWorker:
         runner = getattr(self.engine, "runner", None)
         if runner is not None:
             runner.on_cache_resized = self._resized_by_kv
+            runner.settle_grows = False  # the refill after a request comes in pieces instead
         self.ready.set_result(None)
         try:
             while True:
@@ -215,6 +216,20 @@ class EngineWorker:
             job.done.set_result(result)
         finally:
             self.busy = False
+            self._refill_after_request()
+
+    def _refill_after_request(self) -> None:
+        """The room a request's K/V gave back goes to the cache's tail, in pieces like any growth
+        (a request arriving meanwhile starts at once) — unless a resize is already pending: the
+        newer request decides the size."""
+        runner = getattr(self.engine, "runner", None)
+        if runner is None or runner.budget is None or runner.refill_slots() is None:
+            return
+        with self._cv:
+            cache = self.cache
+            if self._resize is None and cache is not None:
+                self._resize = _Resize(cache.n_slots, None, "room the K/V gave back", [],
+                                       budget=runner.budget)  # fmt: skip
 
     def _count_token(self) -> None:
         self.tokens += 1  # one writer (this thread); the loop only reads it

@@ -49,6 +49,9 @@ class Runner:
         self.budget: int | None = None
         # told of each cache resize the K/V's growth makes (the daemon's control plane)
         self.on_cache_resized: Callable[[ResizeResult, str], None] | None = None
+        # after a request the cache grows into the room the K/V gave back at once; the daemon's
+        # worker turns this off and grows it in pieces, between requests' steps (refill_slots)
+        self.settle_grows = True
 
     @property
     def tokens(self) -> list[int]:
@@ -134,18 +137,25 @@ class Runner:
         )
 
     def settle(self) -> int:
-        """After a request: unmap the K/V's free chunks above its pages in use, and let the
-        expert cache's tail grow into the budget's room (the hottest missing experts); returns
-        the bytes the K/V gave back."""
+        """After a request: unmap the K/V's free chunks above its pages in use, and (with
+        ``settle_grows``) let the expert cache's tail grow into the budget's room at once (the
+        hottest missing experts); returns the bytes the K/V gave back."""
         freed = self.kv.trim()
-        cache, room = self.cache, self.budget_room()
-        if cache is not None and room is not None and room >= cache.arena.chunk_bytes:
-            slots = cache.slots_for_bytes(cache.arena.mapped_bytes + room)
-            if slots > cache.n_slots:
-                result = cache.resize(slots)
-                if self.on_cache_resized is not None:
-                    self.on_cache_resized(result, "room the K/V gave back")
+        slots = self.refill_slots() if self.settle_grows else None
+        if slots is not None and self.cache is not None:
+            result = self.cache.resize(slots)
+            if self.on_cache_resized is not None:
+                self.on_cache_resized(result, "room the K/V gave back")
         return freed
+
+    def refill_slots(self) -> int | None:
+        """The cache's slots once its tail has taken the budget's room, when that is at least a
+        chunk more than it has; else None."""
+        cache, room = self.cache, self.budget_room()
+        if cache is None or room is None or room < cache.arena.chunk_bytes:
+            return None
+        slots = cache.slots_for_bytes(cache.arena.mapped_bytes + room)
+        return slots if slots > cache.n_slots else None
 
     def fit_budget(self, budget: int) -> int:
         """A new budget (the policy's target for the cache and the K/V together): the kept

@@ -101,6 +101,80 @@ def test_a_growth_comes_in_pieces_and_a_request_does_not_wait_for_all_of_them() 
     assert worker.resize_epoch == 10  # even: no resize under way
 
 
+class _Runner:
+    """The part of Runner the worker reads after a request: a budget with room for ``want``
+    slots once the K/V has given its pages back."""
+
+    def __init__(self, cache: _Cache, want: int) -> None:
+        self.cache, self.want = cache, want
+        self.budget = want * cache.slot_bytes
+        self.settle_grows = True
+        self.on_cache_resized = None
+
+    def refill_slots(self) -> int | None:
+        return self.want if self.want > self.cache.n_slots else None
+
+
+class _BudgetEngine(_Engine):
+    def __init__(self, cache: _Cache, want: int) -> None:
+        super().__init__(cache)
+        self.runner = _Runner(cache, want)
+        self.budgets: list[int] = []
+
+    def set_budget(self, budget: int) -> int:
+        self.budgets.append(budget)
+        return budget // self.cache.slot_bytes
+
+
+def test_the_room_a_request_gave_back_refills_the_cache_in_pieces_after_it() -> None:
+    from strata.daemon.worker import GROW_PIECE_BYTES
+
+    cache = _Cache(4)
+    piece = GROW_PIECE_BYTES // cache.slot_bytes
+    engine = _BudgetEngine(cache, 4 + 3 * piece)
+    worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
+    resized: list[tuple[int, int, str]] = []
+    worker.on_resized = lambda r, why: resized.append((r.from_slots, r.to_slots, why))
+    worker.start()
+    worker.ready.result(30)
+    assert engine.runner.settle_grows is False, "the worker grows the cache itself"
+    first = GenerationJob([1], SamplingParams(max_tokens=1))
+    worker.submit(first)
+    assert first.done.result(30) == "done"
+    assert engine.safe_points == [4] * 20, "nothing grew during the request"
+    second = GenerationJob([1], SamplingParams(max_tokens=1))
+    worker.submit(second)
+    assert second.done.result(30) == "done"
+    worker.stop(30)
+    # after the first request: one piece at a time, the budget asked again at each piece
+    assert cache.calls[:3] == [4 + piece, 4 + 2 * piece, 4 + 3 * piece]
+    assert [why for *_, why in resized[:3]] == ["room the K/V gave back"] * 3
+    assert engine.budgets[:3] == [engine.runner.budget] * 3
+    assert cache.n_slots == 4 + 3 * piece
+
+
+def test_a_pending_resize_is_not_replaced_by_the_refill_after_a_request() -> None:
+    from strata.daemon.worker import _Resize
+
+    cache = _Cache(40)
+    engine = _BudgetEngine(cache, 60)
+    worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
+    worker.engine = engine  # type: ignore[assignment]  # as the engine thread sees it
+    pending = _Resize(8, None, "reserve (request)", [])
+    worker._resize = pending  # a shrink asked for while the request ran
+    worker._refill_after_request()
+    assert worker._resize is pending, "the newer request decides the size"
+    worker._resize = None
+    worker._refill_after_request()
+    refill = worker._resize
+    assert refill is not None and refill.reason == "room the K/V gave back"
+    assert refill.budget == engine.runner.budget and refill.futures == []
+    engine.runner.want = 40  # no room left: nothing to ask
+    worker._resize = None
+    worker._refill_after_request()
+    assert worker._resize is None
+
+
 def test_a_shrink_comes_at_once() -> None:
     cache = _Cache(40)
     worker = EngineWorker(lambda: _Engine(cache))  # type: ignore[arg-type, return-value]
