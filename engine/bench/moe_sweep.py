@@ -23,6 +23,7 @@ import triton.language as tl
 
 from strata.engine.experts.layout import RUN_ALIGN, align
 from strata.engine.kernels import moe
+from strata.engine.quant import REPACKED_TYPES
 from strata.engine.quant.repack import repacked_layout
 
 Q = gguf.GGMLQuantizationType
@@ -81,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=2048, help="model width (rows of down)")
     ap.add_argument("--f", type=int, default=768, help="expert width (rows of gate and up)")
-    ap.add_argument("--gate", default="Q4_K", help="type of gate and up")
-    ap.add_argument("--down", default="Q6_K", help="type of down")
+    types = sorted(t.name for t in REPACKED_TYPES)
+    ap.add_argument("--gate", default="Q4_K", choices=types, help="type of gate and up")
+    ap.add_argument("--down", default="Q6_K", choices=types, help="type of down")
     ap.add_argument("--k", type=int, default=8, help="experts chosen per token")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--pool", type=int, default=96, help="experts in each place (> L2)")
