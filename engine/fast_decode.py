@@ -70,7 +70,7 @@ TUNED: dict[str, tuple[int, int | None]] = {
     "gate_up": (4, None),
     "down": (8, None),
 }
-MAX_SPLITS = 16  # most splits of the attention's key range
+MAX_SPLITS = 64  # most splits of the attention's key range
 
 
 class FastPathError(RuntimeError):
@@ -96,12 +96,12 @@ def _aligned(nbytes: int, device: torch.device) -> torch.Tensor:
     return buf[skip : skip + nbytes]
 
 
-def attention_splits(n_head: int, device: torch.device) -> int:
+def attention_splits(n_head_kv: int, device: torch.device) -> int:
     """Splits of the key range: a power of two, at most MAX_SPLITS, and enough that the
-    (query head, split) programs cover the GPU's multiprocessors twice."""
+    (K/V head, split) programs cover the GPU's multiprocessors twice."""
     cuda = device.type == "cuda"
     sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
-    want = max(1, -(-2 * sms // n_head))
+    want = max(1, -(-2 * sms // n_head_kv))
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
@@ -148,7 +148,7 @@ class FastDecoder:
         self._ring_done = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self.cos, self.sin = rope_tables(a.head_dim, a.rope_theta, kv.n_ctx, dev)
         self.attention = DecodeAttention(
-            a.n_head, a.n_head_kv, a.head_dim, kv.page, attention_splits(a.n_head, dev), dev
+            a.n_head, a.n_head_kv, a.head_dim, kv.page, attention_splits(a.n_head_kv, dev), dev
         )
         # experts: one slot layout per layer, staging slots for the misses of one layer
         self.slot_layouts = [kernel_layout(self.index.expert(layer, 0)) for layer in range(L)]

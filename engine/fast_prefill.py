@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_GRAPH_TOKENS = 64  # the smallest captured chunk: shorter ones replay it, padded
+WARM_UP_CHUNKS = (16, 5, 1)  # row counts Triton specialises differently: see warm_up
 # From this many tokens a chunk copies the experts it uses from their RAM homes into VRAM (at
 # the copy engines' ~50 GB/s) instead of reading them over PCIe tile by tile (zero-copy reads
 # from tensor-core tiles reach a fraction of that); shorter chunks replay their graphs.
@@ -94,10 +95,12 @@ class FastPrefill:
 
     # -- one layer -------------------------------------------------------------------------------
 
-    def _pre(self, layer: int, x: torch.Tensor, pos: torch.Tensor, q_out: torch.Tensor) -> None:
+    def _pre(self, layer: int, x: torch.Tensor, pos: torch.Tensor, out: _Buffers) -> None:
         """Before attention: q, k, v of the rows x [T, D] at positions pos [T] (int64, on the
-        device); k and v written to the K/V pages, q (normed, rotated) to q_out [T, H, d]."""
-        b, a, kv = self.dec.layers[layer].block, self.args, self.kv
+        device); q (normed, rotated) to out.q [T, H, d], k (rotated) and v to out.k, out.v [T, Hkv,
+        d]. Not the pages: a captured segment keeps the tensors it was captured with, and the
+        pages' view grows with the K/V (``_attend`` writes them, eagerly)."""
+        b, a = self.dec.layers[layer].block, self.args
         T = x.shape[0]
         H, Hkv, d = a.n_head, a.n_head_kv, a.head_dim
         h = rms_norm(x, b.attn_norm, a.rms_eps).half()  # [T, D]
@@ -115,16 +118,20 @@ class FastPrefill:
             k = rms_norm(k, b.attn.k_norm, a.rms_eps)
         cos = self.dec.cos.index_select(0, pos)[:, None, :]  # [T, 1, d/2]
         sin = self.dec.sin.index_select(0, pos)[:, None, :]
-        q_out.copy_(rotate(q, cos, sin, a.rope_neox))
-        pages = kv.block_table.index_select(0, pos // kv.page).long()  # through the block table
-        rows = pos % kv.page
-        kv.pool[pages, layer, 0, rows] = rotate(k, cos, sin, a.rope_neox).to(kv.dtype)
-        kv.pool[pages, layer, 1, rows] = v.to(kv.dtype)
+        out.q.copy_(rotate(q, cos, sin, a.rope_neox))
+        out.k.copy_(rotate(k, cos, sin, a.rope_neox))
+        out.v.copy_(v)
 
-    def _attend(self, layer: int, q: torch.Tensor, start: int, out: torch.Tensor) -> None:
-        """Causal attention of the chunk's queries q [T, H, d] (positions start..start+T-1)
-        over the keys 0..start+T-1 in the pages, into out [T, H*d] float16."""
-        kv = self.kv
+    def _attend(self, layer: int, b: _Buffers, start: int) -> None:
+        """The chunk's k, v (b.k, b.v) written to its pages through the block table, then the
+        causal attention of its queries b.q [T, H, d] (positions start..start+T-1) over the
+        keys 0..start+T-1 in the pages, into b.attn [T, H*d] float16. Eager, between the
+        segments: the pool's view is the one the K/V has now."""
+        kv, q, out = self.kv, b.q, b.attn
+        pages = kv.block_table.index_select(0, b.pos // kv.page).long()
+        rows = b.pos % kv.page
+        kv.pool[pages, layer, 0, rows] = b.k
+        kv.pool[pages, layer, 1, rows] = b.v
         T, H, d = q.shape
         S = start + T
         keys, values = kv.read(layer, S, kv.dtype)  # [S, Hkv, d], gathered from the pages
@@ -285,12 +292,12 @@ class FastPrefill:
 
         def first() -> None:
             b.x.copy_(dec.embd.rows(b.tok))
-            self._pre(0, b.x, b.pos, b.q)
+            self._pre(0, b.x, b.pos, b)
 
         def middle(layer: int) -> Callable[[], None]:
             def run() -> None:
                 self._post(layer - 1, b)
-                self._pre(layer, b.x, b.pos, b.q)
+                self._pre(layer, b.x, b.pos, b)
 
             return run
 
@@ -302,7 +309,7 @@ class FastPrefill:
 
         segment(0, first)
         for layer in range(L):
-            self._attend(layer, b.q, start, b.attn)
+            self._attend(layer, b, start)
             segment(layer + 1, middle(layer + 1) if layer + 1 < L else last)
         return b.logits
 
@@ -344,13 +351,22 @@ class FastPrefill:
         return True
 
     def warm_up(self) -> None:
-        """One chunk of a few tokens at position 0 (rewritten by the next prompt): the kernels
-        compile now, not in the first request. Counts nothing."""
+        """Chunks of a few tokens (rewritten by the next prompt; the block table points every
+        position at the sink page now): the kernels compile now, not in a request. Triton
+        compiles a kernel again for a row count of 1, a multiple of 16 and any other, so the
+        chunks have 16, 5 and 1 tokens; the later ones start after the first, as a
+        conversation's next turn does (on an H200 its first odd-sized chunk otherwise took
+        5 s of compiling). Counts nothing."""
         dec = self.dec
         stats = dec.provider.stats
         before = (stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file)
-        tokens = torch.zeros(min(16, self.kv.n_ctx), dtype=torch.long, device=self.device)
-        self._run(tokens, 0, last_only=True)
+        start = 0
+        for n in WARM_UP_CHUNKS:
+            if start + n > self.kv.n_ctx:
+                break
+            tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+            self._run(tokens, start, last_only=True)
+            start += n
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file = before
@@ -368,6 +384,8 @@ class _Buffers:
         self.pos = torch.zeros(T, dtype=torch.long, device=dev)
         self.x = torch.zeros(T, a.n_embd, dtype=torch.float32, device=dev)  # the residual
         self.q = torch.zeros(T, a.n_head, a.head_dim, dtype=p.kv.dtype, device=dev)
+        self.k = torch.zeros(T, a.n_head_kv, a.head_dim, dtype=p.kv.dtype, device=dev)
+        self.v = torch.zeros(T, a.n_head_kv, a.head_dim, dtype=p.kv.dtype, device=dev)
         self.attn = torch.zeros(T, a.n_head * a.head_dim, dtype=torch.float16, device=dev)
         self.n = torch.full((1,), T, dtype=torch.long, device=dev)  # the real rows (no padding)
         self.logits = torch.zeros(out_rows, a.vocab_size, dtype=torch.float32, device=dev)

@@ -115,6 +115,30 @@ def test_chunk_graphs_give_the_numbers_of_eager_chunks(tiny_models, cuda) -> Non
     eager.close()
 
 
+def test_chunk_graphs_write_the_pages_the_kv_maps_after_their_capture(tiny_models, cuda) -> None:
+    """The graphs are captured while the K/V holds its first chunk; a prompt that makes it map
+    more puts pages beyond the ones that existed then in the block table, and the replayed
+    chunks still write and read them (the pages are written between the segments, through the
+    view the K/V has now)."""
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    opts = dict(prefill_chunk_tokens=256, context_length=4096)
+    graphs, eager = load(path, cuda, **opts), load(path, cuda, enforce_eager=True, **opts)
+    try:
+        kv = graphs.runner.kv
+        first = kv.mapped_bytes
+        prompt = [(7 + 131 * i) % 2000 + 3 for i in range(1800)]  # 7 chunks and a padded one
+        assert kv.context_bytes(len(prompt)) > first, "the prompt must outgrow the first chunk"
+        assert torch.equal(graphs.runner.feed(prompt), eager.runner.feed(prompt))
+        assert kv.mapped_bytes > first
+        greedy = SamplingParams(max_tokens=6, temperature=0.0)
+        graphs.runner.rewind(0)
+        eager.runner.rewind(0)
+        assert graphs.generate(prompt, greedy).tokens == eager.generate(prompt, greedy).tokens
+    finally:
+        graphs.close()
+        eager.close()
+
+
 def test_a_long_prompt_is_cancelled_between_chunks(tiny_models, cuda) -> None:
     e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda, prefill_chunk_tokens=16)
     prompt = (PROMPT * 5)[:100]

@@ -52,6 +52,11 @@ def test_growing_and_fixed_kv_give_the_same_tokens_and_the_kv_trims(path: Path) 
 def test_a_second_turn_reuses_the_first_and_matches_a_cold_run(path: Path) -> None:
     warm, cold = load(path), load(path)
     try:
+        # The cache holds every expert and the budget is what was mapped at load: give the
+        # budget room for both conversations' pages, or the second evicts the first (kept
+        # conversations go first under pressure, before the cache's tail).
+        assert warm.cache is not None and warm.runner.budget is not None
+        warm.cache.resize(warm.set_budget(warm.runner.budget + 16 * MiB))
         p2 = second_turn(warm, cold, 900)
         r2 = gen(warm, p2)  # again: all but its last token is cached now
         a2 = words(warm, 300, seed=4)  # another conversation between: both are kept
