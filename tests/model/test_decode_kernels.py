@@ -5,7 +5,10 @@ and the MoE routing, gate/up and down over an expert table.
 Compiled on a GPU; in Triton's interpreter on CPU tensors elsewhere (CI), on small shapes. The
 ``gpu`` tests add the real model's largest and smallest matrices. Outputs start as NaN, so an
 element a kernel forgets to write fails. Tolerances: float32 sums in another order than the
-twin's, relative to the output's norm: 1e-5 (matvec, MoE), 1e-5 absolute (attention, RoPE).
+twin's, relative to the output's norm: 1e-5 (matvec, MoE), 1e-5 absolute (attention over a
+float32 K/V, RoPE). Over a 16-bit K/V the attention's products run on tensor cores, q and the
+softmax weights rounded to the K/V's type: 2e-3 absolute (unit-variance inputs; 7e-4 at most
+on an H200).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from strata.engine.kernels.matvec import Mat, matvec, matvec_reference
 Q = gguf.GGMLQuantizationType
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 1e-5
+TOL_ATTN_16 = 2e-3  # attention over a 16-bit K/V (see above)
 
 
 @pytest.fixture
@@ -191,7 +195,7 @@ def test_split_attention_matches_softmax_attention(H, HKV, D, length) -> None:
     p = torch.arange(length)
     rows = table.long().cpu()[p // page] * page + p % page
     want = at.attention_reference(q.view(H, D).cpu(), kc.cpu()[rows], vc.cpu()[rows])
-    assert (out.cpu() - want).abs().max() < TOL
+    assert (out.cpu() - want).abs().max() < TOL_ATTN_16
 
 
 @pytest.mark.parametrize("length", [1, 40, 100])
@@ -201,7 +205,8 @@ def test_attention_and_rope_read_and_write_the_growing_kv_pages(length) -> None:
     from strata.engine.kv import KVCache
 
     H, HKV, D, L, layer = 4, 2, 32, 3, 1
-    kv = KVCache(L, 128, HKV, D, "f32", DEVICE, page=16, keep=1, chunk_bytes=1 << 16)
+    chunk = 2 << 20 if DEVICE.type == "cuda" else 1 << 16  # CUDA maps 2 MiB at least
+    kv = KVCache(L, 128, HKV, D, "f32", DEVICE, page=16, keep=1, chunk_bytes=chunk)
 
     def prepare(end: int) -> None:  # what the runner does: map chunks for the pages missing
         kv.grow(kv.bytes_to_map(kv.pages_short(end)))
