@@ -30,6 +30,10 @@ def model_path(config: StrataConfig) -> Path:
 def engine_options(config: StrataConfig, device: str | None = None) -> EngineOptions:
     from strata.engine.generate import EngineOptions
 
+    split: dict[str, object] = {}
+    if config.devices is not None:  # a layer split: one stage per device (unset: as before)
+        split["devices"] = tuple(config.devices)
+        split["layer_split"] = tuple(config.layer_split) if config.layer_split else None
     return EngineOptions(
         context_length=config.context_length,
         threads=config.threads,
@@ -49,6 +53,7 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         verify_experts=config.verify_experts,
         kv_keep_conversations=config.kv_keep_conversations,
         kv_fixed=config.kv_fixed,
+        **split,  # type: ignore[arg-type]
     )
 
 

@@ -161,18 +161,18 @@ def test_a_pending_resize_is_not_replaced_by_the_refill_after_a_request() -> Non
     worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
     worker.engine = engine  # type: ignore[assignment]  # as the engine thread sees it
     pending = _Resize(8, None, "reserve (request)", [])
-    worker._resize = pending  # a shrink asked for while the request ran
+    worker._resizes[0] = pending  # a shrink asked for while the request ran
     worker._refill_after_request()
-    assert worker._resize is pending, "the newer request decides the size"
-    worker._resize = None
+    assert worker._resizes[0] is pending, "the newer request decides the size"
+    worker._resizes.clear()
     worker._refill_after_request()
-    refill = worker._resize
+    refill = worker._resizes.get(0)
     assert refill is not None and refill.reason == "room the K/V gave back"
     assert refill.budget == engine.runner.budget and refill.futures == []
     engine.runner.want = 40  # no room left: nothing to ask
-    worker._resize = None
+    worker._resizes.clear()
     worker._refill_after_request()
-    assert worker._resize is None
+    assert worker._resizes == {}
 
 
 def test_a_shrink_comes_at_once() -> None:
