@@ -256,6 +256,14 @@ class Daemon:
             "devices": [self._device_status(i) for i in range(len(self.controllers))],
         }
 
+    def status_layers(self, number: int) -> str:
+        """`` layers A-B`` of stage ``number`` once the model is loaded, else ""."""
+        engine = self.worker.engine
+        if engine is None or not hasattr(engine, "stages"):
+            return ""
+        layers = engine.stages[number].layers
+        return f" layers {layers.start}-{layers.stop - 1}" if len(layers) else ""
+
     def _device_status(self, number: int) -> dict[str, Any]:
         """One device's part of the status: its stage (layers, cache, K/V), its monitor's
         reading and its lease book; the keys mean what the top-level keys of the same name mean
@@ -483,7 +491,11 @@ def describe_path(daemon: Daemon) -> str:
     }[daemon.controller.requests]
     engine = daemon.worker.engine
     if not daemon.device.startswith("cuda"):
-        return f"path: CPU ({_why_cpu(daemon.config.device)}); {watch}; {requests}"
+        return (
+            f"path: CPU ({_why_cpu(daemon.config.device, daemon.config.devices)}); {watch}; "
+            f"{requests}"
+            f"{_stages_text(daemon)}"
+        )
     cache = daemon.worker.cache
     arena = type(cache.arena).__name__ if cache is not None else None
     arena_text = {"CudaArena": "CUDA VMM arena", None: "no expert cache"}.get(arena, str(arena))
@@ -496,11 +508,25 @@ def describe_path(daemon: Daemon) -> str:
     prefill = engine.runner.prefill_path() if engine is not None else "not loaded"
     return (
         f"path: {daemon.device}: {arena_text}; {watch}; {requests}; decode: {kernels}; "
-        f"prefill: {prefill}"
+        f"prefill: {prefill}{_stages_text(daemon)}"
     )
 
 
-def _why_cpu(asked: str) -> str:
+def _stages_text(daemon: Daemon) -> str:
+    """With several devices: each stage, its layers and its device's monitor."""
+    if len(daemon.controllers) < 2:
+        return ""
+    parts = []
+    for number, c in enumerate(daemon.controllers):
+        layers = daemon.status_layers(number)
+        monitor = c.monitor.kind if c.monitor.healthy else f"failed: {c.monitor.problem}"
+        parts.append(f"{number} on {daemon.devices[number]}{layers} ({monitor} monitor)")
+    return "; stages: " + ", ".join(parts)
+
+
+def _why_cpu(asked: str, devices: list[str] | None = None) -> str:
+    if devices is not None:
+        return f"devices = {','.join(devices)}"
     if asked == "cpu":
         return "device = cpu"
     import torch

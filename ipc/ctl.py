@@ -474,12 +474,11 @@ def format_status(s: dict[str, Any]) -> str:
         ("K/V", _kv_line(s)),
         ("free VRAM", free),
         ("reserve", reserve),
-        ("borrowed", f"{_size(s.get('borrowed_mib'))} in {len(leases)} lease(s)"),
+        ("borrowed", f"{_size(s.get('borrowed_mib'))} in {len(s.get('leases', []))} lease(s)"),
         ("requests", _REQUESTS.get(s.get("vram_requests", ""), "unknown")),
     ]
     devices = s.get("devices") or []
     if len(devices) > 1:  # a split: the rows above are device 0's, each device's below
-        rows[2] = ("device 0", rows[2][1])
         rows += [(f"device {d.get('index', i)}", _device_line(d)) for i, d in enumerate(devices)]
     width = max(len(k) for k, _ in rows)
     text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
