@@ -485,7 +485,8 @@ ENGINE_OPTIONS: frozenset[str] = frozenset({
     "model", "log_level", "threads", "context_length", "prefill_chunk_tokens", "kv_cache_type",
     "device", "cache_mib", "elastic_tail_mib", "elastic_reserve_mib", "host_budget_mib",
     "adapt_swaps", "prefetch_experts", "verify_experts", "arena_chunk_mib", "fast_decode",
-    "enforce_eager", "fast_prefill", "kv_keep_conversations", "kv_fixed",
+    "enforce_eager", "fast_prefill", "kv_keep_conversations", "kv_fixed", "devices",
+    "layer_split",
 })  # fmt: skip
 # `strata bench` sizes the cache itself (its --cache-mib is a list of budgets, all elastic).
 BENCH_OPTIONS = ENGINE_OPTIONS - {"cache_mib", "elastic_tail_mib", "elastic_reserve_mib"}

@@ -213,7 +213,7 @@ class Daemon:
         decision = c.last_decision
         book = c.book
         monitor = c.monitor
-        stats = self.worker.engine.provider.stats if self.worker.engine else None
+        caches = [self.worker.stage_cache(i) for i in range(len(self.controllers))]
         return {
             "state": self.state,
             "model": self.model_id,
@@ -233,8 +233,9 @@ class Daemon:
             "tail_mib": (cache.size_bytes - cache.core_bytes) // MiB if cache else 0,
             "max_cache_mib": cache.max_slots * cache.slot_bytes // MiB if cache else 0,
             "cache_experts": cache.cached_experts if cache else 0,
-            "total_experts": cache.max_slots if cache else None,
-            **_host_tier_status(cache),
+            # the model's routed experts: every stage's cache's
+            "total_experts": sum(c.max_slots for c in caches if c) if cache else None,
+            **_host_tier_status([c for c in caches if c is not None]),
             **_kv_status(self.worker.engine),
             "total_mib": sample.total_bytes // MiB if sample else None,
             "free_mib": sample.free_bytes // MiB if sample else None,
@@ -249,7 +250,7 @@ class Daemon:
             "resizes": c.resizes,
             # unknown without a cache (every fetch a miss would read as 0.0): None, left out
             # over D-Bus, null over HTTP
-            "hit_rate": stats.hit_rate if stats is not None and stats.cached else None,
+            "hit_rate": _hit_rate(self.worker.engine),
             "busy": self.worker.busy,
             "queued": self.worker.queued(),
             "generated_tokens": self.worker.tokens,
@@ -754,19 +755,35 @@ def _kv_status(engine: Any, stage: int = 0) -> dict[str, Any]:
     }
 
 
-def _host_tier_status(cache: Any) -> dict[str, Any]:
+def _hit_rate(engine: Any) -> float | None:
+    """Expert cache hits over fetches since start, every stage's together; unknown without a
+    cache (every fetch a miss would read as 0.0) or before any fetch."""
+    if engine is None:
+        return None
+    model = getattr(getattr(engine, "runner", None), "model", None)
+    providers = getattr(model, "providers", None) or [engine.provider]
+    stats = [p.stats for p in providers]
+    if not any(s.cached for s in stats):
+        return None
+    hits = sum(s.hits for s in stats)
+    fetches = hits + sum(s.misses for s in stats)
+    return hits / fetches if fetches else None
+
+
+def _host_tier_status(caches: list[Any]) -> dict[str, Any]:
     """The host tier's part of the status (docs/status.md): RAM homes, the room kept, the
-    experts left on the file, and what this process has read from the drive."""
+    experts left on the file, and what this process has read from the drive; every stage's
+    share of the one tier together."""
     from strata.engine.experts.host import drive_read_bytes
 
-    tier = cache.tier_stats() if cache is not None else None
+    tiers = [t for t in (c.tier_stats() for c in caches) if t]
     drive = drive_read_bytes()
     return {
-        "host_tier_mib": tier.bytes // MiB if tier else 0,
-        "host_experts": tier.experts if tier else 0,
-        "host_room_experts": tier.slots - tier.experts if tier else 0,
-        "file_experts": cache.file_experts if cache is not None else None,
-        "swaps": cache.swaps if cache is not None else 0,
-        "corrupt_copies": cache.corrupt if cache is not None else 0,
+        "host_tier_mib": sum(t.bytes for t in tiers) // MiB,
+        "host_experts": sum(t.experts for t in tiers),
+        "host_room_experts": sum(t.slots - t.experts for t in tiers),
+        "file_experts": sum(c.file_experts for c in caches) if caches else None,
+        "swaps": sum(c.swaps for c in caches),
+        "corrupt_copies": sum(c.corrupt for c in caches),
         "drive_read_mib": drive // MiB if drive is not None else None,
     }

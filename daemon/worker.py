@@ -188,6 +188,8 @@ class EngineWorker:
         if runner is not None:
             runner.on_cache_resized = self._resized_by_kv
             runner.settle_grows = False  # the refill after a request comes in pieces instead
+        for stage in (getattr(self.engine, "stages", None) or [])[1:]:  # a split's other stages
+            stage.on_cache_resized = lambda r, why, n=stage.number: self._resized(n, r, why)
         self.ready.set_result(None)
         try:
             while True:
@@ -247,7 +249,7 @@ class EngineWorker:
                 budget = runner.budget
             else:
                 budget = stages[number].budget
-                if budget is None:
+                if budget is None or runner.refill_slots(number) is None:
                     continue
             with self._cv:
                 cache = self.stage_cache(number)

@@ -376,10 +376,8 @@ def test_engine_options_carry_the_split_as_tuples_and_nothing_without_it() -> No
     from strata.engine.generate import EngineOptions
 
     plain = engine_options(StrataConfig(device="cpu"))
-    defaults = EngineOptions()
-    assert getattr(plain, "devices", None) == getattr(defaults, "devices", None)
-    if not hasattr(defaults, "devices"):
-        pytest.skip("this engine has no layer split yet (EngineOptions.devices)")
+    assert plain.devices is None and plain.layer_split is None
+    assert (EngineOptions().devices, EngineOptions().layer_split) == (None, None)
     split = engine_options(StrataConfig(devices="cpu,cpu", layer_split="1,3"), "cpu")
     assert split.devices == ("cpu", "cpu") and split.layer_split == (1, 3)
     automatic = engine_options(StrataConfig(devices="cpu,cpu"), "cpu")

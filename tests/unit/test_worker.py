@@ -191,6 +191,7 @@ def test_a_shrink_comes_at_once() -> None:
 class _Stage:
     def __init__(self, number: int, cache: _Cache) -> None:
         self.number, self.cache, self.budget = number, cache, None
+        self.on_cache_resized: Any = None
 
 
 class _SplitEngine(_Engine):
@@ -239,3 +240,9 @@ def test_a_stage_budget_goes_to_that_stage() -> None:
     worker.stop(30)
     assert engine.budgets == [(1, 6 * _Cache.slot_bytes)]
     assert first.calls == [] and second.calls == [6], "stage 0's cache is left alone"
+    # a resize the K/V's growth makes in stage 1 reaches stage 1's listener, not stage 0's
+    heard: list[tuple[str, str]] = []
+    worker.on_resized = lambda r, why: heard.append(("stage 0", why))
+    worker.on_stage_resized[1] = lambda r, why: heard.append(("stage 1", why))
+    engine.stages[1].on_cache_resized(second.resize(5), "K/V growth")
+    assert heard == [("stage 1", "K/V growth")]
