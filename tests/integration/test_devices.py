@@ -234,3 +234,16 @@ def test_a_program_growing_on_device_1_takes_only_from_stage_1(strata: StrataDae
     assert s["devices"][1]["tenants_mib"] == grow
     assert s["devices"][0]["cache_mib"] == before[0]["cache_mib"]
     assert s["devices"][0]["tenants_mib"] == 0
+
+
+def test_a_split_that_does_not_add_up_stops_the_daemon_naming_it(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    args = split_args(tmp_path, tiny_model)
+    args[args.index("--layer-split") + 1] = "1,1"  # the model has 4 layers
+    d = StrataDaemon(tmp_path, args, wait="listening")
+    try:
+        assert d.proc.wait(120) == 2, d.log
+    finally:
+        d.stop()
+    assert "layer_split=[1, 1]" in d.log and "4 layers" in d.log, d.log

@@ -188,3 +188,47 @@ def test_a_hold_applies_to_every_device_and_leases_are_listed_with_their_device(
         assert sorted(lease.cookie for lease in gone) == [1, 2] and daemon.all_leases() == []
 
     _run(daemon, scenario)
+
+
+def test_build_makes_one_monitor_and_controller_per_device(tmp_path: Path) -> None:
+    from strata.daemon.service import build
+
+    files = [_device_file(tmp_path / "a.json", 100, 10), _device_file(tmp_path / "b.json", 200)]
+    config = StrataConfig(
+        devices="cpu,cpu", vram_monitor="simulated",
+        simulated_vram_files=",".join(str(f) for f in files),
+    )  # fmt: skip
+    daemon, close = build(config)
+    try:
+        assert daemon.devices == ["cpu", "cpu"] and daemon.device == "cpu"
+        samples = [c.monitor.sample() for c in daemon.controllers]
+        assert [s.total_bytes // MiB for s in samples if s] == [100, 200]
+        assert [s.tenants_bytes // MiB for s in samples if s] == [10, 0]
+        assert [c.stage for c in daemon.controllers] == [0, 1]
+        assert daemon.controllers[0].listeners is daemon.controllers[1].listeners
+        assert daemon.controllers[1].where == "device 1, cpu"
+        status = daemon.status()  # loading: each device listed, no stage and no check yet
+        assert [(d["index"], d["compute_device"], d["layers"]) for d in status["devices"]] == [
+            (0, "cpu", None),
+            (1, "cpu", None),
+        ]
+        assert (
+            status["state"] == "loading" and status["devices"][1]["monitor"]["kind"] == "simulated"
+        )
+    finally:
+        close()
+
+
+def test_build_with_one_device_is_as_before(tmp_path: Path) -> None:
+    from strata.daemon.service import build
+
+    config = StrataConfig(
+        device="cpu", vram_monitor="simulated",
+        simulated_vram_file=str(_device_file(tmp_path / "a.json", 100)),
+    )  # fmt: skip
+    daemon, close = build(config)
+    try:
+        assert len(daemon.controllers) == 1 and daemon.controllers[0].where is None
+        assert [d["index"] for d in daemon.status()["devices"]] == [0]
+    finally:
+        close()
