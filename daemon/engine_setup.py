@@ -39,7 +39,9 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         threads=config.threads,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         kv_cache_type=config.kv_cache_type,
-        device=device or resolve_device_name(config.device),
+        # with a split, the first stage's (the engine places each stage on its own device)
+        device=device
+        or resolve_device_name(config.devices[0] if config.devices else config.device),
         cache_mib=config.cache_mib,
         elastic_tail_mib=config.elastic_tail_mib,
         arena_chunk_mib=config.arena_chunk_mib,

@@ -73,8 +73,9 @@ __all__ = ["as_api_error", "create_app", "error_body"]
 class VramRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reserve_mib: StrictInt = Field(ge=0)
-    # the device of a split model, by number; absent: device 0 (as before devices existed)
-    device: StrictInt | None = Field(None, ge=0)
+    # the device of a split model, by number; absent: device 0 (as before devices existed).
+    # Any whole number passes here: one the daemon lacks is named with the devices there are.
+    device: StrictInt | None = None
 
 
 class HttpLoad:

@@ -205,6 +205,9 @@ def test_an_unknown_device_is_an_error_naming_it_and_the_devices_there_are(
     assert named in error["message"] and error["param"] == "device"
     assert error["code"] == "unknown_device"
     reply = httpx.post(strata.url + "/v1/vram", json={"reserve_mib": 10, "device": -1}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert "device -1: no such device" in reply.json()["error"]["message"], reply.text
+    reply = httpx.post(strata.url + "/v1/vram", json={"reserve_mib": 10, "device": "1"}, timeout=30)
     assert reply.status_code == 400 and "device" in reply.json()["error"]["message"], reply.text
 
     async def over_dbus() -> None:

@@ -382,3 +382,5 @@ def test_engine_options_carry_the_split_as_tuples_and_nothing_without_it() -> No
     assert split.devices == ("cpu", "cpu") and split.layer_split == (1, 3)
     automatic = engine_options(StrataConfig(devices="cpu,cpu"), "cpu")
     assert automatic.devices == ("cpu", "cpu") and automatic.layer_split is None
+    # strata generate names no device: the first stage's, never "auto"'s guess
+    assert engine_options(StrataConfig(devices="cuda:1,cuda:0")).device == "cuda:1"

@@ -232,3 +232,24 @@ def test_build_with_one_device_is_as_before(tmp_path: Path) -> None:
         assert [d["index"] for d in daemon.status()["devices"]] == [0]
     finally:
         close()
+
+
+def test_each_cuda_device_gets_its_own_nvml_monitor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML watches each device of a split, found from its CUDA index (the NVML monitor then
+    finds the handle by that CUDA device's UUID, tests/unit/test_monitor.py)."""
+    import strata.daemon.service as service
+    import strata.vmm.monitor as monitor
+
+    made: list[tuple[str, int]] = []
+
+    def fake_monitor(kind: str, *, ours: Any, device_index: int = 0, simulated_file: Any = None):
+        made.append((kind, device_index))
+        return monitor.NoneMonitor()
+
+    monkeypatch.setattr(monitor, "create_monitor", fake_monitor)
+    monkeypatch.setattr(service, "require_gpu_packages", lambda device: None)
+    daemon, close = service.build(StrataConfig(devices="cuda:1,cuda:0,cuda"))
+    close()
+    assert made == [("nvml", 1), ("nvml", 0), ("nvml", 0)]
+    assert daemon.devices == ["cuda:1", "cuda:0", "cuda"]
+    assert [c.on_gpu for c in daemon.controllers] == [True, True, True]
