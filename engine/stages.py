@@ -153,7 +153,7 @@ class Stage:
     device: torch.device
     layers: range
     kv: KVCache  # the K/V of this stage's layers only
-    model: MoEDecoder
+    model: MoEDecoder = field(repr=False)
     # bytes for this stage's expert cache and K/V together (None: the K/V grows within its
     # reservation, as the memory allows; no cache then)
     budget: int | None = None

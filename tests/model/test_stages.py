@@ -82,6 +82,19 @@ def test_two_stages_split_the_layers_and_each_owns_its_own(path: Path) -> None:
     assert a.kv.arena.closed and b.kv.arena.closed  # type: ignore[attr-defined]
 
 
+def test_one_device_in_the_list_is_one_stage_over_every_layer(path: Path) -> None:
+    plain, listed = load(path), load(path, devices=("cpu",))
+    try:
+        assert len(listed.stages) == 1 and listed.stages[0].layers == range(4)
+        assert listed.cache is not None and listed.cache.layers == range(4)
+        assert plain.cache is not None and plain.cache.layers is None
+        ids = words(plain, 16)
+        assert torch.equal(listed.runner.logits_all(ids), plain.runner.logits_all(ids))
+    finally:
+        plain.close()
+        listed.close()
+
+
 def test_the_automatic_split_follows_each_devices_free_memory(path: Path, caplog) -> None:
     frees = [lambda: 3 * GiB, lambda: 1 * GiB]
     with caplog.at_level("INFO", logger="strata.engine.generate"):
@@ -204,12 +217,22 @@ def test_the_kv_grows_in_each_stage_within_that_stages_budget(path: Path) -> Non
         assert a.cache is not None and b.cache is not None
         first = [a.kv.mapped_bytes, b.kv.mapped_bytes]
         slots = [a.cache.n_slots, b.cache.n_slots]
+        told: dict[int, list[tuple[int, int, str]]] = {0: [], 1: []}
+        for stage in e.stages:
+            stage.on_cache_resized = lambda r, why, n=stage.number: told[n].append(
+                (r.from_slots, r.to_slots, why)
+            )
+        assert e.runner.on_cache_resized is a.on_cache_resized  # the old name: stage 0's
         out = e.generate(words(e, 1100), GREEDY, safe_point=in_budget)
         assert len(out.tokens) == GREEDY.max_tokens
         # both K/Vs grew (1100 positions: 18 pages of 64, and the sink), each in its own
         # budget: the tail of its own cache yielded the room
         assert a.kv.mapped_bytes > first[0] and b.kv.mapped_bytes > first[1]
         assert a.cache.n_slots < slots[0] and b.cache.n_slots < slots[1]
+        # each stage's listener hears of its own cache's resizes only
+        assert told[0] and told[0][-1][1] == a.cache.n_slots
+        assert told[1] and told[1][-1][1] == b.cache.n_slots
+        assert {why for calls in told.values() for _, _, why in calls} == {"K/V growth"}
         assert len(a.kv.book.active.pages) == len(b.kv.book.active.pages) >= 18
         in_budget()
         check_one_home(e)

@@ -159,3 +159,35 @@ def test_a_resize_of_one_stage_rebuilds_only_its_tables_and_keeps_the_numbers(
         if i == 1:
             cache.resize(n)
     same(steady, got)
+
+
+def test_engine_load_builds_a_decoder_per_stage(q8: Path, monkeypatch) -> None:
+    """``Engine.load``'s wiring of the staged fast path (the GPU test's, without a GPU: the
+    interpreter runs the kernels, and steps run eagerly as graphs need CUDA; prompts take the
+    reference path here, ``test_staged_steps_and_prompts…`` covers the staged prefill)."""
+    from strata.engine import generate
+    from strata.engine.generate import Engine, EngineOptions, decode_path
+    from strata.engine.params import SamplingParams
+
+    monkeypatch.setattr(generate, "fast_path_unavailable", lambda index, device, options: None)
+    base = dict(kv_cache_type="f32", context_length=128, arena_chunk_mib=2, cache_mib=2,
+                host_budget_mib=64, fast_prefill=False)  # fmt: skip
+    one = Engine.load(q8, EngineOptions(**base))  # type: ignore[arg-type]
+    two = Engine.load(q8, EngineOptions(**base, devices=("cpu", "cpu"), layer_split=(3, 1)))  # type: ignore[arg-type]
+    try:
+        dec = two.runner.decoder
+        assert isinstance(dec, StagedDecoder) and not two.runner.can_look_ahead()
+        assert decode_path(two.runner) == (
+            "fused Triton kernels over 2 stages, eager (CUDA graphs need a CUDA device)"
+        )
+        for part, stage in zip(dec.parts, two.stages, strict=True):
+            assert part.provider is stage.cache and part.kv is stage.kv
+            assert stage.cache is not None and stage.cache.kernel
+            assert stage.cache.layers == stage.layers
+            assert stage.cache.tier is not None and part.plan.complete
+        greedy = SamplingParams(max_tokens=2, temperature=0.0)
+        assert two.generate([1, 2, 3], greedy).tokens == one.generate([1, 2, 3], greedy).tokens
+    finally:
+        one.close()
+        two.close()
+    assert all(s.kv.arena.closed for s in two.stages)  # type: ignore[attr-defined]
