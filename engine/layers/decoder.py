@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,20 +211,34 @@ class MoEDecoder:
         # tokens: [T] -> logits: [T, V] (or [1, V] with last_only); kv: one per stage
         eps = self.args.rms_eps
         kvs = [kv] if isinstance(kv, KVCache) else list(kv)
+        staged = len(self.spans) > 1
         x = self.embd.rows(tokens)  # [T, D]
-        for s, span in enumerate(self.spans):
-            x = x.to(self.stage_devices[s])  # the hidden state to the next stage (no-op: one)
-            stage_kv, provider, rope = kvs[s], self.providers[s], self.ropes[s]
-            for i in span:
-                b = self.blocks[i]
-                h = rms_norm(x, b.attn_norm, eps)
-                x = x + attention(h, b.attn, self.attn_shape, rope, stage_kv, i - span.start, start)
-                h = rms_norm(x, b.ffn_norm, eps)
-                x = x + moe(h, b.router, self.moe_shape, provider, i)
+        for s, dev in enumerate(self.stage_devices):
+            x = x.to(dev)  # the hidden state to the next stage (no-op with one)
+            # (kernels launch on the current GPU: each stage's on its own)
+            with on_device(dev) if staged else nullcontext():
+                x = self._stage_layers(x, s, kvs[s], start)
         for stage_kv in kvs:
             stage_kv.length = start + tokens.shape[0]
         for provider in self.providers:
             provider.step()
         if last_only:
             x = x[-1:]
-        return linear(rms_norm(x, self.out_norm, eps), self.output)
+        with on_device(self.out_device) if staged else nullcontext():
+            return linear(rms_norm(x, self.out_norm, eps), self.output)
+
+    def _stage_layers(self, x: torch.Tensor, s: int, kv: KVCache, start: int) -> torch.Tensor:
+        # x: [T, D] -> [T, D] through stage s's layers, its K/V and its expert provider
+        eps, span, provider, rope = (
+            self.args.rms_eps,
+            self.spans[s],
+            self.providers[s],
+            self.ropes[s],
+        )
+        for i in span:
+            b = self.blocks[i]
+            h = rms_norm(x, b.attn_norm, eps)
+            x = x + attention(h, b.attn, self.attn_shape, rope, kv, i - span.start, start)
+            h = rms_norm(x, b.ffn_norm, eps)
+            x = x + moe(h, b.router, self.moe_shape, provider, i)
+        return x
