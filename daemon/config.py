@@ -102,6 +102,16 @@ class StrataConfig(BaseSettings):
     device: str = Field(
         "auto", description="compute device: auto (cuda when present), cpu, cuda or cuda:N"
     )
+    devices: list[str] | None = Field(
+        None,
+        description="compute devices of a layer split, one stage each, in layer order "
+        "(comma-separated: cuda:0,cuda:1; unset: one stage on device)",
+    )
+    layer_split: list[int] | None = Field(
+        None,
+        description="layers per device of devices, in order (comma-separated: 20,28; each >= 1, "
+        "their sum the model's layers; unset: by each device's free memory)",
+    )
     cache_mib: int | None = Field(
         None,
         ge=0,
@@ -165,6 +175,11 @@ class StrataConfig(BaseSettings):
     )
     simulated_vram_file: Path | None = Field(
         None, description="JSON file describing the simulated device (vram_monitor = simulated)"
+    )
+    simulated_vram_files: list[Path] | None = Field(
+        None,
+        description="one simulated device file per device of devices, in order (comma-separated; "
+        "vram_monitor = simulated with devices)",
     )
     elastic_stable_ms: int = Field(
         5000, ge=0, le=3_600_000, description="how long free room must last before growing"
@@ -258,11 +273,99 @@ class StrataConfig(BaseSettings):
     @field_validator("device")
     @classmethod
     def _device_name(cls, value: str) -> str:
-        value = value.strip().lower()
-        kind, _, index = value.partition(":")
-        if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        name = _device(value)
+        if name is None:
+            raise ValueError("expected auto, cpu, cuda or cuda:N")
+        return name
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _device_list(cls, value: Any) -> Any:
+        names = _as_list(value)
+        if names is None:
             return value
-        raise ValueError("expected auto, cpu, cuda or cuda:N")
+        if not names:
+            raise ValueError("expected at least one device (unset it for one device)")
+        out = []
+        for name in names:
+            if not isinstance(name, str):
+                raise ValueError(f"expected device names, got {name!r}")
+            device = _device(name)
+            if device is None or device == "auto":
+                raise ValueError(f"{name!r} is not a device: expected cpu, cuda or cuda:N")
+            out.append(device)
+        return out
+
+    @field_validator("layer_split", mode="before")
+    @classmethod
+    def _layer_counts(cls, value: Any) -> Any:
+        items = _as_list(value)
+        if items is None:
+            return value
+        if not items:
+            raise ValueError("expected one layer count per device (unset it for automatic)")
+        counts = []
+        for item in items:
+            if isinstance(item, str) and item.strip().isdigit():
+                item = int(item.strip())
+            # a bool is not a count, and 2.0 or "2.5" would pass as a whole number, silently
+            if not isinstance(item, int) or isinstance(item, bool) or item < 1:
+                raise ValueError(f"expected whole numbers of layers >= 1, got {item!r}")
+            counts.append(item)
+        return counts
+
+    @field_validator("simulated_vram_files", mode="before")
+    @classmethod
+    def _file_list(cls, value: Any) -> Any:
+        items = _as_list(value)
+        if items is None:
+            return value
+        if not items:
+            raise ValueError("expected one file per device (unset it instead)")
+        for item in items:
+            if not isinstance(item, str) or not item.strip():
+                raise ValueError(f"expected file paths, got {item!r}")
+        return [Path(item.strip()).expanduser() for item in items]
+
+    @model_validator(mode="after")
+    def _split_needs_devices(self) -> StrataConfig:
+        if self.devices is None:
+            if self.layer_split is not None:
+                raise ValueError(
+                    f"layer_split {_list_text(self.layer_split)} needs devices (one count per "
+                    "device); set devices too, or unset layer_split"
+                )
+            return self
+        if self.device != "auto":
+            raise ValueError(
+                f"device {self.device!r} and devices {_list_text(self.devices)} are both set: "
+                "with devices, each stage's device comes from it (unset device)"
+            )
+        if self.layer_split is not None and len(self.layer_split) != len(self.devices):
+            raise ValueError(
+                f"layer_split {_list_text(self.layer_split)} has {len(self.layer_split)} "
+                f"count(s) for the {len(self.devices)} device(s) of devices "
+                f"{_list_text(self.devices)}: expected one per device"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_file_per_device(self) -> StrataConfig:
+        files = self.simulated_vram_files
+        if files is None:
+            return self
+        if self.simulated_vram_file is not None:
+            raise ValueError(
+                "simulated_vram_file and simulated_vram_files are both set: use one (the list "
+                "for devices)"
+            )
+        count = len(self.devices) if self.devices is not None else 1
+        if len(files) != count:
+            raise ValueError(
+                f"simulated_vram_files {_list_text([str(f) for f in files])} has {len(files)} "
+                f"file(s) for {count} device(s): expected one per device"
+            )
+        return self
 
     @field_validator("arena_chunk_mib")
     @classmethod
@@ -278,9 +381,27 @@ class StrataConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _simulated_needs_a_file(self) -> StrataConfig:
-        if self.vram_monitor == "simulated" and self.simulated_vram_file is None:
+        if self.vram_monitor != "simulated" or self.simulated_vram_files is not None:
+            return self
+        if self.devices is not None and len(self.devices) > 1:
+            raise ValueError(
+                f"vram_monitor = simulated with {len(self.devices)} devices needs "
+                "simulated_vram_files, one file per device"
+            )
+        if self.simulated_vram_file is None:
             raise ValueError("vram_monitor = simulated needs simulated_vram_file")
         return self
+
+    @property
+    def device_count(self) -> int:
+        """The stages of the model: one per device of ``devices``, else one."""
+        return len(self.devices) if self.devices is not None else 1
+
+    def simulated_files(self) -> list[Path | None]:
+        """The simulated device file of each device, in order (None: not simulated)."""
+        if self.simulated_vram_files is not None:
+            return list(self.simulated_vram_files)
+        return [self.simulated_vram_file] * self.device_count
 
     @field_validator("host")
     @classmethod
@@ -305,6 +426,29 @@ class StrataConfig(BaseSettings):
                 "STRATA_API_KEY), or allow_remote_without_key = true to serve it without one"
             )
         return self
+
+
+def _device(value: str) -> str | None:
+    """A device name as ``device`` takes it, normalised; None: not one."""
+    value = value.strip().lower()
+    kind, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return value
+    return None
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    """A list option's value as given: a TOML array, or a comma-separated string (a flag, an
+    environment variable). None: not a list (pydantic then says what it expected)."""
+    if isinstance(value, str):
+        return [] if not value.strip() else [item.strip() for item in value.split(",")]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return None
+
+
+def _list_text(values: list[Any]) -> str:
+    return ",".join(str(v) for v in values)
 
 
 SECRET_OPTIONS = frozenset({"api_key"})  # shown as set or unset, never in clear
@@ -341,7 +485,8 @@ ENGINE_OPTIONS: frozenset[str] = frozenset({
     "model", "log_level", "threads", "context_length", "prefill_chunk_tokens", "kv_cache_type",
     "device", "cache_mib", "elastic_tail_mib", "elastic_reserve_mib", "host_budget_mib",
     "adapt_swaps", "prefetch_experts", "verify_experts", "arena_chunk_mib", "fast_decode",
-    "enforce_eager", "fast_prefill", "kv_keep_conversations", "kv_fixed",
+    "enforce_eager", "fast_prefill", "kv_keep_conversations", "kv_fixed", "devices",
+    "layer_split",
 })  # fmt: skip
 # `strata bench` sizes the cache itself (its --cache-mib is a list of budgets, all elastic).
 BENCH_OPTIONS = ENGINE_OPTIONS - {"cache_mib", "elastic_tail_mib", "elastic_reserve_mib"}
@@ -522,4 +667,6 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

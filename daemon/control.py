@@ -12,6 +12,11 @@ How a request is carried out (``VramController.requests``, the status's ``vram_r
   know, and the answer says so;
 * ``refused``: Strata watches no GPU and holds no VRAM (the CPU): a request for more than 0 MiB
   is refused with :class:`NoDevice`. Never a success that changed nothing.
+
+A model split over several devices (``devices``) has one controller per device: its own monitor,
+policy state, lease book and reserve, steering that device's stage (its cache and K/V). The books
+share one cookie sequence (a cookie names one lease of the daemon) and the controllers one list of
+listeners, whose events carry ``device``, the stage's number.
 """
 
 from __future__ import annotations
@@ -88,6 +93,9 @@ class VramController:
         fixed_bytes: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.monotonic,
         on_gpu: bool = False,
+        stage: int = 0,
+        book: LeaseBook | None = None,
+        listeners: list[Listener] | None = None,
     ) -> None:
         self.worker = worker
         self.monitor = monitor
@@ -96,12 +104,15 @@ class VramController:
         self.fixed_bytes = fixed_bytes
         self.clock = clock
         self.on_gpu = on_gpu  # the engine computes on a CUDA device
-        self.book = LeaseBook()
+        self.stage = stage  # the stage (and device) this controller steers: 0 with one device
+        # how messages name the device where there are several ("device 1, cuda:1"); None: one
+        self.where: str | None = None
+        self.book = book if book is not None else LeaseBook()
         self.state = PolicyState.initial(policy)
         self.last_sample: VramSample | None = None
         self.last_decision: Decision | None = None
         self.resizes = 0
-        self.listeners: list[Listener] = []
+        self.listeners: list[Listener] = listeners if listeners is not None else []
         self._pid_used_at_borrow: dict[int, int | None] = {}
         self._policy_size_mib: int | None = None  # the size the policy last reached, in its MiB
         self._active = 0  # requests in progress (generations admitted and not finished)
@@ -112,18 +123,29 @@ class VramController:
 
     # -- what Strata holds ----------------------------------------------------------------------
 
+    def _cache(self) -> Any:
+        """This stage's expert cache (None before the model is loaded, or without one)."""
+        return self.worker.stage_cache(self.stage)
+
+    def _stage_state(self) -> Any:
+        """What holds this stage's K/V and budget: the runner with one stage (as before the
+        split existed), else the engine's stage."""
+        engine = self.worker.engine
+        if self.stage == 0:
+            return getattr(engine, "runner", None)
+        return engine.stages[self.stage] if engine is not None else None
+
     def ours_bytes(self) -> int:
         """The arenas' mapped bytes (the cache's, the K/V's) plus the engine's own device
         memory: what we really hold."""
-        cache = self.worker.cache
+        cache = self._cache()
         mapped = cache.arena.mapped_bytes if cache is not None and not _closed(cache) else 0
         return mapped + self._kv_bytes()[0] + self.fixed_bytes()
 
     def _kv_bytes(self) -> tuple[int, int, int]:
         """The K/V's (mapped, floor, reservation) bytes where it shares the cache's budget
         (docs/policy.md), else zeros: the policy's size is the cache's and the K/V's."""
-        engine = self.worker.engine
-        runner = getattr(engine, "runner", None)
+        runner = self._stage_state()
         if runner is None or getattr(runner, "budget", None) is None or runner.kv.arena.closed:
             return 0, 0, 0
         kv = runner.kv
@@ -133,9 +155,13 @@ class VramController:
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self.worker.on_resized = self._resized_in_engine
+        if self.stage == 0:
+            self.worker.on_resized = self._resized_in_engine
+        else:
+            self.worker.on_stage_resized[self.stage] = self._resized_in_engine
 
     def _emit(self, name: str, **fields: Any) -> None:
+        fields["device"] = self.stage
         for listener in list(self.listeners):
             try:
                 listener(name, fields)
@@ -159,7 +185,7 @@ class VramController:
 
     @property
     def cache_mib(self) -> int:
-        cache = self.worker.cache
+        cache = self._cache()
         return _mib(cache.size_bytes) if cache is not None else 0
 
     @property
@@ -175,7 +201,7 @@ class VramController:
             return "room"
         if self.monitor.kind == "none" and not self.on_gpu:
             return "refused"
-        cache = self.worker.cache
+        cache = self._cache()
         loaded = self.worker.engine is not None
         if loaded and (cache is None or _closed(cache)):
             return "refused"
@@ -217,7 +243,7 @@ class VramController:
             return self._check(why)
 
     def _check(self, why: str) -> Decision | None:
-        cache = self.worker.cache
+        cache = self._cache()
         epoch = self.worker.resize_epoch
         sample = self.monitor.sample()
         settled = epoch % 2 == 0 and self.worker.resize_epoch == epoch
@@ -272,18 +298,20 @@ class VramController:
             if decision.target_mib * MiB != budget:
                 log.debug("budget %d MiB (%s, %s): %s", decision.target_mib, decision.reason,
                           why, decision.explain)  # fmt: skip
-                self.worker.request_budget(decision.target_mib * MiB, f"{decision.reason} ({why})")
+                self.worker.request_budget(
+                    decision.target_mib * MiB, f"{decision.reason} ({why})", stage=self.stage
+                )
             return decision
         slots = cache.slots_for_bytes(decision.target_mib * MiB)
         if slots != cache.n_slots:
             log.debug("resize to %d slots (%s, %s): %s", slots, decision.reason, why,
                       decision.explain)  # fmt: skip
-            self.worker.request_resize(slots, None, f"{decision.reason} ({why})")
+            self.worker.request_resize(slots, None, f"{decision.reason} ({why})", stage=self.stage)
         return decision
 
     def _engine_budget(self) -> int | None:
         """The engine's budget for the cache and the K/V (None: the cache alone is steered)."""
-        runner = getattr(self.worker.engine, "runner", None)
+        runner = self._stage_state()
         return getattr(runner, "budget", None) if self._kv_bytes()[2] else None
 
     def _lease_usage(self, lease: Lease) -> LeaseUsage:
@@ -302,7 +330,7 @@ class VramController:
         sample = self.last_sample or self.monitor.sample()
         if sample is None:
             return None
-        cache = self.worker.cache
+        cache = self._cache()
         core = _mib(cache.core_bytes) if cache is not None else 0
         core += -(-self._kv_bytes()[1] // MiB)  # the K/V's pages in use stay
         usable = _mib(sample.used_bytes + sample.free_bytes)
@@ -321,7 +349,7 @@ class VramController:
             if limit is not None and mib > limit:
                 raise NotEnoughVram(mib, limit)
             return
-        cache = self.worker.cache
+        cache = self._cache()
         if cache is None or _closed(cache):
             return  # still loading: the request waits for the cache (or times out)
         base, at_base = self._unwatched_base(cache)
@@ -458,7 +486,7 @@ class VramController:
         deadline = self.clock() + timeout
         while True:
             decision = await self.check("request")
-            cache = self.worker.cache
+            cache = self._cache()
             sample = self.last_sample if self.watched else None
             if decision is not None and sample is not None:
                 free, needed = _mib(sample.free_bytes), decision.room_kept_mib
@@ -510,7 +538,7 @@ class VramController:
 
     def _mapped_mib(self) -> int:
         """The cache's memory now, as the status's ``cache_mib`` (whole arena chunks)."""
-        cache = self.worker.cache
+        cache = self._cache()
         return cache.arena.mapped_bytes // MiB if cache is not None and not _closed(cache) else 0
 
     def _outcome(self, how: str, what: str, before_mib: int) -> Outcome:
@@ -524,6 +552,8 @@ class VramController:
             text = f"the run-time reserve is cleared ({cache}; it grows back as room lasts)"
         elif how == "room":
             device = self.monitor.device_name
+            if self.where is not None:
+                device += f" ({self.where})"
             text = f"{what}: {free} MiB are free on {device} ({cache})"
         else:
             text = (
@@ -534,8 +564,36 @@ class VramController:
         return Outcome(how, text, after, free)
 
 
+class ControlGroup:
+    """The controllers of every device, as the generations see them: a request's start and end
+    (idle release) and the check at its start reach each device; the check's answer is device
+    0's, as with one device."""
+
+    def __init__(self, controllers: list[VramController]) -> None:
+        self.controllers = controllers
+
+    def request_began(self) -> None:
+        for c in self.controllers:
+            c.request_began()
+
+    def request_ended(self) -> None:
+        for c in self.controllers:
+            c.request_ended()
+
+    async def check(self, why: str = "request") -> Decision | None:
+        decisions = [await c.check(why) for c in self.controllers]
+        return decisions[0]
+
+
 def _closed(cache: Any) -> bool:
     return bool(getattr(cache.arena, "closed", False))
 
 
-__all__ = ["ControlConfig", "LeaseError", "LeaseNotFound", "Outcome", "VramController"]
+__all__ = [
+    "ControlConfig",
+    "ControlGroup",
+    "LeaseError",
+    "LeaseNotFound",
+    "Outcome",
+    "VramController",
+]

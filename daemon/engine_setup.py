@@ -30,12 +30,18 @@ def model_path(config: StrataConfig) -> Path:
 def engine_options(config: StrataConfig, device: str | None = None) -> EngineOptions:
     from strata.engine.generate import EngineOptions
 
+    split: dict[str, object] = {}
+    if config.devices is not None:  # a layer split: one stage per device (unset: as before)
+        split["devices"] = tuple(config.devices)
+        split["layer_split"] = tuple(config.layer_split) if config.layer_split else None
     return EngineOptions(
         context_length=config.context_length,
         threads=config.threads,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         kv_cache_type=config.kv_cache_type,
-        device=device or resolve_device_name(config.device),
+        # with a split, the first stage's (the engine places each stage on its own device)
+        device=device
+        or resolve_device_name(config.devices[0] if config.devices else config.device),
         cache_mib=config.cache_mib,
         elastic_tail_mib=config.elastic_tail_mib,
         arena_chunk_mib=config.arena_chunk_mib,
@@ -49,6 +55,7 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         verify_experts=config.verify_experts,
         kv_keep_conversations=config.kv_keep_conversations,
         kv_fixed=config.kv_fixed,
+        **split,  # type: ignore[arg-type]
     )
 
 

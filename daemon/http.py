@@ -36,7 +36,7 @@ from strata import __version__
 from strata.daemon import page
 from strata.daemon.bounded import Bounded
 from strata.daemon.generation import Generation, Generations, NotServing, QueueFull
-from strata.daemon.leases import LeaseError, NoDevice, NotEnoughVram, Timeout
+from strata.daemon.leases import InvalidArgument, LeaseError, NoDevice, NotEnoughVram, Timeout
 from strata.daemon.metrics import CONTENT_TYPE, Metrics
 from strata.daemon.openai_api import (
     SSE_DONE,
@@ -73,6 +73,9 @@ __all__ = ["as_api_error", "create_app", "error_body"]
 class VramRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reserve_mib: StrictInt = Field(ge=0)
+    # the device of a split model, by number; absent: device 0 (as before devices existed).
+    # Any whole number passes here: one the daemon lacks is named with the devices there are.
+    device: StrictInt | None = None
 
 
 class HttpLoad:
@@ -109,7 +112,7 @@ def create_app(daemon: Any) -> FastAPI:
 
     metrics = Metrics(daemon, sizes)
     generations = Generations(
-        daemon.worker, daemon.controller, config.max_queued_requests, metrics.generation
+        daemon.worker, daemon.controls, config.max_queued_requests, metrics.generation
     )
     app = FastAPI(title="Strata", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)  # fmt: skip
@@ -196,8 +199,16 @@ def create_app(daemon: Any) -> FastAPI:
             body = VramRequest.model_validate_json(await request.body())
         except ValueError as e:
             raise invalid(f"invalid body: {_first_error(e)}", "reserve_mib") from None
+        if body.device is not None:
+            try:
+                daemon.controller_for(body.device)
+            except InvalidArgument as e:
+                raise invalid(str(e), "device", "unknown_device") from None
         try:
-            outcome = await daemon.reserve(body.reserve_mib)
+            if body.device is None:
+                outcome = await daemon.reserve(body.reserve_mib)
+            else:
+                outcome = await daemon.reserve(body.reserve_mib, body.device)
         except Timeout as e:
             raise ApiError(504, str(e), "timeout", "reserve_mib", "timeout") from None
         except NotEnoughVram as e:

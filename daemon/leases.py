@@ -152,18 +152,40 @@ class BookView:
         return sum(lease.mib for lease in self.leases)
 
 
+class Cookies:
+    """What the books of several devices share: one cookie sequence (a cookie names one lease
+    of the daemon, whichever device it is on, so ``Return(cookie)`` needs no device) and the
+    limits on leases, counted over every book (per caller and in all)."""
+
+    def __init__(self) -> None:
+        self.last = 0
+        self.books: list[LeaseBook] = []
+
+    def count(self, owner: str | None = None) -> int:
+        """Leases held in all the books (``owner``'s only, when given)."""
+        return sum(
+            1
+            for book in self.books
+            for lease in book._leases.values()
+            if owner is None or lease.owner == owner
+        )
+
+
 class LeaseBook:
     """The run-time reserve, the holds by source and the leases by cookie.
 
     Cookies start at 1, increase by one per lease and are never reused for the life of the
-    book, so a stale cookie can never return somebody else's lease.
+    book, so a stale cookie can never return somebody else's lease. Books of several devices
+    share their :class:`Cookies` (pass the same one to each): the sequence and the limits are
+    then the daemon's, not one device's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cookies: Cookies | None = None) -> None:
         self._reserve_mib = 0
         self._holds: dict[str, int] = {}
         self._leases: dict[int, Lease] = {}
-        self._last_cookie = 0
+        self._cookies = cookies if cookies is not None else Cookies()
+        self._cookies.books.append(self)
 
     # --- the run-time reserve and holds -------------------------------------------------------
 
@@ -211,22 +233,24 @@ class LeaseBook:
             raise InvalidArgument(f"pid: expected a positive process id or none, got {pid!r}")
         _text("app_id", app_id)
         _text("reason", reason)
-        mine = sum(1 for lease in self._leases.values() if lease.owner == owner)
+        mine = self._cookies.count(owner)
         if mine >= MAX_LEASES_PER_OWNER:
             raise LeaseError(
                 f"{owner} holds {mine} leases already, at most {MAX_LEASES_PER_OWNER} are "
                 "allowed per caller: return one first"
             )
-        if len(self._leases) >= MAX_LEASES:
-            raise LeaseError(f"{len(self._leases)} leases are held, at most {MAX_LEASES} in all")
+        held = self._cookies.count()
+        if held >= MAX_LEASES:
+            raise LeaseError(f"{held} leases are held, at most {MAX_LEASES} in all")
         if not is_int(since_us) or since_us < 0:
             raise InvalidArgument(f"since_us: expected Unix microseconds, got {since_us!r}")
         if tenant_used_mib is not None:
             _mib("tenant usage at borrow", tenant_used_mib, positive=False)
-        if self._last_cookie >= COOKIE_MAX:
+        if self._cookies.last >= COOKIE_MAX:
             raise LeaseError(f"all {COOKIE_MAX} lease cookies of this daemon's life are used")
-        self._last_cookie += 1
-        lease = Lease(self._last_cookie, owner, pid, app_id, reason, mib, since_us, tenant_used_mib)
+        self._cookies.last += 1
+        cookie = self._cookies.last
+        lease = Lease(cookie, owner, pid, app_id, reason, mib, since_us, tenant_used_mib)
         self._leases[lease.cookie] = lease
         return lease
 

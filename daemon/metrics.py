@@ -2,7 +2,10 @@
 
 Counters and histograms are fed as requests end and generations finish; the gauges (queue, cache,
 hit rate, resizes, free VRAM, engine steps) are read from ``daemon.status()`` at scrape time, so
-they never go stale. So are the counted sizes: each thing that grows with requests (a
+they never go stale. The unlabelled VRAM gauges describe device 0 (as the status's top-level keys
+do); the ``strata_device_*`` families repeat them for every device of a split model with a
+``device`` label (its number) and a ``name`` label (its compute device), device 0 included. So are
+the counted sizes: each thing that grows with requests (a
 :class:`Bounded`) is a gauge ``strata_<name>`` and, where it has one, its bound
 ``strata_<name>_limit``.
 """
@@ -130,6 +133,7 @@ class _StatusCollector(Collector):
         for name, doc, value in gauges:
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=value)
+        yield from _device_gauges(s.get("devices") or [])
         counters = (
             ("strata_cache_resizes", "expert cache resizes", s.get("resizes")),
             ("strata_dbus_reconnects", "bus connections re-established", link.get("reconnects")),
@@ -139,6 +143,29 @@ class _StatusCollector(Collector):
         for name, doc, value in counters:
             if value is not None:
                 yield CounterMetricFamily(name, doc, value=value)
+
+
+# (status key of a device, metric, help): each a gauge with the labels device and name
+DEVICE_GAUGES = (
+    ("cache_mib", "strata_device_cache_mib", "a device's expert cache size in MiB"),
+    ("kv_mib", "strata_device_kv_mib", "a device's K/V cache mapped in MiB"),
+    ("budget_mib", "strata_device_budget_mib", "a device's VRAM budget of cache and K/V in MiB"),
+    ("free_mib", "strata_device_free_vram_mib", "free VRAM on a device in MiB"),
+    ("ours_mib", "strata_device_ours_vram_mib", "VRAM Strata holds on a device in MiB"),
+    ("reserve_mib", "strata_device_reserve_mib", "a device's run-time VRAM reserve in MiB"),
+    ("borrowed_mib", "strata_device_borrowed_mib", "VRAM lent out by a device's leases in MiB"),
+)
+
+
+def _device_gauges(devices: list[dict[str, Any]]) -> Iterator[Metric]:
+    """One family per gauge, one sample per device (absent values left out)."""
+    for key, name, doc in DEVICE_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=["device", "name"])
+        for d in devices:
+            if d.get(key) is not None:
+                family.add_metric([str(d["index"]), str(d["compute_device"])], d[key])
+        if family.samples:
+            yield family
 
 
 class _SizesCollector(Collector):

@@ -27,8 +27,8 @@ from typing import Any
 from strata.daemon import paths
 from strata.daemon.bounded import Bounded
 from strata.daemon.config import LoadedConfig, StrataConfig
-from strata.daemon.control import ControlConfig, Outcome, VramController
-from strata.daemon.leases import MAX_LEASES, Lease
+from strata.daemon.control import ControlConfig, ControlGroup, Outcome, VramController
+from strata.daemon.leases import MAX_LEASES, Cookies, InvalidArgument, Lease, LeaseBook, is_int
 from strata.daemon.policy import PolicyConfig
 from strata.daemon.sdnotify import Notifier, http_status, watchdog_loop
 from strata.daemon.status_feed import StatusFeed
@@ -71,7 +71,11 @@ class BusLink:
 
 class Daemon:
     """The daemon API: what HTTP, D-Bus and ``strata-ctl`` call. Thin over the worker and the
-    control plane; ``status()`` is the one status schema all of them return."""
+    control plane; ``status()`` is the one status schema all of them return.
+
+    A model split over several devices has one controller per device (``controllers``, in the
+    order of ``devices``); ``controller`` is device 0's, and every call that names no device
+    means device 0, as with one device."""
 
     def __init__(
         self,
@@ -80,12 +84,17 @@ class Daemon:
         controller: VramController,
         model_path: Path | None,
         device: str,
+        controllers: list[VramController] | None = None,
+        devices: list[str] | None = None,
     ) -> None:
         self.config = config
         self.worker = worker
-        self.controller = controller
+        self.controllers = list(controllers) if controllers else [controller]
+        self.controller = self.controllers[0]
+        self.controls = ControlGroup(self.controllers)
         self.model_path = model_path
         self.device = device
+        self.devices = list(devices) if devices else [device]  # each stage's compute device
         self.listen_url = ""
         self.stopping = False
         self.started = time.time()
@@ -109,25 +118,60 @@ class Daemon:
 
     # -- the VRAM API ---------------------------------------------------------------------------
 
-    async def reserve(self, mib: int) -> Outcome:
-        return await self.controller.set_reserve(mib)
+    def controller_for(self, device: int | None) -> VramController:
+        """The controller of device number ``device`` (None: device 0). An unknown number is
+        :class:`InvalidArgument` naming it and the devices there are."""
+        if device is None:
+            return self.controller
+        if not is_int(device) or not 0 <= device < len(self.controllers):
+            there = ", ".join(f"{i} ({name})" for i, name in enumerate(self.devices))
+            raise InvalidArgument(
+                f"device {device!r}: no such device; Strata runs on {len(self.devices)} "
+                f"device(s): {there}"
+            )
+        return self.controllers[device]
+
+    async def reserve(self, mib: int, device: int | None = None) -> Outcome:
+        return await self.controller_for(device).set_reserve(mib)
 
     async def borrow(
-        self, mib: int, owner: str, pid: int | None, app_id: str, reason: str
+        self,
+        mib: int,
+        owner: str,
+        pid: int | None,
+        app_id: str,
+        reason: str,
+        device: int | None = None,
     ) -> Lease:
-        return await self.controller.borrow(mib, owner, pid, app_id, reason)
+        return await self.controller_for(device).borrow(mib, owner, pid, app_id, reason)
+
+    def _holder(self, cookie: int) -> VramController:
+        """The controller whose book holds ``cookie`` (device 0's when none does: its book then
+        says the cookie is unknown, naming it)."""
+        for c in self.controllers:
+            if is_int(cookie) and c.book.get(cookie) is not None:
+                return c
+        return self.controller
 
     def return_lease(self, cookie: int, owner: str) -> Lease:
-        return self.controller.return_lease(cookie, owner, "returned")
+        return self._holder(cookie).return_lease(cookie, owner, "returned")
 
     def revoke(self, cookie: int) -> Lease:
-        return self.controller.return_lease(cookie, None, "revoked")
+        return self._holder(cookie).return_lease(cookie, None, "revoked")
 
     def owner_vanished(self, owner: str) -> list[Lease]:
-        return self.controller.owner_vanished(owner)
+        return [lease for c in self.controllers for lease in c.owner_vanished(owner)]
 
     async def set_hold(self, source: str, mib: int | None) -> None:
-        await self.controller.set_hold(source, mib)
+        """A hold (GameMode's) applies to every device: which one a game draws on is not
+        known."""
+        for c in self.controllers:
+            await c.set_hold(source, mib)
+
+    def all_leases(self) -> list[dict[str, Any]]:
+        """Every lease of every device, in cookie order, as the status lists them."""
+        leases = [lease for c in self.controllers for lease in _leases(c)]
+        return sorted(leases, key=lambda lease: lease["cookie"])
 
     # -- what grows with requests ---------------------------------------------------------------
 
@@ -138,8 +182,8 @@ class Daemon:
             Bounded("engine_jobs", "generations handed to the engine and not started, those "
                     "whose client left included until the next one drops them",
                     self.worker.held(), self.config.max_queued_requests + 1),
-            Bounded("leases", "leases in the book", len(self.controller.book.leases()),
-                    MAX_LEASES),
+            Bounded("leases", "leases in the books (every device's)",
+                    sum(len(c.book.leases()) for c in self.controllers), MAX_LEASES),
         ]  # fmt: skip
         engine = self.worker.engine
         if engine is not None:
@@ -169,7 +213,7 @@ class Daemon:
         decision = c.last_decision
         book = c.book
         monitor = c.monitor
-        stats = self.worker.engine.provider.stats if self.worker.engine else None
+        caches = [self.worker.stage_cache(i) for i in range(len(self.controllers))]
         return {
             "state": self.state,
             "model": self.model_id,
@@ -189,8 +233,9 @@ class Daemon:
             "tail_mib": (cache.size_bytes - cache.core_bytes) // MiB if cache else 0,
             "max_cache_mib": cache.max_slots * cache.slot_bytes // MiB if cache else 0,
             "cache_experts": cache.cached_experts if cache else 0,
-            "total_experts": cache.max_slots if cache else None,
-            **_host_tier_status(cache),
+            # the model's routed experts: every stage's cache's
+            "total_experts": sum(c.max_slots for c in caches if c) if cache else None,
+            **_host_tier_status([c for c in caches if c is not None]),
             **_kv_status(self.worker.engine),
             "total_mib": sample.total_bytes // MiB if sample else None,
             "free_mib": sample.free_bytes // MiB if sample else None,
@@ -201,26 +246,83 @@ class Daemon:
             "holds": dict(book.holds),
             "room_kept_mib": decision.room_kept_mib if decision else None,
             "borrowed_mib": book.borrowed_mib,
-            "leases": [
-                {
-                    "cookie": lease.cookie,
-                    "app_id": lease.app_id,
-                    "reason": lease.reason,
-                    "mib": lease.mib,
-                    "since_us": lease.since_us,
-                    "owner": lease.owner,
-                    "pid": lease.pid,
-                }
-                for lease in book.leases()
-            ],
+            "leases": _leases(c),
             "resizes": c.resizes,
             # unknown without a cache (every fetch a miss would read as 0.0): None, left out
             # over D-Bus, null over HTTP
-            "hit_rate": stats.hit_rate if stats is not None and stats.cached else None,
+            "hit_rate": _hit_rate(self.worker.engine),
             "busy": self.worker.busy,
             "queued": self.worker.queued(),
             "generated_tokens": self.worker.tokens,
+            "devices": [self._device_status(i) for i in range(len(self.controllers))],
         }
+
+    def status_layers(self, number: int) -> str:
+        """`` layers A-B`` of stage ``number`` once the model is loaded, else ""."""
+        engine = self.worker.engine
+        if engine is None or not hasattr(engine, "stages"):
+            return ""
+        layers = engine.stages[number].layers
+        return f" layers {layers.start}-{layers.stop - 1}" if len(layers) else ""
+
+    def _device_status(self, number: int) -> dict[str, Any]:
+        """One device's part of the status: its stage (layers, cache, K/V), its monitor's
+        reading and its lease book; the keys mean what the top-level keys of the same name mean
+        (those describe device 0)."""
+        c = self.controllers[number]
+        cache = self.worker.stage_cache(number)
+        sample = c.last_sample
+        decision = c.last_decision
+        engine = self.worker.engine
+        stage = engine.stages[number] if engine is not None and hasattr(engine, "stages") else None
+        layers = stage.layers if stage is not None else None
+        kv = _kv_status(engine, number)
+        return {
+            "index": number,
+            "compute_device": self.devices[number],
+            "device": c.monitor.device_name,
+            "monitor": {
+                "kind": c.monitor.kind,
+                "healthy": c.monitor.healthy,
+                "problem": c.monitor.problem,
+            },
+            "vram_requests": c.requests,
+            "first_layer": layers.start if layers is not None else None,
+            "layers": len(layers) if layers is not None else None,
+            "cache_mib": cache.arena.mapped_bytes // MiB if cache else 0,
+            "core_mib": cache.core_bytes // MiB if cache else 0,
+            "tail_mib": (cache.size_bytes - cache.core_bytes) // MiB if cache else 0,
+            "max_cache_mib": cache.max_slots * cache.slot_bytes // MiB if cache else 0,
+            "cache_experts": cache.cached_experts if cache else 0,
+            "kv_mib": kv["kv_mib"],
+            "budget_mib": kv["budget_mib"],
+            "total_mib": sample.total_bytes // MiB if sample else None,
+            "free_mib": sample.free_bytes // MiB if sample else None,
+            "ours_mib": sample.ours_bytes // MiB if sample else None,
+            "tenants_mib": sample.tenants_bytes // MiB if sample else None,
+            "reserve_mib": c.book.reserve_mib,
+            "holds": dict(c.book.holds),
+            "room_kept_mib": decision.room_kept_mib if decision else None,
+            "borrowed_mib": c.book.borrowed_mib,
+            "leases": _leases(c),
+            "resizes": c.resizes,
+        }
+
+
+def _leases(c: VramController) -> list[dict[str, Any]]:
+    return [
+        {
+            "cookie": lease.cookie,
+            "app_id": lease.app_id,
+            "reason": lease.reason,
+            "mib": lease.mib,
+            "since_us": lease.since_us,
+            "owner": lease.owner,
+            "pid": lease.pid,
+            "device": c.stage,
+        }
+        for lease in c.book.leases()
+    ]
 
 
 # -- start-up pieces ----------------------------------------------------------------------------
@@ -274,19 +376,31 @@ def build(
     """The daemon's objects, not started yet: worker, monitor, controller, API."""
     from strata.daemon.engine_setup import engine_options, model_path, resolve_device_name
     from strata.engine.generate import Engine
-    from strata.vmm.monitor import create_monitor
+    from strata.vmm.monitor import VramMonitor, create_monitor
 
-    device = resolve_device_name(config.device)
-    require_gpu_packages(device)
-    holder: dict[str, VramController] = {}
-    kind = _monitor_kind(config, device)
-    device_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else 0
-    monitor = create_monitor(
-        kind,
-        ours=lambda: holder["c"].ours_bytes() if "c" in holder else 0,
-        device_index=device_index,
-        simulated_file=config.simulated_vram_file,
-    )
+    split = config.devices is not None
+    names = list(config.devices) if config.devices is not None else [config.device]
+    names = [resolve_device_name(name) for name in names]
+    device = names[0]
+    for name in names:
+        require_gpu_packages(name)
+    controllers: list[VramController] = []
+    monitors: list[VramMonitor] = []
+
+    def ours(number: int) -> Callable[[], int]:
+        return lambda: controllers[number].ours_bytes() if len(controllers) > number else 0
+
+    try:
+        for number, (name, file) in enumerate(zip(names, config.simulated_files(), strict=True)):
+            index = int(name.partition(":")[2] or 0) if name.startswith("cuda") else 0
+            monitors.append(create_monitor(
+                _monitor_kind(config, name), ours=ours(number), device_index=index,
+                simulated_file=file,
+            ))  # fmt: skip
+    except BaseException:
+        for monitor in monitors:
+            monitor.close()
+        raise
     path = config.model
 
     def load() -> Engine:
@@ -294,14 +408,19 @@ def build(
         path = model_path(config)
         daemon.model_path = path
         options = engine_options(config, device)
-        factory = _arena_factory(monitor)
+        if split:  # one stage per device: each gets its own arena and its own free VRAM
+            factories = [_arena_factory(m) for m in monitors]
+            factory: Any = None if all(f is None for f in factories) else factories
+            free: Any = [_free_vram(m) for m in monitors]
+        else:
+            factory, free = _arena_factory(monitors[0]), _free_vram(monitors[0])
         return Engine.load(
             path,
             options,
             state_dir=paths.state_dir(),
             arena_factory=factory,
             progress=progress or _progress,
-            free_vram=_free_vram(monitor),
+            free_vram=free,
         )
 
     worker = EngineWorker(load)
@@ -315,12 +434,22 @@ def build(
     control = ControlConfig(
         period_ms=config.elastic_period_ms, borrow_timeout_ms=config.borrow_timeout_ms
     )
-    controller = VramController(
-        worker, monitor, policy, control, _fixed_bytes(device), on_gpu=device.startswith("cuda")
-    )
-    holder["c"] = controller
-    daemon = Daemon(config, worker, controller, path, device)
-    return daemon, monitor.close
+    cookies, listeners = Cookies(), []  # one cookie sequence, one set of listeners
+    for number, (name, monitor) in enumerate(zip(names, monitors, strict=True)):
+        controller = VramController(
+            worker, monitor, policy, control, _fixed_bytes(name), on_gpu=name.startswith("cuda"),
+            stage=number, book=LeaseBook(cookies), listeners=listeners,
+        )  # fmt: skip
+        if len(names) > 1:
+            controller.where = f"device {number}, {name}"
+        controllers.append(controller)
+    daemon = Daemon(config, worker, controllers[0], path, device, controllers, names)
+
+    def close() -> None:
+        for monitor in monitors:
+            monitor.close()
+
+    return daemon, close
 
 
 def _progress(done: int, total: int, what: str) -> None:
@@ -363,7 +492,11 @@ def describe_path(daemon: Daemon) -> str:
     }[daemon.controller.requests]
     engine = daemon.worker.engine
     if not daemon.device.startswith("cuda"):
-        return f"path: CPU ({_why_cpu(daemon.config.device)}); {watch}; {requests}"
+        return (
+            f"path: CPU ({_why_cpu(daemon.config.device, daemon.config.devices)}); {watch}; "
+            f"{requests}"
+            f"{_stages_text(daemon)}"
+        )
     cache = daemon.worker.cache
     arena = type(cache.arena).__name__ if cache is not None else None
     arena_text = {"CudaArena": "CUDA VMM arena", None: "no expert cache"}.get(arena, str(arena))
@@ -376,11 +509,25 @@ def describe_path(daemon: Daemon) -> str:
     prefill = engine.runner.prefill_path() if engine is not None else "not loaded"
     return (
         f"path: {daemon.device}: {arena_text}; {watch}; {requests}; decode: {kernels}; "
-        f"prefill: {prefill}"
+        f"prefill: {prefill}{_stages_text(daemon)}"
     )
 
 
-def _why_cpu(asked: str) -> str:
+def _stages_text(daemon: Daemon) -> str:
+    """With several devices: each stage, its layers and its device's monitor."""
+    if len(daemon.controllers) < 2:
+        return ""
+    parts = []
+    for number, c in enumerate(daemon.controllers):
+        layers = daemon.status_layers(number)
+        monitor = c.monitor.kind if c.monitor.healthy else f"failed: {c.monitor.problem}"
+        parts.append(f"{number} on {daemon.devices[number]}{layers} ({monitor} monitor)")
+    return "; stages: " + ", ".join(parts)
+
+
+def _why_cpu(asked: str, devices: list[str] | None = None) -> str:
+    if devices is not None:
+        return f"devices = {','.join(devices)}"
     if asked == "cpu":
         return "device = cpu"
     import torch
@@ -428,7 +575,7 @@ async def _announce_ready(daemon: Daemon, notifier: Notifier, host: str, port: i
     notifier.ready(_status_text(daemon))
 
     def on_event(name: str, fields: dict[str, Any]) -> None:
-        if name == "cache_resized":
+        if name == "cache_resized" and fields.get("device", 0) == 0:
             notifier.status(_status_text(daemon, fields["cache_mib"], fields["free_mib"]))
 
     daemon.controller.listeners.append(on_event)
@@ -514,7 +661,8 @@ async def serve_async(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(RuntimeError, ValueError):  # not the main thread: in-process
             loop.add_signal_handler(sig, stop.set)
-    daemon.controller.bind(loop)
+    for controller in daemon.controllers:
+        controller.bind(loop)
     # the controller's events (a reserve, a lease, a resize) reach the feed at once; the rest
     # (free memory, hit rate, a generation's start and end) within FEED_PERIOD_S
     daemon.controller.listeners.append(lambda name, fields: daemon.publish_status())
@@ -524,7 +672,7 @@ async def serve_async(
     if started is not None:
         started(daemon, stop)
     code = 0
-    control_task: asyncio.Task[None] | None = None
+    control_tasks: list[asyncio.Task[None]] = []
     announce: asyncio.Task[None] | None = None
     ready = asyncio.wrap_future(daemon.worker.ready)
     stopped = asyncio.create_task(stop.wait())
@@ -537,7 +685,9 @@ async def serve_async(
     elif ready in done:
         log.info("ready: %s on %s", daemon.model_id, daemon.device)
         log.info("%s", describe_path(daemon))
-        control_task = asyncio.create_task(daemon.controller.run(), name="vram-control")
+        control_tasks = [
+            asyncio.create_task(c.run(), name=f"vram-control-{c.stage}") for c in daemon.controllers
+        ]
         # READY=1 last: the D-Bus name is owned (above) and GET /health answers 200 (below).
         if notifier.enabled:
             announce = asyncio.create_task(_announce_ready(daemon, notifier, host, port))
@@ -545,7 +695,7 @@ async def serve_async(
     log.info("stopping")
     notifier.stopping()
     daemon.stopping = True
-    for task in (control_task, announce, stopped, feed_task):
+    for task in (*control_tasks, announce, stopped, feed_task):
         if task is not None:
             task.cancel()
     # the event streams send the "stopping" status and end, so no response holds the server up
@@ -583,13 +733,16 @@ def run(loaded: LoadedConfig, args: Any) -> int:
         return e.code
 
 
-def _kv_status(engine: Any) -> dict[str, Any]:
+def _kv_status(engine: Any, stage: int = 0) -> dict[str, Any]:
     """The K/V's part of the status (docs/status.md): its share of the budget it shares with
-    the expert cache, the active conversation and the kept ones."""
-    if engine is None or engine.runner.kv.arena.closed:
+    the expert cache, the active conversation and the kept ones (of ``stage``'s layers)."""
+    store = engine.runner.kv if engine is not None and stage == 0 else None
+    if engine is not None and stage > 0:
+        store = engine.stages[stage].kv
+    if engine is None or store is None or store.arena.closed:
         return {"kv_mib": 0, "kv_active_tokens": 0, "kv_active_mib": 0, "kv_kept_mib": 0,
                 "kv_kept": [], "budget_mib": None, "kv_fits_tokens": None}  # fmt: skip
-    kv = engine.kv_status()
+    kv = engine.kv_status() if stage == 0 else engine.kv_status(stage=stage)
     budget = kv["budget_bytes"]
     return {
         "kv_mib": -(-kv["mapped_bytes"] // MiB),
@@ -602,19 +755,35 @@ def _kv_status(engine: Any) -> dict[str, Any]:
     }
 
 
-def _host_tier_status(cache: Any) -> dict[str, Any]:
+def _hit_rate(engine: Any) -> float | None:
+    """Expert cache hits over fetches since start, every stage's together; unknown without a
+    cache (every fetch a miss would read as 0.0) or before any fetch."""
+    if engine is None:
+        return None
+    model = getattr(getattr(engine, "runner", None), "model", None)
+    providers = getattr(model, "providers", None) or [engine.provider]
+    stats = [p.stats for p in providers]
+    if not any(s.cached for s in stats):
+        return None
+    hits = sum(s.hits for s in stats)
+    fetches = hits + sum(s.misses for s in stats)
+    return hits / fetches if fetches else None
+
+
+def _host_tier_status(caches: list[Any]) -> dict[str, Any]:
     """The host tier's part of the status (docs/status.md): RAM homes, the room kept, the
-    experts left on the file, and what this process has read from the drive."""
+    experts left on the file, and what this process has read from the drive; every stage's
+    share of the one tier together."""
     from strata.engine.experts.host import drive_read_bytes
 
-    tier = cache.tier_stats() if cache is not None else None
+    tiers = [t for t in (c.tier_stats() for c in caches) if t]
     drive = drive_read_bytes()
     return {
-        "host_tier_mib": tier.bytes // MiB if tier else 0,
-        "host_experts": tier.experts if tier else 0,
-        "host_room_experts": tier.slots - tier.experts if tier else 0,
-        "file_experts": cache.file_experts if cache is not None else None,
-        "swaps": cache.swaps if cache is not None else 0,
-        "corrupt_copies": cache.corrupt if cache is not None else 0,
+        "host_tier_mib": sum(t.bytes for t in tiers) // MiB,
+        "host_experts": sum(t.experts for t in tiers),
+        "host_room_experts": sum(t.slots - t.experts for t in tiers),
+        "file_experts": sum(c.file_experts for c in caches) if caches else None,
+        "swaps": sum(c.swaps for c in caches),
+        "corrupt_copies": sum(c.corrupt for c in caches),
         "drive_read_mib": drive // MiB if drive is not None else None,
     }

@@ -7,6 +7,10 @@ matters: a request replaces the one still pending, whose future then resolves wi
 result. A growth is applied in pieces of at most ``GROW_PIECE_BYTES``, one per safe point (back
 to back while nothing waits), so a request that arrives during a refill (the first one after an
 idle release) starts at once and never waits for the whole refill.
+
+A model split over several devices (``devices``) has one cache per stage and one pending resize
+per stage: a request for stage 1 never replaces one for stage 0, and each applies to its own
+stage's cache (``engine.stages[i].cache``, its budget through ``engine.set_budget(b, stage=i)``).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class EngineWorker:
         self.error: BaseException | None = None
         self.ready = cf.Future[None]()
         self._jobs: deque[GenerationJob] = deque()
-        self._resize: _Resize | None = None
+        self._resizes: dict[int, _Resize] = {}  # the pending resize of each stage
         self._cv = threading.Condition()
         self._stop = False
         self.busy = False
@@ -87,7 +91,9 @@ class EngineWorker:
         # Odd while a resize maps or unmaps memory: a reading of the device taken while it
         # changed (or was odd) may count Strata's own memory as another program's.
         self.resize_epoch = 0
-        self.on_resized: Callable[[ResizeResult, str], None] | None = None
+        self.on_resized: Callable[[ResizeResult, str], None] | None = None  # stage 0's
+        # the other stages' (a layer split over devices), by stage number
+        self.on_stage_resized: dict[int, Callable[[ResizeResult, str], None]] = {}
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
 
     # -- control (any thread) -------------------------------------------------------------------
@@ -98,6 +104,12 @@ class EngineWorker:
     @property
     def cache(self) -> ExpertCache | None:
         return self.engine.cache if self.engine is not None else None
+
+    def stage_cache(self, stage: int) -> ExpertCache | None:
+        """The expert cache of ``stage`` (0: :attr:`cache`); None before the model is loaded."""
+        if stage == 0 or self.engine is None:
+            return self.cache
+        return self.engine.stages[stage].cache
 
     def submit(self, job: GenerationJob) -> None:
         """Queue ``job``. Jobs cancelled while they waited are dropped here (their futures
@@ -126,26 +138,28 @@ class EngineWorker:
             return len(self._jobs)
 
     def request_resize(
-        self, n_slots: int, max_shrink: int | None, reason: str
+        self, n_slots: int, max_shrink: int | None, reason: str, stage: int = 0
     ) -> cf.Future[ResizeResult]:
-        """Ask for ``n_slots`` at the next safe point (at once when idle)."""
+        """Ask for ``n_slots`` in ``stage``'s cache at the next safe point (at once when idle)."""
         fut: cf.Future[ResizeResult] = cf.Future()
         with self._cv:
-            futures = self._resize.futures if self._resize else []
-            self._resize = _Resize(n_slots, max_shrink, reason, [*futures, fut])
+            pending = self._resizes.get(stage)
+            futures = pending.futures if pending else []
+            self._resizes[stage] = _Resize(n_slots, max_shrink, reason, [*futures, fut])
             self._cv.notify()
         return fut
 
-    def request_budget(self, budget: int, reason: str) -> cf.Future[ResizeResult]:
-        """Ask for ``budget`` bytes for the cache and the K/V together at the next safe point
+    def request_budget(self, budget: int, reason: str, stage: int = 0) -> cf.Future[ResizeResult]:
+        """Ask for ``budget`` bytes for ``stage``'s cache and K/V together at the next safe point
         (at once when idle): the K/V's kept conversations yield first, the cache gets the rest
         (never below its core)."""
         fut: cf.Future[ResizeResult] = cf.Future()
         with self._cv:
-            futures = self._resize.futures if self._resize else []
-            cache = self.cache
+            pending = self._resizes.get(stage)
+            futures = pending.futures if pending else []
+            cache = self.stage_cache(stage)
             now = cache.n_slots if cache is not None else 0
-            self._resize = _Resize(now, None, reason, [*futures, fut], budget=budget)
+            self._resizes[stage] = _Resize(now, None, reason, [*futures, fut], budget=budget)
             self._cv.notify()
         return fut
 
@@ -174,16 +188,18 @@ class EngineWorker:
         if runner is not None:
             runner.on_cache_resized = self._resized_by_kv
             runner.settle_grows = False  # the refill after a request comes in pieces instead
+        for stage in (getattr(self.engine, "stages", None) or [])[1:]:  # a split's other stages
+            stage.on_cache_resized = lambda r, why, n=stage.number: self._resized(n, r, why)
         self.ready.set_result(None)
         try:
             while True:
                 with self._cv:
-                    while not (self._stop or self._jobs or self._resize):
+                    while not (self._stop or self._jobs or self._resizes):
                         self._cv.wait()
                     if self._stop:
                         break
                     job = self._jobs.popleft() if self._jobs else None
-                self._apply_resize()
+                self._apply_resizes()
                 if job is not None:
                     self._run_job(job)
         finally:
@@ -221,15 +237,25 @@ class EngineWorker:
     def _refill_after_request(self) -> None:
         """The room a request's K/V gave back goes to the cache's tail, in pieces like any growth
         (a request arriving meanwhile starts at once) — unless a resize is already pending: the
-        newer request decides the size."""
+        newer request decides the size. Each stage of a split refills its own cache."""
         runner = getattr(self.engine, "runner", None)
-        if runner is None or runner.budget is None or runner.refill_slots() is None:
+        if runner is None:
             return
-        with self._cv:
-            cache = self.cache
-            if self._resize is None and cache is not None:
-                self._resize = _Resize(cache.n_slots, None, "room the K/V gave back", [],
-                                       budget=runner.budget)  # fmt: skip
+        stages = getattr(self.engine, "stages", None) or []
+        for number in range(max(1, len(stages))):
+            if number == 0:  # the runner's, as with one device
+                if runner.budget is None or runner.refill_slots() is None:
+                    continue
+                budget = runner.budget
+            else:
+                budget = stages[number].budget
+                if budget is None or runner.refill_slots(number) is None:
+                    continue
+            with self._cv:
+                cache = self.stage_cache(number)
+                if number not in self._resizes and cache is not None:
+                    self._resizes[number] = _Resize(cache.n_slots, None, "room the K/V gave back",
+                                                    [], budget=budget)  # fmt: skip
 
     def _count_token(self) -> None:
         self.tokens += 1  # one writer (this thread); the loop only reads it
@@ -240,14 +266,26 @@ class EngineWorker:
 
     def _safe_point(self) -> None:
         self.steps += 1
-        self._apply_resize()
+        self._apply_resizes()
 
-    def _apply_resize(self) -> None:
+    def _apply_resizes(self) -> None:
+        """Each stage's pending resize (stage 0 first)."""
         with self._cv:
-            pending, self._resize = self._resize, None
+            stages = sorted(self._resizes)
+        for stage in stages:
+            self._apply_resize(stage)
+
+    def _resized(self, stage: int, result: ResizeResult, reason: str) -> None:
+        listener = self.on_resized if stage == 0 else self.on_stage_resized.get(stage)
+        if listener is not None:
+            listener(result, reason)
+
+    def _apply_resize(self, stage: int = 0) -> None:
+        with self._cv:
+            pending = self._resizes.pop(stage, None)
         if pending is None:
             return
-        cache = self.cache
+        cache = self.stage_cache(stage)
         if cache is None:
             err = RuntimeError("no expert cache to resize")
             for f in pending.futures:
@@ -257,7 +295,10 @@ class EngineWorker:
         if pending.budget is not None and self.engine is not None:
             self.resize_epoch += 1  # the K/V may unmap
             try:
-                pending.n_slots = self.engine.set_budget(pending.budget)
+                if stage == 0:
+                    pending.n_slots = self.engine.set_budget(pending.budget)
+                else:
+                    pending.n_slots = self.engine.set_budget(pending.budget, stage=stage)
             finally:
                 self.resize_epoch += 1
         piece = max(1, GROW_PIECE_BYTES // cache.slot_bytes)
@@ -266,7 +307,7 @@ class EngineWorker:
         try:
             result = cache.resize(to, pending.max_shrink)
         except BaseException as e:
-            log.error("cache resize to %d slots failed: %s", to, e)
+            log.error("cache resize of stage %d to %d slots failed: %s", stage, to, e)
             for f in pending.futures:
                 f.set_exception(e)
             return
@@ -274,24 +315,25 @@ class EngineWorker:
             self.resize_epoch += 1
         began = pending.from_slots if pending.from_slots is not None else result.from_slots
         seconds, copied = pending.seconds + result.seconds, pending.copied + result.copied
-        if self.on_resized is not None:
-            self.on_resized(result, pending.reason)
+        self._resized(stage, result, pending.reason)
         if to < pending.n_slots and result.to_slots == to:  # more pieces to come
             with self._cv:
-                if self._resize is None:
-                    self._resize = _Resize(pending.n_slots, pending.max_shrink, pending.reason,
-                                           pending.futures, began, seconds, copied,
-                                           pending.budget)  # fmt: skip
+                newer = self._resizes.get(stage)
+                if newer is None:
+                    self._resizes[stage] = _Resize(pending.n_slots, pending.max_shrink,
+                                                   pending.reason, pending.futures, began,
+                                                   seconds, copied, pending.budget)  # fmt: skip
                     self._cv.notify()
                     return
-                newer = self._resize  # a newer size replaced it: its futures wait for that one
+                # a newer size replaced it: its futures wait for that one
                 newer.futures = [*pending.futures, *newer.futures]
                 if newer.from_slots is None:
                     newer.from_slots, newer.seconds, newer.copied = began, seconds, copied
                 return
         if began != result.to_slots:
             log.info(
-                "cache resized %d -> %d slots (%.0f -> %.0f MiB) for %s in %.1f ms, %d copied",
+                "cache%s resized %d -> %d slots (%.0f -> %.0f MiB) for %s in %.1f ms, %d copied",
+                f" of stage {stage}" if stage else "",
                 began,
                 result.to_slots,
                 began * cache.slot_bytes / 2**20,
@@ -306,11 +348,11 @@ class EngineWorker:
     def _shutdown(self) -> None:
         with self._cv:
             jobs, self._jobs = list(self._jobs), deque()
-            pending, self._resize = self._resize, None
+            pending, self._resizes = list(self._resizes.values()), {}
         for job in jobs:
             job.done.cancel()
-        if pending:
-            for f in pending.futures:
+        for resize in pending:
+            for f in resize.futures:
                 f.cancel()
         if self.engine is not None:
             self.engine.save_profile()

@@ -106,19 +106,30 @@ def attention_splits(n_head_kv: int, device: torch.device) -> int:
 
 
 class FastDecoder:
-    def __init__(self, model: MoEDecoder, kv: KVCache) -> None:
+    """The decode step's kernels over the model's layers, or over one stage's (``stage``: the
+    index into ``model.spans``; ``kv`` then that stage's K/V): a stage's decoder reads its
+    input hidden state from ``x`` (set by ``StagedDecoder``) unless it is the first, and leaves
+    it there unless it is the last, which runs the output head. Its tables, buffers and graph
+    are its device's, and its experts its stage's cache's: local layer ``j`` is model layer
+    ``first + j``."""
+
+    def __init__(self, model: MoEDecoder, kv: KVCache, stage: int | None = None) -> None:
         a = model.args
         if a.head_dim < 2 or a.head_dim & (a.head_dim - 1):
             raise FastPathError(f"head_dim {a.head_dim} is not a power of two")
         self.model, self.kv, self.args = model, kv, a
-        self.device = dev = model.device
+        self.stage = stage
+        span = range(a.n_layer) if stage is None else model.spans[stage]
+        self.span, self.first = span, span.start
+        self.is_first, self.is_last = span.start == 0, span.stop == a.n_layer
+        self.device = dev = model.device if stage is None else model.stage_devices[stage]
         self.index = model.index
         self.eps = a.rms_eps
-        self.layers = [self._layer(b) for b in model.blocks]
+        self.layers = [self._layer(model.blocks[i]) for i in span]
         self.embd = model.embd
         self.output = model.output
         self.out_norm = model.out_norm
-        L, E, K, D = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd
+        L, E, K, D = len(span), a.n_expert, a.n_expert_used, a.n_embd
         q_dim, kv_dim = a.n_head * a.head_dim, a.n_head_kv * a.head_dim
         f32 = torch.float32
         # the fixed buffers a step reads and writes (a captured graph keeps their addresses)
@@ -151,9 +162,9 @@ class FastDecoder:
             a.n_head, a.n_head_kv, a.head_dim, kv.page, attention_splits(a.n_head_kv, dev), dev
         )
         # experts: one slot layout per layer, staging slots for the misses of one layer
-        self.slot_layouts = [kernel_layout(self.index.expert(layer, 0)) for layer in range(L)]
+        self.slot_layouts = [kernel_layout(self.index.expert(layer, 0)) for layer in span]
         # bytes a step reads from the experts when all of them hit: k per layer
-        self.expert_bytes = [self.index.expert(layer, 0).nbytes for layer in range(L)]
+        self.expert_bytes = [self.index.expert(layer, 0).nbytes for layer in span]
         self.step_expert_bytes = K * sum(self.expert_bytes)
         self.staging_bytes = align(max(s.nbytes for s in self.slot_layouts), RUN_ALIGN)
         self.anchor = _aligned(RUN_ALIGN, dev)
@@ -177,8 +188,9 @@ class FastDecoder:
         # the moment each guess is made. High priority: their few programs start first.
         self.sides = [torch.cuda.Stream(dev, priority=-1) for _ in range(2)] if cuda else []
         self._said_mode = False  # whether the log has said how steps run (graph or staging)
-        self.provider: ExpertProvider = model.provider
-        self.file: FileExpertProvider = _file_of(model.provider)
+        # the stage's experts, through the layer -> stage map (the only way to a cache)
+        self.provider: ExpertProvider = model.provider_of(span.start)
+        self.file: FileExpertProvider = _file_of(self.provider)
         # the captured step, without and with the copies ahead (taken while RAM homes exist)
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.graph_reason: str | None = "not captured"
@@ -201,7 +213,7 @@ class FastDecoder:
         E = self.args.n_expert
         if not 0 <= p <= E:
             raise ValueError(f"prefetch_experts={p}: must be between 0 and the model's {E} experts")
-        L, dev = self.args.n_layer, self.device
+        L, dev = len(self.layers), self.device
         self.prefetch = p
         self.pf_logits = torch.zeros(E, dtype=torch.float32, device=dev)
         self.pf_ids = torch.full((L, max(p, 1)), -1, dtype=torch.int32, device=dev)
@@ -233,6 +245,12 @@ class FastDecoder:
         """Serve experts from ``provider`` (an expert cache in the kernel layout, or the file):
         the tables follow the cache from now on."""
         if isinstance(provider, ExpertCache):
+            if provider.layers is not None and not set(self.span) <= set(provider.layers):
+                r, c = self.span, provider.layers
+                raise FastPathError(
+                    f"the decoder of layers {r.start}-{r.stop - 1} was given the cache of "
+                    f"layers {c.start}-{c.stop - 1}: a stage reads its own stage's cache only"
+                )
             if not provider.kernel:
                 raise FastPathError("the expert cache holds the file's layout, not the kernels'")
             provider.listeners.append(self.rebuild_table)
@@ -250,8 +268,9 @@ class FastDecoder:
         anchor = self.anchor.data_ptr()
         a = self.args
         was_complete = self.plan.complete
+        L = len(self.layers)
         if cache is None:
-            self.plan = plan_table(a.n_layer, a.n_expert, None, lambda s: MISSING)
+            self.plan = plan_table(L, a.n_expert, None, lambda s: MISSING)
         else:
             tier = cache.tier
             if tier is not None and self.device.type == "cuda" and not tier.pinned:
@@ -259,8 +278,8 @@ class FastDecoder:
             offset = lambda s: cache.slot_address(s) - anchor  # noqa: E731
             host = None if tier is None else (lambda s: tier.address(s) - anchor)
             self.plan = plan_table(
-                a.n_layer, a.n_expert, cache.table, offset,
-                None if tier is None else tier.table, host,
+                L, a.n_expert, cache.table, offset,
+                None if tier is None else tier.table, host, self.first,
             )  # fmt: skip
         self._write_table()
         if self.plan.complete != was_complete or not self._said_mode:
@@ -295,7 +314,7 @@ class FastDecoder:
             dst.copy_(src, non_blocking=True)
         cache = self.provider if isinstance(self.provider, ExpertCache) else None
         self.tier = cache.tier if cache is not None else None
-        self.host_homes = [[] for _ in range(self.args.n_layer)]
+        self.host_homes = [[] for _ in range(len(self.layers))]
         self.host_count = plan.count(HOST)
         if self.tier is not None:
             if self.prefetch and self.tier.slot_bytes < max(self.pf_bytes):
@@ -304,7 +323,7 @@ class FastDecoder:
                     f"of {max(self.pf_bytes)}"
                 )
             for slot, tag in self.tier.table:
-                self.host_homes[tag.layer].append((tag.expert, slot))
+                self.host_homes[tag.layer - self.first].append((tag.expert, slot))
             for homes in self.host_homes:
                 homes.sort(key=lambda es: es[1])  # host slot order: neighbours copy as one
 
@@ -314,7 +333,7 @@ class FastDecoder:
         itself is not touched: it only ever holds homes)."""
         for j, e in enumerate(self.ids[layer].tolist()):
             if not self.plan.is_resident(layer, e):
-                blob = self.index.expert(layer, e)
+                blob = self.index.expert(self.first + layer, e)
                 self.file.upload_kernel(blob, self.staging[j * self.staging_bytes :])
                 self.eoffs[layer, j].fill_(self.staging_offsets[j])
 
@@ -333,15 +352,16 @@ class FastDecoder:
         self.counts.zero_()
         self.prefill_uses.zero_()
         self.prefill_fetches.zero_()
-        E = self.args.n_expert
+        E, first = self.args.n_expert, self.first
         uses = dict(zip(*_nonzero(steps + prompts), strict=True))
         if uses:
-            self.provider.record_counts({(i // E, i % E): int(n) for i, n in uses.items()})
+            counts = {(first + i // E, i % E): int(n) for i, n in uses.items()}
+            self.provider.record_counts(counts)
         self._count_reads(dict(zip(*_nonzero(steps), strict=True)))
         self._count_reads(dict(zip(*_nonzero(fetched), strict=True)))
         if self.prefetch:
             self._count_prefetches()
-        return sorted((i // E, i % E) for i in uses)
+        return sorted((first + i // E, i % E) for i in uses)
 
     def adapt(self) -> int:
         """At a safe point: hand the counts over, then let the cache exchange up to
@@ -477,7 +497,7 @@ class FastDecoder:
             self.router_logits, self.x, b.router, lyr.router, b.ffn_norm, h_out=self.h,
             tune="router",
         )  # fmt: skip
-        if ahead and layer + 1 < a.n_layer:
+        if ahead and layer + 1 < len(self.layers):
             # the next layer's guess, from the stream before this layer's experts: its copies
             # run beside this layer's (the previous layer's expert kernels are done, so the
             # staging set the next layer shares with them is free)
@@ -521,23 +541,34 @@ class FastDecoder:
     ) -> None:
         """One step's kernels; ``ahead``: with the copies ahead (None: when ``prefetching``)."""
         ahead = self.prefetching if ahead is None else ahead
-        if isinstance(self.embd, RepackedWeight):
+        if not self.is_first:
+            pass  # a later stage: ``x`` holds the previous stage's output
+        elif isinstance(self.embd, RepackedWeight):
             _embed(self.embd, self.tok, self.x)
         else:
             self.x.copy_(self.embd.rows(self.tok)[0])
         for layer, lyr in enumerate(self.layers):
             if on_layer is not None:
-                on_layer(layer)
+                on_layer(self.first + layer)
             if ahead and layer == 0:  # the later layers' guesses come a layer early (_moe)
                 self._prefetch(0)
             self._attention(layer, lyr)
             self._moe(layer, lyr, stage, ahead)
+        if not self.is_last:
+            return  # the next stage goes on from ``x``
         self._dense(self.logits, self.x, self.output, _mat(self.output), self.out_norm, tune="head")
         advance(self.logits, self.tok, self.pos, self.ring, self.step_no)
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits of ``token`` at position ``pos`` (K/V of 0..pos-1 already written): the
         decoder's own buffer [V], valid until the next step."""
+        self.run_step(token, pos)
+        self.after_step()
+        return self.logits
+
+    def run_step(self, token: int, pos: int) -> None:
+        """Queue one step's kernels: the graph where every expert has a readable home, else
+        eagerly, staging the misses."""
         if not 0 <= pos < self.kv.n_ctx:
             raise ValueError(f"position {pos} is outside the context of {self.kv.n_ctx}")
         self.tok.fill_(token)
@@ -550,11 +581,14 @@ class FastDecoder:
                 self._forward(None)
         else:
             self._forward(self._stage_misses)
+
+    def after_step(self) -> None:
+        """A step ran: count it, and every USAGE_FLUSH_STEPS steps hand the uses over and let
+        the cache adapt (a safe point)."""
         self.steps += 1
         self.provider.step()
         if self.steps % USAGE_FLUSH_STEPS == 0:
             self.adapt()
-        return self.logits
 
     # -- greedy steps, one ahead of the host ------------------------------------------------------
 

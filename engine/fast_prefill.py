@@ -248,22 +248,33 @@ class FastPrefill:
             offsets = [MISSING] * E
             for j, e in enumerate(missing[i : i + slots]):
                 dec.file.upload_kernel(
-                    dec.index.expert(layer, e), dec.staging[j * dec.staging_bytes :]
+                    dec.index.expert(dec.first + layer, e), dec.staging[j * dec.staging_bytes :]
                 )
                 offsets[e] = dec.staging_offsets[j]
             run(torch.tensor(offsets, dtype=torch.int64).to(self.device, non_blocking=True))
 
     # -- a chunk ---------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        last_only: bool = False,
+        x_in: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits of the chunk ``tokens`` [T] at positions start..start+T-1 (the K/V of
-        0..start-1 already written): [T, V] float32, or [1, V] with ``last_only``."""
+        0..start-1 already written): [T, V] float32, or [1, V] with ``last_only``. A stage's
+        decoder that is not the first takes the previous stage's hidden state ``x_in`` [T, D]
+        instead of embedding the tokens; one that is not the last returns its hidden state
+        [T, D] (a view of its buffers, valid until its next chunk)."""
         self.dec.counts_dirty = True
-        logits = self._run(tokens, start, last_only)
+        logits = self._run(tokens, start, last_only, x_in)
         self.dec.provider.step()
         return logits
 
-    def _run(self, tokens: torch.Tensor, start: int, last_only: bool) -> torch.Tensor:
+    def _run(
+        self, tokens: torch.Tensor, start: int, last_only: bool, x_in: torch.Tensor | None = None
+    ) -> torch.Tensor:
         T = tokens.numel()
         if T < 1 or start < 0 or start + T > self.kv.n_ctx:
             raise ValueError(
@@ -273,13 +284,17 @@ class FastPrefill:
         replay = last_only and self.dec.plan.complete and not self._stages(T)
         graph = self._graph_for(T, start) if replay else None
         if graph is not None:
-            logits = graph.replay(tokens, start)
+            logits = graph.replay(tokens, start, x_in)
         else:
             b = _Buffers(self, T, 1 if last_only else T)
             b.tok.copy_(tokens)
             b.pos.copy_(torch.arange(start, start + T, device=self.device))
             b.n.fill_(T)
+            if x_in is not None:  # a later stage: the previous stage's hidden state
+                b.x.copy_(x_in)
             logits = self._segments(b, start, last_only, lambda i, run: run())
+            if not self.dec.is_last:
+                logits = b.x
         self.kv.length = start + T
         return logits
 
@@ -288,10 +303,11 @@ class FastPrefill:
     ) -> torch.Tensor:
         """The chunk in the buffers ``b``: L + 1 position-independent segments (``segment(i,
         run)`` runs segment i: eagerly, or as its captured graph), attention between them."""
-        dec, a, L = self.dec, self.args, self.args.n_layer
+        dec, a, L = self.dec, self.args, len(self.dec.layers)
 
         def first() -> None:
-            b.x.copy_(dec.embd.rows(b.tok))
+            if dec.is_first:  # (a later stage's x holds the previous stage's output)
+                b.x.copy_(dec.embd.rows(b.tok))
             self._pre(0, b.x, b.pos, b)
 
         def middle(layer: int) -> Callable[[], None]:
@@ -303,6 +319,8 @@ class FastPrefill:
 
         def last() -> None:
             self._post(L - 1, b)
+            if not dec.is_last:
+                return  # the next stage goes on from b.x
             x = b.x.index_select(0, b.n - 1) if last_only else b.x  # the last real row
             h = rms_norm(x, dec.out_norm, a.rms_eps).half()
             self._mm(b.logits[: x.shape[0]], h, dec.output)
@@ -388,7 +406,8 @@ class _Buffers:
         self.v = torch.zeros(T, a.n_head_kv, a.head_dim, dtype=p.kv.dtype, device=dev)
         self.attn = torch.zeros(T, a.n_head * a.head_dim, dtype=torch.float16, device=dev)
         self.n = torch.full((1,), T, dtype=torch.long, device=dev)  # the real rows (no padding)
-        self.logits = torch.zeros(out_rows, a.vocab_size, dtype=torch.float32, device=dev)
+        rows = out_rows if p.dec.is_last else 0  # (a stage before the last has no head)
+        self.logits = torch.zeros(rows, a.vocab_size, dtype=torch.float32, device=dev)
 
 
 class _ChunkGraph:
@@ -429,11 +448,18 @@ class _ChunkGraph:
         p.dec.prefill_fetches.zero_()
         stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file = saved
 
-    def replay(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    def replay(
+        self, tokens: torch.Tensor, start: int, x_in: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, n = self.buf, tokens.numel()
         b.tok[:n].copy_(tokens)
         b.tok[n:].zero_()
         b.pos.copy_(torch.arange(start, start + self.T, device=b.pos.device))
         b.n.fill_(n)
+        if x_in is not None:  # a later stage: the real rows from the previous stage
+            b.x[:n].copy_(x_in)
+            b.x[n:].zero_()
         self.p._segments(b, start, True, lambda i, run: self.graphs[i].replay())
+        if not self.p.dec.is_last:
+            return b.x[:n]
         return b.logits[:1].clone()

@@ -32,6 +32,15 @@ from strata.engine.params import SamplingParams
 from strata.engine.quant import REPACKED_TYPES
 from strata.engine.runner import KVFull, Runner, SafePoint
 from strata.engine.sampling import Sampler
+from strata.engine.stages import (
+    Stage,
+    check_layer_split,
+    describe_split,
+    layer_ranges,
+    per_device,
+    share_budget,
+    split_layers,
+)
 from strata.engine.tokenizer import Tokenizer
 from strata.engine.vocab import Vocab
 from strata.vmm.arena import ElasticArena
@@ -39,6 +48,7 @@ from strata.vmm.errors import VmmError
 
 if TYPE_CHECKING:
     from strata.engine.fast_decode import FastDecoder
+    from strata.engine.fast_stages import StagedDecoder
     from strata.vmm.pinned import Pinner
 
 log = logging.getLogger(__name__)
@@ -81,6 +91,12 @@ class EngineOptions:
     # conversations whose K/V is kept for a later request that extends one of them
     kv_keep_conversations: int = 4
     kv_fixed: bool = False  # map the K/V for the whole context at load (never grown or trimmed)
+    # Stages (docs/multi-gpu.md): the layers split into contiguous runs, stage i on devices[i]
+    # with its own expert cache, K/V and decode graph; None: one stage on ``device``
+    devices: tuple[str, ...] | None = None
+    # layers per stage, in order (one count per device, adding up to the model's layers);
+    # None: in proportion to the memory each device has free
+    layer_split: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +184,163 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+ArenaFactoryArg = (
+    Callable[[int, int], ElasticArena] | Sequence[Callable[[int, int], ElasticArena] | None] | None
+)
+FreeVramArg = Callable[[], int | None] | Sequence[Callable[[], int | None] | None] | None
+
+
+def _device_names(options: EngineOptions) -> list[str]:
+    """The stages' devices: ``devices`` when given (at least one), else ``device`` alone."""
+    if options.devices is None:
+        if options.layer_split is not None:
+            raise EngineError(
+                f"layer_split={list(options.layer_split)}: needs devices (one count per device)"
+            )
+        return [options.device]
+    if isinstance(options.devices, str) or not options.devices:
+        raise EngineError(f"devices={options.devices!r}: expected a list of at least one device")
+    for name in options.devices:
+        if not isinstance(name, str):
+            raise EngineError(f"devices={list(options.devices)!r}: {name!r} is not a device name")
+    return list(options.devices)
+
+
+def _split(
+    n_layer: int,
+    options: EngineOptions,
+    devices: Sequence[torch.device],
+    frees: Sequence[Callable[[], int | None] | None],
+) -> list[tuple[range, torch.device]]:
+    """The stages' layer ranges and devices: ``layer_split`` as given (checked against the
+    model), else in proportion to each device's free memory (``split_layers``)."""
+    if options.devices is None:
+        return [(range(n_layer), devices[0])]
+    if options.layer_split is not None:
+        counts = check_layer_split(options.layer_split, n_layer, len(devices))
+    else:
+        if len(devices) > n_layer:
+            raise EngineError(
+                f"devices={list(options.devices)}: {len(devices)} devices for a model of "
+                f"{n_layer} layers (at least one layer each)"
+            )
+        free = [_free_bytes(d, f) for d, f in zip(devices, frees, strict=True)]
+        counts = split_layers(n_layer, free)
+    return list(zip(layer_ranges(counts), devices, strict=True))
+
+
+def _fast_path_unavailable_all(
+    index: GGUFIndex, devices: Sequence[torch.device], options: EngineOptions
+) -> str | None:
+    """Why decode steps cannot take the fused GPU kernels on every stage's device (one reason
+    is enough: the stages run one way), or None when they can."""
+    for dev in devices:
+        if (why := fast_path_unavailable(index, dev, options)) is not None:
+            return why if len(devices) == 1 else f"{dev}: {why}"
+    return None
+
+
+def _stage_cache_mib(options: EngineOptions, free: int | None, layers: int, n_layer: int) -> int:
+    """A stage's expert cache budget: ``cache_mib`` shared among the stages in proportion to
+    their layers (all of it with one stage), or automatic from the stage's device."""
+    if options.devices is None or options.cache_mib is None:
+        return automatic_cache_mib(options, free)
+    return options.cache_mib * layers // n_layer
+
+
+def _stage_tail(options: EngineOptions, layers: int, n_layer: int) -> int | None:
+    """A stage's share of ``elastic_tail_mib`` in bytes (in proportion to its layers), or None."""
+    if options.elastic_tail_mib is None:
+        return None
+    if options.devices is None:
+        return options.elastic_tail_mib * MiB
+    return options.elastic_tail_mib * MiB * layers // n_layer
+
+
+def _stage_free(
+    devices: Sequence[torch.device], frees: Sequence[Callable[[], int | None] | None]
+) -> list[int | None]:
+    """Each stage's free memory for an automatic cache size: its device's reading, divided
+    among the stages that read the same thing (two stages on one GPU, or sharing one
+    ``free_vram``), so that together they never plan more than the device has."""
+    keys = [id(f) if f is not None else str(d) for d, f in zip(devices, frees, strict=True)]
+    out = []
+    for d, f, key in zip(devices, frees, keys, strict=True):
+        free = _free_bytes(d, f)
+        out.append(None if free is None else free // keys.count(key))
+    return out
+
+
+def _host_shares(
+    index: GGUFIndex,
+    options: EngineOptions,
+    split: Sequence[tuple[range, torch.device]],
+    budgets_mib: Sequence[int],
+    total: int,
+    kernel: bool,
+) -> list[int]:
+    """The host tier's one RAM budget (bytes) shared among the stages: each asks for room for
+    the experts its VRAM core cannot hold (what ``tier_slots`` would take), and a budget short
+    of all of it is shared in proportion (``share_budget``). One stage: all of it."""
+    if len(split) == 1:
+        return [total]
+    from strata.engine.experts.cache import owned_keys
+    from strata.engine.experts.layout import kernel_slot_bytes_for, slot_bytes_for
+    from strata.engine.experts.slots import plan_sizes
+
+    slot = kernel_slot_bytes_for(index) if kernel else slot_bytes_for(index)
+    n_layer = sum(len(span) for span, _ in split)
+    demands = []
+    for (span, _), mib in zip(split, budgets_mib, strict=True):
+        n = len(owned_keys(index, span))
+        core = plan_sizes(mib * MiB, slot, n, _stage_tail(options, len(span), n_layer)).core_slots
+        demands.append((n - core) * slot)
+    return share_budget(total, demands)
+
+
+def _configure_decoder(
+    decoder: FastDecoder | StagedDecoder,
+    model: MoEDecoder,
+    options: EngineOptions,
+    step: Callable[[str], None],
+) -> None:
+    """The options the fast decoder takes once the caches exist, its tables bound to them and
+    its graph captured."""
+    if options.adapt_swaps < 0:
+        raise EngineError(f"adapt_swaps={options.adapt_swaps} is negative")
+    decoder.adapt_swaps = options.adapt_swaps
+    ahead = options.prefetch_experts
+    if not 0 <= ahead <= model.args.n_expert:
+        raise EngineError(
+            f"prefetch_experts={ahead}: must be between 0 and the model's "
+            f"{model.args.n_expert} experts per layer"
+        )
+    decoder.set_prefetch(ahead)
+    from strata.engine.fast_stages import StagedDecoder
+
+    if isinstance(decoder, StagedDecoder):
+        decoder.bind_stages()  # each stage's tables from its own stage's cache
+    else:
+        decoder.bind(model.provider)
+    if not options.enforce_eager:
+        step("capturing the decode step as a CUDA graph")
+        decoder.capture()
+    else:
+        decoder.graph_reason = "enforce_eager is set"
+
+
+def _release(runner: Runner, model: MoEDecoder) -> None:
+    """A load that failed part way: every stage's cache and K/V go (nothing leaks)."""
+    runner.close_decoder()
+    for i, provider in enumerate(model.providers):
+        provider.close()
+        if isinstance(provider, ExpertCache):
+            model.providers[i] = provider.file
+    for stage in runner.stages:
+        stage.budget = None
+    runner.close_kv()
+
+
 class Engine:
     def __init__(
         self,
@@ -186,21 +359,35 @@ class Engine:
         self._tools_rendered: bool | None = None
 
     def save_profile(self) -> None:
-        """Merge this run's expert usage into the saved profile (atomically; errors are logged,
-        never fatal: a profile only speeds up the next start)."""
+        """Merge this run's expert usage (every stage's) into the saved profile (atomically;
+        errors are logged, never fatal: a profile only speeds up the next start)."""
         self.runner.flush_usage()
-        if self.profile_file is None or not self.provider.totals:
+        providers = self.runner.model.providers
+        if self.profile_file is None or not any(p.totals for p in providers):
             return
         key = model_key(self.index)
         profile = UsageProfile.load(self.profile_file, key)
-        profile.merge({k: float(v) for k, v in self.provider.totals.items()})
+        # the stages' layers are disjoint: their counts never overlap
+        profile.merge({k: float(v) for p in providers for k, v in p.totals.items()})
         try:
             profile.save(self.profile_file)
         except OSError as e:
             log.warning("could not save the expert usage profile %s: %s", self.profile_file, e)
             return
-        self.provider.totals.clear()
+        for p in providers:
+            p.totals.clear()
         log.debug("saved the expert usage profile %s", self.profile_file)
+
+    @property
+    def stages(self) -> list[Stage]:
+        """The stages, in layer order (one without ``devices``)."""
+        return self.runner.stages
+
+    def _stage(self, stage: int) -> Stage:
+        n = len(self.runner.stages)
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n:
+            raise EngineError(f"stage={stage!r}: the engine has stages 0 to {n - 1}")
+        return self.runner.stages[stage]
 
     @property
     def provider(self) -> ExpertProvider:
@@ -212,15 +399,9 @@ class Engine:
         return provider if isinstance(provider, ExpertCache) else None
 
     def close(self) -> None:
-        """Give the cache's memory back (the arena is unmapped and released), the pinned
-        staging buffers of expert misses, and the K/V's memory."""
-        self.runner.close_decoder()
-        cache = self.cache
-        self.provider.close()
-        if cache is not None:
-            self.runner.model.provider = cache.file
-        self.runner.budget = None
-        self.runner.kv.close()
+        """Give every stage's memory back: its cache's (the arena is unmapped and released),
+        the pinned staging buffers of expert misses, and its K/V's."""
+        _release(self.runner, self.runner.model)
 
     @property
     def model_id(self) -> str:
@@ -237,12 +418,14 @@ class Engine:
         options: EngineOptions | None = None,
         state_dir: Path | None = None,
         progress: Progress | None = None,
-        arena_factory: Callable[[int, int], ElasticArena] | None = None,
-        free_vram: Callable[[], int | None] | None = None,
+        arena_factory: ArenaFactoryArg = None,
+        free_vram: FreeVramArg = None,
     ) -> Engine:
         """Open ``path``; a reason it cannot serve is a :class:`ModelLoadError` naming the file.
         ``free_vram()``: the bytes free on the device the cache lives on, read when the cache is
-        sized (the daemon passes its monitor's reading); where it gives None, CUDA's on a GPU."""
+        sized (the daemon passes its monitor's reading); where it gives None, CUDA's on a GPU.
+        With ``options.devices``, ``arena_factory`` and ``free_vram`` are one callable for
+        every stage or a sequence of one per device (stage i gets element i)."""
         options = options or EngineOptions()
         report = progress or (lambda done, total, what: None)
         path = Path(path)
@@ -251,6 +434,9 @@ class Engine:
         def step(done: int, what: str) -> None:
             report(done, total, what)
 
+        names = _device_names(options)
+        factories = per_device("arena_factory", arena_factory, len(names))
+        frees = per_device("free_vram", free_vram, len(names))
         step(0, "reading the GGUF index")
         index = GGUFIndex(path)
         module = architecture_module(index.arch)
@@ -265,93 +451,113 @@ class Engine:
             bos = vocab.tokens[vocab.bos_id] if vocab.bos_id is not None else ""
             eos = vocab.tokens[vocab.eos_id] if vocab.eos_id is not None else ""
             template = ChatTemplate(vocab.chat_template, bos_token=bos, eos_token=eos)
-        device = resolve_device(options.device)
-        why_not = fast_path_unavailable(index, device, options)
+        devices = [resolve_device(name) for name in names]
+        device = devices[0]
+        split = _split(module.ModelArgs.from_index(index).n_layer, options, devices, frees)
+        why_not = _fast_path_unavailable_all(index, devices, options)
         if why_not is None:
             total = 7  # and two more steps: compiling the kernels, capturing the graph
-        elif device.type == "cuda":
+        elif any(d.type == "cuda" for d in devices):
             log.warning("decoding on the reference path (slow): %s", why_not)
         step(2, "mapping the weights" if why_not else "repacking the weights for the GPU kernels")
-        model = module.Model(index, FileExpertProvider(index, device), device, why_not is None)
+
+        def build_model(repack: bool) -> MoEDecoder:
+            if options.devices is None:  # one stage: exactly as it always was
+                return module.Model(index, FileExpertProvider(index, device), device, repack)
+            files = [FileExpertProvider(index, d) for d in devices]
+            return module.Model(index, files[0], device, repack, split, files)
+
+        model = build_model(why_not is None)
         n_ctx = _context_length(model.args.context_length, options.context_length, path)
         threads = options.threads or default_threads()
         torch.set_num_threads(threads)
         step(3, "allocating the K/V cache")
-        n_ctx = _check_kv_fits(
-            model.args, n_ctx, options.kv_cache_type, device, path, options.context_length is None
-        )
-        kv_options = _kv_options(options, arena_factory)
-        runner = Runner(
-            model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens, **kv_options
-        )
-        decoder = None
-        if why_not is None:
-            decoder = _build_decoder(
-                model,
-                runner,
-                lambda what: step(4, what),
-                options.fast_prefill,
-                not options.enforce_eager,
+        n_ctx = min(
+            _check_kv_fits(
+                model.args,
+                n_ctx,
+                options.kv_cache_type,
+                dev,
+                path,
+                options.context_length is None,
+                len(span),
             )
-            if decoder is None:  # the kernels failed to build: the reference path, raw weights
-                runner.kv.close()
-                del model, runner
-                torch.cuda.empty_cache()
-                model = module.Model(index, FileExpertProvider(index, device), device)
-                runner = Runner(
-                    model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens,
-                    **kv_options,
-                )  # fmt: skip
-        # The usage profile of earlier runs orders the cache's first fill.
-        profile_file = profile_path(state_dir, model_key(index)) if state_dir else None
-        profile = UsageProfile.load(profile_file, model_key(index)) if profile_file else None
-        # The cache is sized last, so that an automatic size sees what the model already holds.
-        budget = automatic_cache_mib(options, _free_bytes(device, free_vram))
-        host_budget = _host_budget_mib(options)
-        # On the GPU fast path the cache exists even at 0 MiB, for its host tier (the decode
-        # graph reads misses there) and to grow into free VRAM later.
-        if budget > 0 or (decoder is not None and host_budget > 0):
-            at = total - 2 if decoder else 4
-            step(at, "filling the expert cache")
-            try:
-                model.provider = ExpertCache.create(
-                    index,
-                    device,
-                    budget * MiB,
-                    None if options.elastic_tail_mib is None else options.elastic_tail_mib * MiB,
-                    options.arena_chunk_mib * MiB,
-                    profile,
-                    arena_factory,
-                    kernel=decoder is not None,
-                    host_budget_bytes=host_budget * MiB,
-                    pinner=_pinner(device) if host_budget > 0 else None,
-                    progress=lambda done, n, what: report(at, total, what),
-                    verify=options.verify_experts,
+            for span, dev in split
+        )
+        kv_options = _kv_options(options, None)
+        per_stage = [{"arena_factory": f} for f in factories]
+
+        def build_runner() -> Runner:
+            return Runner(
+                model, n_ctx, options.kv_cache_type, options.prefill_chunk_tokens, per_stage,
+                **kv_options,
+            )  # fmt: skip
+
+        runner = build_runner()
+        decoder = None
+        try:
+            if why_not is None:
+                decoder = _build_decoder(
+                    model,
+                    runner,
+                    lambda what: step(4, what),
+                    options.fast_prefill,
+                    not options.enforce_eager,
                 )
-            except VmmError as e:  # page-locking refused or partial, no CUDA driver bindings
-                runner.kv.close()
-                raise ModelLoadError(f"{path}: {e}") from None
-            # One budget for the cache and the K/V: what they hold now. The K/V grows into it
-            # (the cache's tail yields), the daemon's policy moves it.
-            runner.budget = model.provider.arena.mapped_bytes + runner.kv.mapped_bytes
-        if decoder is not None:
-            if options.adapt_swaps < 0:
-                raise EngineError(f"adapt_swaps={options.adapt_swaps} is negative")
-            decoder.adapt_swaps = options.adapt_swaps
-            ahead = options.prefetch_experts
-            if not 0 <= ahead <= model.args.n_expert:
-                raise EngineError(
-                    f"prefetch_experts={ahead}: must be between 0 and the model's "
-                    f"{model.args.n_expert} experts per layer"
-                )
-            decoder.set_prefetch(ahead)
-            decoder.bind(model.provider)
-            if not options.enforce_eager:
-                step(total - 1, "capturing the decode step as a CUDA graph")
-                decoder.capture()
-            else:
-                decoder.graph_reason = "enforce_eager is set"
-            runner.decoder = decoder
+                if decoder is None:  # the kernels failed to build: the reference path, raw weights
+                    runner.close_kv()
+                    model = runner = None  # type: ignore[assignment]  # (their memory goes first)
+                    torch.cuda.empty_cache()
+                    model = build_model(False)
+                    runner = build_runner()
+            # The usage profile of earlier runs orders the cache's first fill.
+            profile_file = profile_path(state_dir, model_key(index)) if state_dir else None
+            profile = UsageProfile.load(profile_file, model_key(index)) if profile_file else None
+            # The caches are sized last, so that an automatic size sees what the model holds.
+            host_total = _host_budget_mib(options) * MiB
+            free = _stage_free(devices, frees)
+            budgets = [
+                _stage_cache_mib(options, free[i], len(span), model.args.n_layer)
+                for i, (span, _) in enumerate(split)
+            ]
+            hosts = _host_shares(index, options, split, budgets, host_total, decoder is not None)
+            for st in runner.stages:
+                budget, host_bytes = budgets[st.number], hosts[st.number]
+                # On the GPU fast path the cache exists even at 0 MiB, for its host tier (the
+                # decode graph reads misses there) and to grow into free VRAM later.
+                if not (budget > 0 or (decoder is not None and host_bytes > 0)):
+                    continue
+                at = total - 2 if decoder else 4
+                step(at, "filling the expert cache")
+                try:
+                    cache = ExpertCache.create(
+                        index,
+                        st.device,
+                        budget * MiB,
+                        _stage_tail(options, len(st.layers), model.args.n_layer),
+                        options.arena_chunk_mib * MiB,
+                        profile,
+                        factories[st.number],
+                        kernel=decoder is not None,
+                        host_budget_bytes=host_bytes,
+                        pinner=_pinner(st.device) if host_bytes > 0 else None,
+                        progress=lambda done, n, what, at=at: report(at, total, what),
+                        verify=options.verify_experts,
+                        layers=None if options.devices is None else st.layers,
+                    )
+                except VmmError as e:  # page-locking refused or partial, no CUDA driver bindings
+                    raise ModelLoadError(f"{path}: {e}") from None
+                model.providers[st.number] = cache
+                # One budget for the stage's cache and K/V: what they hold now. The K/V grows
+                # into it (the cache's tail yields), the daemon's policy moves it.
+                st.budget = cache.arena.mapped_bytes + st.kv.mapped_bytes
+            if decoder is not None:
+                _configure_decoder(decoder, model, options, lambda what: step(total - 1, what))
+                runner.decoder = decoder
+        except BaseException:
+            if runner is not None:
+                _release(runner, runner.model)
+            raise
         step(total, "ready")
         log.info(
             "loaded %s: %s, %d layers, %d experts (top-%d), context %d, %d threads, K/V %s, on %s",
@@ -363,9 +569,11 @@ class Engine:
             n_ctx,
             threads,
             options.kv_cache_type,
-            device,
+            device if options.devices is None else ", ".join(str(d) for d in devices),
         )
-        if device.type == "cuda":
+        if options.devices is not None:
+            log.info("%s", describe_split([r for r, _ in split], [str(d) for _, d in split]))
+        if any(d.type == "cuda" for d in devices):
             log.info("GPU weights dequantised by %s", quant.gpu_dequant_path())
             log.info("GPU decode: %s", decode_path(runner))
             log.info("GPU prefill: %s", runner.prefill_path())
@@ -423,25 +631,34 @@ class Engine:
         fit = self.runner.tokens_that_fit()
         if n_prompt + 1 > fit:
             runner, MiB = self.runner, 2**20
-            limit = runner.kv_limit_bytes() or 0
-            need = runner.kv.context_bytes(n_prompt + 1)
+            # the stage whose budget fits the fewest tokens (the only one without stages)
+            st = min(runner.stages, key=lambda s: s.tokens_that_fit(runner.n_ctx))
+            limit = st.kv_limit_bytes() or 0
+            need = st.kv.context_bytes(n_prompt + 1)
+            where = f" of {st.describe()}" if len(runner.stages) > 1 else ""
             raise ContextOverflow(
-                f"prompt of {n_prompt} tokens needs {need / MiB:,.0f} MiB of K/V; the VRAM "
-                f"budget of {(runner.budget or 0) / MiB:,.0f} MiB for the expert cache and the "
+                f"prompt of {n_prompt} tokens needs {need / MiB:,.0f} MiB of K/V{where}; the "
+                f"VRAM budget of {(st.budget or 0) / MiB:,.0f} MiB for the expert cache and the "
                 f"K/V leaves {max(0, limit) / MiB:,.0f} MiB with the cache at its core: at most "
                 f"{max(0, fit - 1)} prompt tokens fit"
             )
 
-    def set_budget(self, budget: int) -> int:
-        """At a safe point: the bytes the expert cache and the K/V may hold together (the
-        daemon's policy). The K/V's kept conversations go first; returns the slots the cache
-        should have (the caller resizes it)."""
-        return self.runner.fit_budget(budget)
+    def set_budget(self, budget: int, stage: int = 0) -> int:
+        """At a safe point: the bytes ``stage``'s expert cache and K/V may hold together (the
+        daemon's policy for that stage's device). The K/V's kept conversations go first;
+        returns the slots that stage's cache should have (the caller resizes
+        ``stages[stage].cache``)."""
+        st = self._stage(stage)
+        if st.cache is None:
+            raise EngineError(f"stage {stage} has no expert cache: a budget needs one")
+        return self.runner.fit_budget(budget, stage)
 
-    def kv_status(self) -> dict[str, int | list[int]]:
-        """The K/V's share of the budget, for the status and the metrics."""
-        out = self.runner.kv.status()
-        out["budget_bytes"] = self.runner.budget if self.runner.budget is not None else -1
+    def kv_status(self, stage: int = 0) -> dict[str, int | list[int]]:
+        """``stage``'s K/V and its share of that stage's budget, for the status and the
+        metrics (``fits_tokens``: what fits every stage)."""
+        st = self._stage(stage)
+        out = st.kv.status()
+        out["budget_bytes"] = st.budget if st.budget is not None else -1
         out["fits_tokens"] = self.runner.tokens_that_fit()
         return out
 
@@ -654,15 +871,20 @@ def _build_decoder(
     progress: Callable[[str], None],
     fast_prefill: bool = True,
     graphs: bool = True,
-) -> FastDecoder | None:
+) -> FastDecoder | StagedDecoder | None:
     """The fast decoder with its kernels compiled (one eager step, and one prefill chunk), or
     None after a warning when they cannot be built here. Prefill kernels that fail to build
     leave the decoder without its prefill path (one warning): prompts take the reference path."""
     from strata.engine.fast_decode import FastDecoder
+    from strata.engine.fast_stages import StagedDecoder
 
     n = model.args.n_layer
+    decoder: FastDecoder | StagedDecoder
     try:
-        decoder = FastDecoder(model, runner.kv)
+        if len(runner.stages) == 1:
+            decoder = FastDecoder(model, runner.kv)
+        else:  # one decoder per stage, each on its device with its own graph
+            decoder = StagedDecoder(model, runner.stages)
         progress("compiling the GPU decode kernels (first start only: then cached)")
         decoder.warm_up(
             lambda layer: progress(f"compiling the GPU decode kernels: layer {layer + 1}/{n}")
@@ -755,7 +977,13 @@ def _kv_options(
 
 
 def _check_kv_fits(
-    args: Any, n_ctx: int, kind: str, device: torch.device, path: Path, default: bool
+    args: Any,
+    n_ctx: int,
+    kind: str,
+    device: torch.device,
+    path: Path,
+    default: bool,
+    n_layer: int | None = None,
 ) -> int:
     """The context, checked against the device's memory before anything is allocated: one
     sequence of ``n_ctx`` positions whose K/V could not fit all of it is an error naming the
@@ -765,7 +993,8 @@ def _check_kv_fits(
 
     if kind not in KV_DTYPES:
         return n_ctx  # the K/V cache names the bad type itself
-    need = KVCache.nbytes_for(args.n_layer, n_ctx, args.n_head_kv, args.head_dim, kind)
+    n_layer = args.n_layer if n_layer is None else n_layer  # a stage's layers
+    need = KVCache.nbytes_for(n_layer, n_ctx, args.n_head_kv, args.head_dim, kind)
     if device.type == "cuda":
         have, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
     else:
@@ -775,7 +1004,7 @@ def _check_kv_fits(
     if default:
         from strata.engine.kv import PAGE_TOKENS
 
-        page = page_bytes_for(args.n_layer, args.n_head_kv, args.head_dim, kind, PAGE_TOKENS)
+        page = page_bytes_for(n_layer, args.n_head_kv, args.head_dim, kind, PAGE_TOKENS)
         fits = max(PAGE_TOKENS, have // 2 // page * PAGE_TOKENS)
         log.warning(
             "the model's context of %d tokens needs %.1f GiB of K/V (%s), more than all of %s "

@@ -16,9 +16,11 @@ from strata.engine.errors import ContextOverflow
 from strata.engine.experts.cache import ExpertCache, ResizeResult
 from strata.engine.kv import KVCache
 from strata.engine.layers.decoder import MoEDecoder
+from strata.engine.stages import Stage
 
 if TYPE_CHECKING:
     from strata.engine.fast_decode import FastDecoder
+    from strata.engine.fast_stages import StagedDecoder
     from strata.engine.grammar import Constraint, TokenMask
 
 log = logging.getLogger(__name__)
@@ -32,26 +34,69 @@ class KVFull(ContextOverflow):
 
 
 class Runner:
+    """``stage_kv_options``: per stage, ``KVCache`` keywords over ``kv_options`` (each stage's
+    own arena factory); one stage per ``model.spans`` entry."""
+
     def __init__(
-        self, model: MoEDecoder, n_ctx: int, kv_kind: str, prefill_chunk: int, **kv_options: Any
+        self,
+        model: MoEDecoder,
+        n_ctx: int,
+        kv_kind: str,
+        prefill_chunk: int,
+        stage_kv_options: Sequence[dict[str, Any]] | None = None,
+        **kv_options: Any,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk}")
         self.model = model
         self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
-        self.kv: KVCache = model.new_kv(n_ctx, kv_kind, **kv_options)
+        n = len(model.spans)
+        per = list(stage_kv_options) if stage_kv_options is not None else [{}] * n
+        if len(per) != n:
+            raise ValueError(f"{len(per)} K/V option sets for {n} stages")
+        # one stage per layer range, each with the K/V of its own layers on its own device
+        self.stages: list[Stage] = []
+        try:
+            for i, span in enumerate(model.spans):
+                kv = model.new_kv(n_ctx, kv_kind, i, **{**kv_options, **per[i]})
+                self.stages.append(Stage(i, model.stage_devices[i], span, kv, model))
+        except BaseException:
+            self.close_kv()
+            raise
         self.steps = 0  # forward calls so far (prefill chunks and decode steps)
-        self.decoder: FastDecoder | None = None  # set by Engine.load on the GPU fast path
+        # set by Engine.load on the GPU fast path (one decoder per stage with several)
+        self.decoder: FastDecoder | StagedDecoder | None = None
         self._token_mask: TokenMask | None = None  # built on the first constrained step
-        # bytes for the expert cache's arena and the K/V together (None: the K/V grows within
-        # its reservation, as the machine's memory allows; no cache then)
-        self.budget: int | None = None
-        # told of each cache resize the K/V's growth makes (the daemon's control plane)
-        self.on_cache_resized: Callable[[ResizeResult, str], None] | None = None
         # after a request the cache grows into the room the K/V gave back at once; the daemon's
         # worker turns this off and grows it in pieces, between requests' steps (refill_slots)
         self.settle_grows = True
+
+    # -- the first stage's state, as callers that know one stage see it ---------------------
+
+    @property
+    def kv(self) -> KVCache:
+        """The first stage's K/V (every stage's holds the same positions)."""
+        return self.stages[0].kv
+
+    @property
+    def budget(self) -> int | None:
+        """Bytes for the first stage's expert cache and K/V together (None: the K/V grows
+        within its reservation, as the machine's memory allows; no cache then)."""
+        return self.stages[0].budget
+
+    @budget.setter
+    def budget(self, value: int | None) -> None:
+        self.stages[0].budget = value
+
+    @property
+    def on_cache_resized(self) -> Callable[[ResizeResult, str], None] | None:
+        """Told of each resize of the first stage's cache that the K/V's growth makes."""
+        return self.stages[0].on_cache_resized
+
+    @on_cache_resized.setter
+    def on_cache_resized(self, value: Callable[[ResizeResult, str], None] | None) -> None:
+        self.stages[0].on_cache_resized = value
 
     @property
     def tokens(self) -> list[int]:
@@ -60,118 +105,127 @@ class Runner:
 
     @property
     def cache(self) -> ExpertCache | None:
-        provider = self.model.provider
-        return provider if isinstance(provider, ExpertCache) else None
+        return self.stages[0].cache
+
+    def stage_of(self, layer: int) -> Stage:
+        """The stage that owns ``layer``: its cache, K/V and device are the layer's."""
+        return self.stages[self.model.stage_of[layer]]
+
+    def close_kv(self) -> None:
+        for stage in self.stages:
+            stage.kv.close()
 
     # -- the K/V's room in the budget --------------------------------------------------------
 
-    def budget_room(self) -> int | None:
-        """Bytes the budget leaves unmapped (None: no budget)."""
-        if self.budget is None:
-            return None
-        cache = self.cache
-        held = cache.arena.mapped_bytes if cache is not None else 0
-        return self.budget - held - self.kv.mapped_bytes
+    def budget_room(self, stage: int = 0) -> int | None:
+        """Bytes the stage's budget leaves unmapped (None: no budget)."""
+        return self.stages[stage].budget_room()
 
-    def kv_limit_bytes(self) -> int | None:
-        """The most the K/V may map: the budget less the expert cache's core (None: no
+    def kv_limit_bytes(self, stage: int = 0) -> int | None:
+        """The most the stage's K/V may map: its budget less its expert cache's core (None: no
         budget)."""
-        if self.budget is None:
-            return None
-        cache = self.cache
-        core = cache.mapped_bytes_for(cache.sizes.core_slots) if cache is not None else 0
-        return self.budget - core
+        return self.stages[stage].kv_limit_bytes()
 
     def tokens_that_fit(self) -> int:
-        """The longest sequence whose K/V fits the budget with the cache at its core (the
-        sink page and whole chunks counted), at most the context."""
-        limit = self.kv_limit_bytes()
-        if limit is None:
-            return self.n_ctx
-        kv = self.kv
-        usable = max(0, limit) // kv.chunk_bytes * kv.chunk_bytes
-        pages = min(usable // kv.page_bytes, kv.book.max_pages) - 1  # less the sink
-        return max(0, min(self.n_ctx, pages * kv.page))
+        """The longest sequence whose K/V fits every stage's budget with each cache at its
+        core (the sink page and whole chunks counted), at most the context."""
+        return min(stage.tokens_that_fit(self.n_ctx) for stage in self.stages)
 
     def make_room(self, end: int) -> None:
-        """Free pages for the active sequence up to position ``end``, at a safe point: from the
-        budget's unused room, then from the kept conversations (least recently used first),
-        then from the expert cache's tail (its hottest experts move into colder slots first);
-        :class:`KVFull` when even the cache at its core leaves too little."""
-        kv = self.kv
-        while (short := kv.pages_short(end)) > 0:
-            want = kv.bytes_to_map(short)
-            room = self.budget_room()
-            if want and not kv.fixed and (room is None or room >= want):
-                if kv.grow(want):
+        """Free pages for the active sequence up to position ``end`` in every stage's K/V, at a
+        safe point: from the stage's budget's unused room, then from the kept conversations
+        (least recently used first; every stage drops the same one, so the stages keep the
+        same conversations), then from the stage's expert cache's tail (its hottest experts
+        move into colder slots first); :class:`KVFull` when even the cache at its core leaves
+        too little."""
+        for stage in self.stages:
+            kv = stage.kv
+            while (short := kv.pages_short(end)) > 0:
+                want = kv.bytes_to_map(short)
+                room = stage.budget_room()
+                if want and not kv.fixed and (room is None or room >= want):
+                    if kv.grow(want):
+                        continue
+                if kv.book.kept:
+                    self._evict()
                     continue
-            if kv.book.kept:
-                kv.book.evict()
-                continue
-            cache = self.cache
-            if want and room is not None and cache is not None:
-                slots = cache.slots_for_bytes(cache.arena.mapped_bytes - (want - room))
-                if slots < cache.n_slots:
-                    result = cache.resize(slots)
-                    if self.on_cache_resized is not None:
-                        self.on_cache_resized(result, "K/V growth")
-                    continue
-            raise self._full(end, short)
-        kv.prepare(end)
+                cache = stage.cache
+                if want and room is not None and cache is not None:
+                    slots = cache.slots_for_bytes(cache.arena.mapped_bytes - (want - room))
+                    if slots < cache.n_slots:
+                        result = cache.resize(slots)
+                        if stage.on_cache_resized is not None:
+                            stage.on_cache_resized(result, "K/V growth")
+                        continue
+                raise self._full(stage, end, short)
+        for stage in self.stages:
+            stage.kv.prepare(end)
 
-    def _full(self, end: int, short: int) -> KVFull:
-        kv, MiB = self.kv, 2**20
+    def _evict(self) -> None:
+        """Drop the least recently used kept conversation from every stage's K/V."""
+        for stage in self.stages:
+            stage.kv.book.evict()
+
+    def _full(self, stage: Stage, end: int, short: int) -> KVFull:
+        kv, MiB = stage.kv, 2**20
         need = short * kv.page_bytes
-        if self.budget is None or not kv.bytes_to_map(short):
+        where = f" ({stage.describe()})" if len(self.stages) > 1 else ""
+        if stage.budget is None or not kv.bytes_to_map(short):
             return KVFull(
                 f"{end} positions need {short} more K/V pages ({need / MiB:,.0f} MiB) than its "
-                f"reservation of {kv.arena.reserved_bytes / MiB:,.0f} MiB or the memory holds"
+                f"reservation of {kv.arena.reserved_bytes / MiB:,.0f} MiB or the memory "
+                f"holds{where}"
             )
-        limit = self.kv_limit_bytes()
+        limit = stage.kv_limit_bytes()
         assert limit is not None
         return KVFull(
-            f"{end} positions need {need / MiB:,.0f} MiB more K/V than the VRAM budget leaves: "
-            f"{self.budget / MiB:,.0f} MiB for the expert cache and the K/V, of which the "
-            f"cache's core keeps {(self.budget - limit) / MiB:,.0f} MiB and the K/V holds "
-            f"{kv.mapped_bytes / MiB:,.0f} MiB; at most {self.tokens_that_fit()} tokens fit"
+            f"{end} positions need {need / MiB:,.0f} MiB more K/V than the VRAM budget "
+            f"leaves{where}: {stage.budget / MiB:,.0f} MiB for the expert cache and the K/V, "
+            f"of which the cache's core keeps {(stage.budget - limit) / MiB:,.0f} MiB and the "
+            f"K/V holds {kv.mapped_bytes / MiB:,.0f} MiB; at most {self.tokens_that_fit()} "
+            "tokens fit"
         )
 
     def settle(self) -> int:
-        """After a request: unmap the K/V's free chunks above its pages in use, and (with
-        ``settle_grows``) let the expert cache's tail grow into the budget's room at once (the
-        hottest missing experts); returns the bytes the K/V gave back."""
-        freed = self.kv.trim()
-        slots = self.refill_slots() if self.settle_grows else None
-        if slots is not None and self.cache is not None:
-            result = self.cache.resize(slots)
-            if self.on_cache_resized is not None:
-                self.on_cache_resized(result, "room the K/V gave back")
+        """After a request: unmap each stage's K/V's free chunks above its pages in use, and
+        (with ``settle_grows``) let each expert cache's tail grow into its budget's room at once
+        (the hottest missing experts); returns the bytes the K/V gave back."""
+        freed = 0
+        for stage in self.stages:
+            freed += stage.kv.trim()
+            slots = stage.refill_slots() if self.settle_grows else None
+            if slots is not None and stage.cache is not None:
+                result = stage.cache.resize(slots)
+                if stage.on_cache_resized is not None:
+                    stage.on_cache_resized(result, "room the K/V gave back")
         return freed
 
-    def refill_slots(self) -> int | None:
-        """The cache's slots once its tail has taken the budget's room, when that is at least a
-        chunk more than it has; else None."""
-        cache, room = self.cache, self.budget_room()
-        if cache is None or room is None or room < cache.arena.chunk_bytes:
-            return None
-        slots = cache.slots_for_bytes(cache.arena.mapped_bytes + room)
-        return slots if slots > cache.n_slots else None
+    def refill_slots(self, stage: int = 0) -> int | None:
+        """The stage's cache's slots once its tail has taken the budget's room, when that is at
+        least a chunk more than it has; else None."""
+        return self.stages[stage].refill_slots()
 
-    def fit_budget(self, budget: int) -> int:
-        """A new budget (the policy's target for the cache and the K/V together): the kept
-        conversations go first (least recently used), the K/V's free chunks are unmapped; then
-        the cache takes what is left, never below its core. Returns the cache's slots to
-        resize to (the caller resizes, in pieces). The active sequence keeps its pages."""
-        self.budget = budget
-        kv, cache = self.kv, self.cache
+    def fit_budget(self, budget: int, stage: int = 0) -> int:
+        """A new budget for ``stage`` (the policy's target for its cache and K/V together): the
+        kept conversations go first (least recently used; from every stage, which keep the same
+        ones), the stage's K/V's free chunks are unmapped; then its cache takes what is left,
+        never below its core. Returns the cache's slots to resize to (the caller resizes, in
+        pieces). The active sequence keeps its pages."""
+        st = self.stages[stage]
+        st.budget = budget
+        kv, cache = st.kv, st.cache
         assert cache is not None, "a budget needs an expert cache"
         while cache.mapped_bytes_for(cache.sizes.core_slots) + kv.mapped_bytes > budget:
             if not kv.book.kept:
                 break
-            kv.book.evict()
+            self._evict()
             kv.trim()
         kv.trim()
         return cache.slots_for_bytes(budget - kv.mapped_bytes)
+
+    def _commit(self, tokens: list[int]) -> None:
+        for stage in self.stages:
+            stage.kv.commit(tokens)
 
     @torch.inference_mode()
     def feed(self, ids: Sequence[int], safe_point: SafePoint | None = None) -> torch.Tensor:
@@ -187,7 +241,7 @@ class Runner:
         if len(ids) == 1 and self.decoder is not None:
             self.make_room(start + 1)
             logits = self.decoder.step(int(ids[0]), start).clone()
-            self.kv.commit([int(ids[0])])
+            self._commit([int(ids[0])])
             self.steps += 1
             if safe_point is not None:
                 safe_point()
@@ -199,7 +253,7 @@ class Runner:
         for i in range(0, len(ids), self.prefill_chunk):
             chunk = list(ids[i : i + self.prefill_chunk])
             logits = self._chunk(chunk, len(self.tokens), last_only=True)
-            self.kv.commit(chunk)
+            self._commit(chunk)
             self.steps += 1
             if safe_point is not None:
                 safe_point()
@@ -242,7 +296,8 @@ class Runner:
         prefill = self.decoder.prefill if self.decoder is not None else None
         if prefill is not None:
             return prefill.forward(x, start, last_only)
-        return self.model.forward(x, start, self.kv, last_only=last_only)
+        kv = self.kv if len(self.stages) == 1 else [stage.kv for stage in self.stages]
+        return self.model.forward(x, start, kv, last_only=last_only)
 
     def prefill_path(self) -> str:
         """How prompt chunks run, for the log and the bench: a line of text."""
@@ -344,7 +399,7 @@ class Runner:
         return True
 
     def _fed(self, token: int, dec: FastDecoder) -> None:
-        self.kv.commit([int(token)])
+        self._commit([int(token)])
         self.steps += 1
         dec.accept()
 
@@ -352,11 +407,14 @@ class Runner:
         """Start from the longest prefix of ``prompt`` that a held conversation has in the K/V
         (the previous request's or a kept one's; at least its last token is recomputed, to get
         its logits); return the tokens still to feed."""
-        common = self.kv.begin(list(prompt))
-        return list(prompt[common:])
+        held = [stage.kv.begin(list(prompt)) for stage in self.stages]
+        # every stage's K/V went through the same steps: they hold the same conversations
+        assert len(set(held)) == 1, f"the stages' K/V disagree on the prompt's prefix: {held}"
+        return list(prompt[held[0] :])
 
     def rewind(self, length: int) -> None:
-        self.kv.truncate(length)
+        for stage in self.stages:
+            stage.kv.truncate(length)
 
     def flush_usage(self) -> None:
         """Expert uses counted on the device reach the provider's counts (the fast decoder)."""
@@ -379,7 +437,7 @@ class Runner:
         out, pos = [], 0
         for n in sizes:
             out.append(self._chunk(ids[pos : pos + n], pos))
-            self.kv.commit(list(ids[pos : pos + n]))
+            self._commit(list(ids[pos : pos + n]))
             pos += n
         self._prompt_done()
         return torch.cat(out).float().cpu()

@@ -1,9 +1,12 @@
 """``strata-ctl``: steer the running daemon over D-Bus (the session bus, ``org.strata.Strata1``).
 
     strata-ctl status [--json]           the daemon's state, cache, free VRAM, reserve, leases
-    strata-ctl reserve MIB               set the run-time reserve (0 clears it)
-    strata-ctl borrow MIB [--app-id ID] [--reason TEXT] [--timeout S] -- COMMAND…
+    strata-ctl reserve MIB [--device N]  set the run-time reserve (0 clears it)
+    strata-ctl borrow [--device N] MIB [--app-id ID] [--reason TEXT] [--timeout S] -- COMMAND…
                                          hold a lease while COMMAND runs (like systemd-inhibit)
+
+``--device N`` names a device of a model split over several GPUs (``SetReserveOn``,
+``BorrowOn``); without it, device 0 (``SetReserve``, ``Borrow``, as with one GPU).
     strata-ctl return COOKIE             end any lease (Revoke)
     strata-ctl leases [--json]           the leases
     strata-ctl watch                     resizes, leases and property changes as they happen
@@ -89,6 +92,16 @@ def _cookie(text: str) -> int:
     return value
 
 
+def _device(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected a device number (0, 1, …), got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -97,6 +110,9 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return value
+
+
+DEVICE_HELP = "the device, by number, of a model split over several GPUs (default: 0)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,14 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     reserve = sub.add_parser("reserve", help="set the run-time reserve in MiB (0 clears it)")
     reserve.add_argument("mib", metavar="MIB", type=lambda t: _mib(t, allow_zero=True))
+    reserve.add_argument("--device", metavar="N", type=_device, help=DEVICE_HELP)
     reserve.set_defaults(run=cmd_reserve)
 
     borrow = sub.add_parser(
         "borrow",
         help="hold a lease of MIB MiB while COMMAND runs",
-        usage="strata-ctl borrow MIB [--app-id ID] [--reason TEXT] [--timeout S] -- COMMAND…",
+        usage="strata-ctl borrow [--device N] MIB [--app-id ID] [--reason TEXT] [--timeout S] "
+        "-- COMMAND…",
     )
     borrow.add_argument("mib", metavar="MIB", type=lambda t: _mib(t, allow_zero=False))
+    borrow.add_argument("--device", metavar="N", type=_device, help=DEVICE_HELP)
     borrow.add_argument("--app-id", help="who borrows (default: the command's name)")
     borrow.add_argument("--reason", help="why (default: the command line)")
     borrow.add_argument(
@@ -217,22 +236,46 @@ async def cmd_status(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def _all_leases(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every device's leases, in cookie order (the top-level list is device 0's)."""
+    devices = status.get("devices")
+    if not devices:  # a daemon from before devices existed
+        return status.get("leases", [])
+    leases = [lease for d in devices for lease in d.get("leases", [])]
+    return sorted(leases, key=lambda lease: lease.get("cookie", 0))
+
+
+def _device_status(status: dict[str, Any], device: int | None) -> dict[str, Any]:
+    """The part of the status that describes ``device`` (None, 0: the top level)."""
+    if not device:
+        return status
+    devices = status.get("devices") or []
+    return devices[device] if device < len(devices) else {}
+
+
 async def cmd_leases(args: argparse.Namespace, client: Client) -> int:
-    leases = (await client.status()).get("leases", [])
+    status = await client.status()
+    leases = _all_leases(status)
     if args.json:
         print(json.dumps(leases, indent=2))
     elif leases:
-        print(format_leases(leases))
+        print(format_leases(leases, split=len(status.get("devices") or []) > 1))
     else:
         print("no leases")
     return 0
 
 
 async def cmd_reserve(args: argparse.Namespace, client: Client) -> int:
-    before = (await client.status()).get("cache_mib")
-    await client.call("SetReserve", "t", [args.mib])
-    status = await client.status()
-    print(f"run-time reserve: {args.mib} MiB: {carried_out(status, before, args.mib)}")
+    device = args.device
+    before = _device_status(await client.status(), device).get("cache_mib")
+    if device is None:
+        await client.call("SetReserve", "t", [args.mib])
+        where = ""
+    else:
+        await client.call("SetReserveOn", "ut", [device, args.mib])
+        where = f" on device {device}"
+    status = _device_status(await client.status(), device)
+    print(f"run-time reserve{where}: {args.mib} MiB: {carried_out(status, before, args.mib)}")
     return 0
 
 
@@ -266,13 +309,17 @@ async def cmd_borrow(args: argparse.Namespace, client: Client) -> int:
     command: list[str] = args.command
     app_id = args.app_id if args.app_id is not None else os.path.basename(command[0])
     reason = args.reason if args.reason is not None else shlex.join(command)[:200]
-    before = (await client.status()).get("cache_mib")
-    call = client.call("Borrow", "tss", [args.mib, app_id, reason])
+    device = args.device
+    before = _device_status(await client.status(), device).get("cache_mib")
+    if device is None:
+        call = client.call("Borrow", "tss", [args.mib, app_id, reason])
+    else:
+        call = client.call("BorrowOn", "utss", [device, args.mib, app_id, reason])
     try:
         cookie = await asyncio.wait_for(call, args.timeout)
     except TimeoutError:
         raise CtlError(f"no lease of {args.mib} MiB within {args.timeout:g} s") from None
-    status = await client.status()
+    status = _device_status(await client.status(), device)
     if status.get("vram_requests") == "shrink":  # stdout is the command's: say it on stderr
         how = carried_out(status, before, args.mib)
         print(f"strata-ctl: lease {cookie} of {args.mib} MiB: {how}", file=sys.stderr)
@@ -356,6 +403,9 @@ def _print_signal(msg: Message) -> None:
     elif msg.path == OBJECT_PATH and msg.interface == INTERFACE:
         if msg.member == "CacheResized":
             _line(f"CacheResized cache_mib={msg.body[0]} free_mib={msg.body[1]}")
+        elif msg.member == "CacheResizedOn" and msg.body[0] != 0:  # device 0's: CacheResized
+            _line(f"CacheResizedOn device={msg.body[0]} cache_mib={msg.body[1]} "
+                  f"free_mib={msg.body[2]}")  # fmt: skip
         elif msg.member == "LeaseReturned":
             _line(f"LeaseReturned cookie={msg.body[0]} why={msg.body[1]}")
     elif msg.path == OBJECT_PATH and msg.member == "PropertiesChanged" and msg.body[0] == INTERFACE:
@@ -409,7 +459,7 @@ def format_status(s: dict[str, Any]) -> str:
     reserve += "".join(f", {_size(mib)} {name}" for name, mib in sorted(holds.items()))
     if s.get("room_kept_mib") is not None:
         reserve += f"; room kept free {s['room_kept_mib']} MiB"
-    leases = s.get("leases", [])
+    leases = _all_leases(s)
     rows = [
         ("state", s.get("state", "unknown")),
         ("model", s.get("model") or "unknown"),
@@ -424,13 +474,16 @@ def format_status(s: dict[str, Any]) -> str:
         ("K/V", _kv_line(s)),
         ("free VRAM", free),
         ("reserve", reserve),
-        ("borrowed", f"{_size(s.get('borrowed_mib'))} in {len(leases)} lease(s)"),
+        ("borrowed", f"{_size(s.get('borrowed_mib'))} in {len(s.get('leases', []))} lease(s)"),
         ("requests", _REQUESTS.get(s.get("vram_requests", ""), "unknown")),
     ]
+    devices = s.get("devices") or []
+    if len(devices) > 1:  # a split: the rows above are device 0's, each device's below
+        rows += [(f"device {d.get('index', i)}", _device_line(d)) for i, d in enumerate(devices)]
     width = max(len(k) for k, _ in rows)
     text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
     if leases:
-        text += "\n\n" + format_leases(leases)
+        text += "\n\n" + format_leases(leases, split=len(devices) > 1)
     return text
 
 
@@ -451,7 +504,27 @@ def _kv_line(s: dict[str, Any]) -> str:
     return text
 
 
-def format_leases(leases: list[dict[str, Any]]) -> str:
+def _device_line(d: dict[str, Any]) -> str:
+    """One device of a split: its stage, cache, free memory, reserve and leases."""
+    monitor = d.get("monitor", {})
+    health = "" if monitor.get("healthy", True) else f", monitor failing: {monitor.get('problem')}"
+    layers = ""
+    if d.get("layers") is not None:
+        first = d.get("first_layer", 0)
+        layers = f", layers {first}-{first + d['layers'] - 1}"
+    free = _size(d.get("free_mib"))
+    if d.get("total_mib") is not None:
+        free += f" of {d['total_mib']} MiB"
+    return (
+        f"{d.get('compute_device', '?')} ({d.get('device', '?')}, monitor "
+        f"{monitor.get('kind', '?')}{health}){layers}: cache {_size(d.get('cache_mib'))} "
+        f"(core {_size(d.get('core_mib'))}), free {free}, reserve {_size(d.get('reserve_mib'))}, "
+        f"borrowed {_size(d.get('borrowed_mib'))} in {len(d.get('leases', []))} lease(s)"
+    )
+
+
+def format_leases(leases: list[dict[str, Any]], split: bool = False) -> str:
+    """The leases as a table; ``split`` (several devices) adds each lease's device."""
     header = ("COOKIE", "MIB", "APP ID", "REASON", "PID", "SINCE", "OWNER")
     rows = [header] + [
         (
@@ -465,7 +538,10 @@ def format_leases(leases: list[dict[str, Any]]) -> str:
         )
         for lease in leases
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    if split:
+        devices = ["DEVICE"] + [str(lease.get("device", 0)) for lease in leases]
+        rows = [(row[0], device, *row[1:]) for row, device in zip(rows, devices, strict=True)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         for row in rows

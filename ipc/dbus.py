@@ -77,6 +77,8 @@ RECONNECT_MAX_S = 30.0
 
 DBusLeases = Annotated[list[list[Any]], DBusSignature("a(usstt)")]
 DBusCacheResized = Annotated[list[int], DBusSignature("tt")]
+DBusCacheResizedOn = Annotated[list[int], DBusSignature("utt")]
+DBusDevices = Annotated[list[str], DBusSignature("as")]
 DBusLeaseReturned = Annotated[list[Any], DBusSignature("us")]
 
 # The unique bus name of the connection whose method call is being handled (see the module doc).
@@ -258,6 +260,7 @@ def property_values(status: dict[str, Any]) -> dict[str, Any]:
         "Model": status["model"] or "",
         "State": status["state"],
         "VramRequests": status["vram_requests"],
+        "Devices": [d["compute_device"] for d in status.get("devices", [])],
     }
 
 
@@ -283,6 +286,12 @@ class Vram1(ServiceInterface):
     async def Borrow(self, mib: DBusUInt64, app_id: DBusStr, reason: DBusStr) -> DBusUInt32:
         return await self._edge.borrow(_caller.get(), mib, app_id, reason)
 
+    @dbus_method()
+    async def BorrowOn(
+        self, device: DBusUInt32, mib: DBusUInt64, app_id: DBusStr, reason: DBusStr
+    ) -> DBusUInt32:
+        return await self._edge.borrow(_caller.get(), mib, app_id, reason, device)
+
     # Methods without a reply have no return annotation: dbus-fast reads one as the reply's type.
     @dbus_method()
     def Return(self, cookie: DBusUInt32):
@@ -295,6 +304,10 @@ class Vram1(ServiceInterface):
     @dbus_method()
     async def SetReserve(self, mib: DBusUInt64):
         await self._edge.set_reserve(mib)
+
+    @dbus_method()
+    async def SetReserveOn(self, device: DBusUInt32, mib: DBusUInt64):
+        await self._edge.set_reserve(mib, device)
 
     @dbus_method()
     def GetStatus(self) -> DBusDict:
@@ -340,9 +353,17 @@ class Vram1(ServiceInterface):
     def VramRequests(self) -> DBusStr:
         return self._edge.value("VramRequests")
 
+    @dbus_property(access=PropertyAccess.READ)
+    def Devices(self) -> DBusDevices:
+        return self._edge.value("Devices")
+
     @dbus_signal()
     def CacheResized(self, cache_mib: int, free_mib: int) -> DBusCacheResized:
         return [cache_mib, free_mib]
+
+    @dbus_signal()
+    def CacheResizedOn(self, device: int, cache_mib: int, free_mib: int) -> DBusCacheResizedOn:
+        return [device, cache_mib, free_mib]
 
     @dbus_signal()
     def LeaseReturned(self, cookie: int, why: str) -> DBusLeaseReturned:
@@ -361,8 +382,10 @@ def _in_signatures(iface: ServiceInterface) -> dict[str, str]:
 # dbus-fast names reply and signal arguments arg_N; introspection shows the contract's names.
 _ARG_NAMES = {
     "Borrow": ["cookie"],
+    "BorrowOn": ["cookie"],
     "GetStatus": ["status"],
     "CacheResized": ["cache_mib", "free_mib"],
+    "CacheResizedOn": ["device", "cache_mib", "free_mib"],
     "LeaseReturned": ["cookie", "why"],
 }
 
@@ -544,7 +567,7 @@ class DbusEdge:
         """Return the leases whose holders left while the connection was down. On another bus
         daemon, no holder's unique name exists any more; on the same one, each holder is watched
         again (the match first, so a holder leaving right after is reported) and asked for."""
-        owners = sorted({str(lease["owner"]) for lease in self.daemon.status()["leases"]
+        owners = sorted({str(lease["owner"]) for lease in self.daemon.all_leases()
                          if str(lease["owner"]).startswith(":")})  # fmt: skip
         for owner in owners:
             if not same_bus:
@@ -577,12 +600,18 @@ class DbusEdge:
 
     # -- methods --------------------------------------------------------------------------------
 
-    async def borrow(self, owner: str | None, mib: int, app_id: str, reason: str) -> int:
+    async def borrow(
+        self, owner: str | None, mib: int, app_id: str, reason: str, device: int | None = None
+    ) -> int:
         if not owner:
             raise DBusError(ERROR_FAILED, "Borrow: the caller has no bus name")
+        try:
+            self.daemon.controller_for(device)  # an unknown device: before anything is watched
+        except Exception as e:
+            raise _dbus_error(e) from None
         started = time.perf_counter()
         bus = self.bus
-        task = asyncio.ensure_future(self._borrow(owner, mib, app_id, reason))
+        task = asyncio.ensure_future(self._borrow(owner, mib, app_id, reason, device))
         self._pending.setdefault(owner, set()).add(task)
         try:
             cookie = await task
@@ -618,9 +647,14 @@ class DbusEdge:
         )  # fmt: skip
         return cookie
 
-    async def _borrow(self, owner: str, mib: int, app_id: str, reason: str) -> int:
+    async def _borrow(
+        self, owner: str, mib: int, app_id: str, reason: str, device: int | None
+    ) -> int:
         pid = await self._watch(owner)
-        lease = await self.daemon.borrow(mib, owner, pid, app_id, reason)
+        if device is None:  # Borrow: as before devices existed
+            lease = await self.daemon.borrow(mib, owner, pid, app_id, reason)
+        else:
+            lease = await self.daemon.borrow(mib, owner, pid, app_id, reason, device)
         return lease.cookie
 
     def return_lease(self, cookie: int, owner: str | None) -> None:
@@ -637,9 +671,12 @@ class DbusEdge:
             raise _dbus_error(e) from None
         self._forget_if_idle(lease.owner)
 
-    async def set_reserve(self, mib: int) -> None:
+    async def set_reserve(self, mib: int, device: int | None = None) -> None:
         try:
-            await self.daemon.reserve(mib)
+            if device is None:  # SetReserve: as before devices existed
+                await self.daemon.reserve(mib)
+            else:
+                await self.daemon.reserve(mib, device)
         except Exception as e:
             raise _dbus_error(e) from None
 
@@ -670,7 +707,7 @@ class DbusEdge:
         stay as many as the leases (at most MAX_LEASES) and the Borrows under way."""
         if owner not in self._watched or owner in self._pending:
             return
-        if any(lease["owner"] == owner for lease in self.daemon.status()["leases"]):
+        if any(lease["owner"] == owner for lease in self.daemon.all_leases()):
             return
         self._watched.discard(owner)
         if self.bus.connected:
@@ -746,7 +783,11 @@ class DbusEdge:
         if self._closed or not self.bus.connected:
             return
         if name == "cache_resized":
-            self.iface.CacheResized(max(0, fields["cache_mib"]), max(0, fields["free_mib"]))
+            cache_mib, free_mib = max(0, fields["cache_mib"]), max(0, fields["free_mib"])
+            device = fields.get("device", 0)
+            if device == 0:  # CacheResized keeps meaning device 0
+                self.iface.CacheResized(cache_mib, free_mib)
+            self.iface.CacheResizedOn(device, cache_mib, free_mib)
         elif name == "lease_returned":
             self.iface.LeaseReturned(fields["cookie"], fields["why"])
         self._queue_flush()

@@ -55,6 +55,7 @@ from strata.engine.experts.slots import (
 )
 from strata.engine.gguf_index import ExpertBlob, GGUFIndex
 from strata.engine.layers.weights import QWeight, RepackedWeight
+from strata.engine.stages import on_device
 from strata.vmm.arena import ElasticArena, create_arena
 from strata.vmm.pinned import Pinner
 
@@ -63,6 +64,20 @@ Progress = Callable[[int, int, str], None]  # (done, total, what)
 log = logging.getLogger(__name__)
 
 MiB = 2**20
+
+
+class ForeignLayer(LookupError):
+    """An expert of a layer another stage owns was asked of this stage's cache: a wiring bug,
+    never served (it would read another device's slots)."""
+
+    def __init__(self, layer: int, layers: range | None) -> None:
+        own = "every layer" if layers is None else f"layers {layers.start}-{layers.stop - 1}"
+        super().__init__(f"layer {layer} is not this cache's: it serves {own}")
+
+
+def owned_keys(index: GGUFIndex, layers: range | None) -> list[ExpertKey]:
+    """The experts of ``layers`` (None: all of them), in (layer, expert) order."""
+    return sorted(k for k in index.experts if layers is None or k[0] in layers)
 
 
 def model_key(index: GGUFIndex) -> str:
@@ -99,9 +114,14 @@ class ExpertCache:
         device: torch.device,
         order: Sequence[ExpertKey],
         kernel: bool = False,
+        layers: range | None = None,
     ) -> None:
         self.index = index
         self.kernel = kernel  # slots hold the kernel layout, not the file's bytes
+        # the layers whose experts this cache serves (a stage's; None: every layer): it never
+        # holds, serves or plans an expert of another layer
+        self.layers = layers
+        self.keys = owned_keys(index, layers)
         self.arena = arena
         self.sizes = sizes
         self.slot_bytes = slot_bytes
@@ -111,10 +131,11 @@ class ExpertCache:
         self.stats.cached = True
         self.usage: UsageCounts = self.file.usage
         self.totals: Counter[ExpertKey] = self.file.totals
-        self.table = SlotTable(sizes.core_slots, len(index.experts))
+        self.table = SlotTable(sizes.core_slots, len(self.keys))
         # Fill order when nothing is hot yet: the profile's order, then (layer, expert).
-        seen = set(order)
-        self.order = list(order) + sorted(k for k in index.experts if k not in seen)
+        mine = [k for k in order if self.owns(k[0])]
+        seen = set(mine)
+        self.order = mine + sorted(k for k in self.keys if k not in seen)
         self.resizes = 0
         self.swaps = 0  # exchanges of a hot RAM-homed expert with a cold tail expert
         # verify_experts: each expert's checksum from its first copy at load, checked after
@@ -150,6 +171,7 @@ class ExpertCache:
         pinner: Pinner | None = None,
         progress: Progress | None = None,
         verify: bool = False,
+        layers: range | None = None,
     ) -> ExpertCache:
         """A cache of the most whole slots that fit ``budget_bytes`` (at most every expert),
         filled in the profile's order. The arena reserves room for every expert, so the cache can
@@ -160,33 +182,36 @@ class ExpertCache:
         do not (the hottest first), and keeps the rest of its room for what a shrink evicts;
         ``pinner`` page-locks it for the device (a partial registration is a ``PinError``).
         ``progress(done, total, what)`` hears of each layer of the tier's fill. ``verify``:
-        checksum every expert at load and check it after every fill and move."""
+        checksum every expert at load and check it after every fill and move. ``layers``: the
+        layers this cache serves (a stage's), None for all of them."""
         slot_bytes = kernel_slot_bytes_for(index) if kernel else slot_bytes_for(index)
-        sizes = plan_sizes(budget_bytes, slot_bytes, len(index.experts), tail_bytes)
-        reserved = max(align(len(index.experts) * slot_bytes, chunk_bytes), chunk_bytes)
+        n_experts = len(owned_keys(index, layers))
+        sizes = plan_sizes(budget_bytes, slot_bytes, n_experts, tail_bytes)
+        reserved = max(align(n_experts * slot_bytes, chunk_bytes), chunk_bytes)
         backend = "cuda" if device.type == "cuda" else "host"
         if arena_factory is not None:  # e.g. a host arena guarded by a simulated device
             arena = arena_factory(reserved, chunk_bytes)
         else:
             arena = create_arena(backend, reserved, chunk_bytes, device.index or 0)
         order = profile.ranked() if profile else []
-        cache = cls(index, arena, sizes, slot_bytes, device, order, kernel)
+        cache = cls(index, arena, sizes, slot_bytes, device, order, kernel, layers)
         cache.verify = verify
         try:
             cache.resize(sizes.total_slots)
-            n_host = tier_slots(host_budget_bytes, slot_bytes, len(index.experts), sizes.core_slots)
+            n_host = tier_slots(host_budget_bytes, slot_bytes, n_experts, sizes.core_slots)
             if n_host:
                 cache.tier = HostTier(n_host, slot_bytes, pinner)
-                cache._build_tier(progress)
+                with on_device(device):  # (the tier's repack kernels: this stage's GPU)
+                    cache._build_tier(progress)
             cache._sweep_readahead()
         except BaseException:
             cache.close()
             raise
         log.info(
             "expert cache: %d of %d experts (%.0f MiB; core %d slots, tail %d) of %.2f MiB each, "
-            "%s arena of %.0f MiB reserved in %d MiB chunks%s",
+            "%s arena of %.0f MiB reserved in %d MiB chunks%s%s",
             cache.table.n_slots,
-            len(index.experts),
+            n_experts,
             cache.table.n_slots * slot_bytes / MiB,
             sizes.core_slots,
             sizes.tail_slots,
@@ -195,6 +220,7 @@ class ExpertCache:
             reserved / MiB,
             chunk_bytes // MiB,
             ", kernel layout" if kernel else "",
+            "" if layers is None else f", layers {layers.start}-{layers.stop - 1}",
         )
         cache._log_tier()
         return cache
@@ -209,7 +235,11 @@ class ExpertCache:
     def file_experts(self) -> int:
         """Experts with no home in VRAM or RAM: read from the mapped file when routed to."""
         held = len(self.table) + (len(self.tier.table) if self.tier is not None else 0)
-        return len(self.index.experts) - held
+        return len(self.keys) - held
+
+    def owns(self, layer: int) -> bool:
+        """Whether this cache serves ``layer``'s experts."""
+        return self.layers is None or layer in self.layers
 
     def _log_tier(self) -> None:
         t = self.tier_stats()
@@ -263,10 +293,16 @@ class ExpertCache:
         self.file.step()
 
     def record_counts(self, counts: dict[ExpertKey, int]) -> None:
+        if self.layers is not None:
+            for layer, _ in counts:
+                if layer not in self.layers:
+                    raise ForeignLayer(layer, self.layers)
         self.file.record_counts(counts)
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
+        if not self.owns(layer):
+            raise ForeignLayer(layer, self.layers)
         self.file.record(key)
         blob = self.index.expert(layer, expert)
         slot = self.table.slot_of(key)
@@ -343,6 +379,10 @@ class ExpertCache:
         return align(n_slots * self.slot_bytes, self.arena.chunk_bytes) if n_slots else 0
 
     def exchange(self, max_swaps: int) -> int:
+        with on_device(self.device):  # (a later stage's cache: its own GPU)
+            return self._exchange_homes(max_swaps)
+
+    def _exchange_homes(self, max_swaps: int) -> int:
         """Swap up to ``max_swaps`` experts whose home is in RAM, hottest first, with the
         coldest experts of the elastic tail (call at a safe point only): each promoted expert
         takes the victim's slot, and the victim takes the home the promoted one left, so every
@@ -462,6 +502,10 @@ class ExpertCache:
         """Grow or shrink to ``n_slots`` (call at a safe point only). A shrink removes at most
         ``max_shrink`` slots per call when given; a grow that cannot get all its memory stops at
         the slots it got; the cache never goes below its core."""
+        with on_device(self.device):  # the repack kernels of a fill launch on the current GPU
+            return self._resize(n_slots, max_shrink)
+
+    def _resize(self, n_slots: int, max_shrink: int | None) -> ResizeResult:
         if not self.sizes.core_slots <= n_slots <= self.table.max_slots:
             raise ValueError(
                 f"cache size of {n_slots} slots is outside [{self.sizes.core_slots} (the core), "

@@ -65,12 +65,15 @@ def plan_table(
     slot_offset: Callable[[int], int],
     host: SlotTable | None = None,
     host_offset: Callable[[int], int] | None = None,
+    first_layer: int = 0,
 ) -> ExpertTablePlan:
     """The table for the cache state ``slots`` (None: no cache, every expert MISSING) and, when
     given, the host tier's slot table ``host``. ``slot_offset(slot)`` (``host_offset(slot)``) is
     where a slot's (host slot's) bytes start, from the anchor. Raises ``SlotTagMismatch`` naming
     (layer, expert) if a slot's tag disagrees with the expert mapped to it, and ValueError if an
-    expert has two homes: a corrupt table is an error, never a plausible wrong answer."""
+    expert has two homes: a corrupt table is an error, never a plausible wrong answer.
+    ``first_layer``: the model layer of the table's first (a stage's tables cover its layers
+    ``first_layer .. first_layer + n_layer - 1``, entry ``(layer - first_layer) * n_expert``)."""
     if n_layer < 1 or n_expert < 1:
         raise ValueError(f"an expert table of {n_layer} layers x {n_expert} experts is empty")
     offsets = [MISSING] * (n_layer * n_expert)
@@ -81,7 +84,7 @@ def plan_table(
             continue
         assert offset_of is not None
         for i in range(n_layer * n_expert):
-            key = (i // n_expert, i % n_expert)
+            key = (first_layer + i // n_expert, i % n_expert)
             slot = table.slot_of(key)
             if slot is None:
                 continue

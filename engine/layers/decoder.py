@@ -7,6 +7,8 @@ q/k norms, routing normalisation); the forward pass itself lives here once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,7 @@ from strata.engine.layers.norm import rms_norm
 from strata.engine.layers.rope import Rope
 from strata.engine.layers.weights import QWeight, RepackedWeight, Weight, linear
 from strata.engine.quant import REPACKED_TYPES
+from strata.engine.stages import on_device
 
 log = logging.getLogger(__name__)
 
@@ -94,19 +97,42 @@ class MoEDecoder:
         provider: ExpertProvider,
         device: torch.device | str = "cpu",
         repack: bool = False,
+        split: Sequence[tuple[range, torch.device]] | None = None,
+        providers: Sequence[ExpertProvider] | None = None,
     ) -> None:
-        self.index, self.args, self.provider = index, args, provider
-        # Dense weights live on the compute device for the model's life (copied once, still
+        self.index, self.args = index, args
+        # Stages (``engine.stages``): contiguous layer ranges, each on its device, each with
+        # its own expert provider; one stage on ``device`` without a ``split``. The embeddings
+        # live on the first stage's device, the output norm and head on the last's.
+        if split is None:
+            split = [(range(args.n_layer), torch.device(device))]
+        self.spans = [r for r, _ in split]
+        self.stage_devices = [torch.device(d) for _, d in split]
+        if [i for r in self.spans for i in r] != list(range(args.n_layer)):
+            raise ValueError(f"stages {self.spans} do not cover layers 0-{args.n_layer - 1}")
+        self.stage_of = [s for s, r in enumerate(self.spans) for _ in r]  # layer -> stage
+        self.providers: list[ExpertProvider] = list(providers) if providers else [provider]
+        if len(self.providers) != len(self.spans):
+            raise ValueError(f"{len(self.providers)} expert providers for {len(self.spans)} stages")
+        # Dense weights live on their layer's device for the model's life (copied once, still
         # quantised); on the CPU they stay views of the mapped file.
-        self.device = torch.device(device)
+        self.device = self.stage_devices[0]
+        self.out_device = self.stage_devices[-1]
         self.repack = repack
         self.slow_tensors: list[str] = []
         self.embd = self._w("token_embd.weight")
-        self.out_norm = self._vec("output_norm.weight")
+        self.out_norm = self._vec("output_norm.weight", self.out_device)
         # Files with tied embeddings have no output.weight (llama.cpp then reuses token_embd).
-        self.output = self._w("output.weight") if "output.weight" in index.tensors else self.embd
+        if "output.weight" in index.tensors:
+            self.output = self._w("output.weight", self.out_device)
+        elif self.out_device != self.device:
+            self.output = self._w("token_embd.weight", self.out_device)
+        else:
+            self.output = self.embd
         self.blocks = [self._block(i) for i in range(args.n_layer)]
-        self.rope = Rope(args.head_dim, args.rope_theta, neox=args.rope_neox)
+        # one per stage: the tables follow their device
+        self.ropes = [Rope(args.head_dim, args.rope_theta, neox=args.rope_neox) for _ in self.spans]
+        self.rope = self.ropes[0]
         self.attn_shape = AttentionShape(args.n_head, args.n_head_kv, args.head_dim, args.rms_eps)
         self.moe_shape = MoEShape(args.n_expert, args.n_expert_used, args.norm_topk)
         if self.slow_tensors:
@@ -117,55 +143,102 @@ class MoEDecoder:
                 ", ".join(self.slow_tensors),
             )
 
-    def _w(self, name: str) -> Weight:
+    @property
+    def provider(self) -> ExpertProvider:
+        """The first stage's expert provider (the only one without stages)."""
+        return self.providers[0]
+
+    @provider.setter
+    def provider(self, provider: ExpertProvider) -> None:
+        self.providers[0] = provider
+
+    def provider_of(self, layer: int) -> ExpertProvider:
+        """The expert provider of the stage that owns ``layer``: the only way to a layer's
+        experts (one stage never reads another's slots)."""
+        return self.providers[self.stage_of[layer]]
+
+    def _w(self, name: str, device: torch.device | None = None) -> Weight:
         info = self.index.info(name)
-        w = QWeight.of_tensor(self.index, info).to(self.device)
+        dev = device or self.device
+        w = QWeight.of_tensor(self.index, info).to(dev)
         if not self.repack or len(info.shape) != 2:
             return w
         if info.qtype not in REPACKED_TYPES:
             self.slow_tensors.append(f"{name} ({info.qtype.name})")
             return w
-        return RepackedWeight.repack(w.raw, info.qtype, info.shape)
+        with on_device(dev):  # the repack kernels launch on the current device
+            return RepackedWeight.repack(w.raw, info.qtype, info.shape)
 
-    def _vec(self, name: str) -> torch.Tensor:
-        return QWeight.of_tensor(self.index, self.index.info(name)).to(self.device).dequant()
+    def _vec(self, name: str, device: torch.device | None = None) -> torch.Tensor:
+        info = self.index.info(name)
+        dev = device or self.device
+        with on_device(dev):
+            return QWeight.of_tensor(self.index, info).to(dev).dequant()
 
     def _block(self, i: int) -> Block:
         p = f"blk.{i}."
         qk = self.args.qk_norm
+        dev = self.stage_devices[self.stage_of[i]]
         attn = AttentionWeights(
-            q=self._w(p + "attn_q.weight"),
-            k=self._w(p + "attn_k.weight"),
-            v=self._w(p + "attn_v.weight"),
-            o=self._w(p + "attn_output.weight"),
-            q_norm=self._vec(p + "attn_q_norm.weight") if qk else None,
-            k_norm=self._vec(p + "attn_k_norm.weight") if qk else None,
+            q=self._w(p + "attn_q.weight", dev),
+            k=self._w(p + "attn_k.weight", dev),
+            v=self._w(p + "attn_v.weight", dev),
+            o=self._w(p + "attn_output.weight", dev),
+            q_norm=self._vec(p + "attn_q_norm.weight", dev) if qk else None,
+            k_norm=self._vec(p + "attn_k_norm.weight", dev) if qk else None,
         )
         return Block(
-            attn_norm=self._vec(p + "attn_norm.weight"),
+            attn_norm=self._vec(p + "attn_norm.weight", dev),
             attn=attn,
-            ffn_norm=self._vec(p + "ffn_norm.weight"),
-            router=self._w(p + "ffn_gate_inp.weight"),
+            ffn_norm=self._vec(p + "ffn_norm.weight", dev),
+            router=self._w(p + "ffn_gate_inp.weight", dev),
         )
 
-    def new_kv(self, n_ctx: int, kind: str, **options: Any) -> KVCache:
-        """The K/V cache for this model (``options``: ``KVCache``'s keywords)."""
-        a = self.args
-        return KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim, kind, self.device, **options)
+    def new_kv(self, n_ctx: int, kind: str, stage: int = 0, **options: Any) -> KVCache:
+        """The K/V cache of ``stage``'s layers, on its device (``options``: ``KVCache``'s
+        keywords)."""
+        a, n = self.args, len(self.spans[stage])
+        dev = self.stage_devices[stage]
+        return KVCache(n, n_ctx, a.n_head_kv, a.head_dim, kind, dev, **options)
 
     def forward(
-        self, tokens: torch.Tensor, start: int, kv: KVCache, last_only: bool = False
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        kv: KVCache | Sequence[KVCache],
+        last_only: bool = False,
     ) -> torch.Tensor:
-        # tokens: [T] -> logits: [T, V] (or [1, V] with last_only)
+        # tokens: [T] -> logits: [T, V] (or [1, V] with last_only); kv: one per stage
         eps = self.args.rms_eps
+        kvs = [kv] if isinstance(kv, KVCache) else list(kv)
+        staged = len(self.spans) > 1
         x = self.embd.rows(tokens)  # [T, D]
-        for i, b in enumerate(self.blocks):
-            h = rms_norm(x, b.attn_norm, eps)
-            x = x + attention(h, b.attn, self.attn_shape, self.rope, kv, i, start)
-            h = rms_norm(x, b.ffn_norm, eps)
-            x = x + moe(h, b.router, self.moe_shape, self.provider, i)
-        kv.length = start + tokens.shape[0]
-        self.provider.step()
+        for s, dev in enumerate(self.stage_devices):
+            x = x.to(dev)  # the hidden state to the next stage (no-op with one)
+            # (kernels launch on the current GPU: each stage's on its own)
+            with on_device(dev) if staged else nullcontext():
+                x = self._stage_layers(x, s, kvs[s], start)
+        for stage_kv in kvs:
+            stage_kv.length = start + tokens.shape[0]
+        for provider in self.providers:
+            provider.step()
         if last_only:
             x = x[-1:]
-        return linear(rms_norm(x, self.out_norm, eps), self.output)
+        with on_device(self.out_device) if staged else nullcontext():
+            return linear(rms_norm(x, self.out_norm, eps), self.output)
+
+    def _stage_layers(self, x: torch.Tensor, s: int, kv: KVCache, start: int) -> torch.Tensor:
+        # x: [T, D] -> [T, D] through stage s's layers, its K/V and its expert provider
+        eps, span, provider, rope = (
+            self.args.rms_eps,
+            self.spans[s],
+            self.providers[s],
+            self.ropes[s],
+        )
+        for i in span:
+            b = self.blocks[i]
+            h = rms_norm(x, b.attn_norm, eps)
+            x = x + attention(h, b.attn, self.attn_shape, rope, kv, i - span.start, start)
+            h = rms_norm(x, b.ffn_norm, eps)
+            x = x + moe(h, b.router, self.moe_shape, provider, i)
+        return x

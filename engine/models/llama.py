@@ -3,6 +3,8 @@ q/k norms, normal (pairwise) RoPE, softmax top-k routing renormalised over the c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from strata.engine.errors import ModelLoadError
@@ -32,5 +34,8 @@ class Model(MoEDecoder):
         provider: ExpertProvider,
         device: torch.device | str = "cpu",
         repack: bool = False,
+        split: Sequence[tuple[range, torch.device]] | None = None,
+        providers: Sequence[ExpertProvider] | None = None,
     ) -> None:
-        super().__init__(index, ModelArgs.from_index(index), provider, device, repack)
+        args = ModelArgs.from_index(index)
+        super().__init__(index, args, provider, device, repack, split, providers)

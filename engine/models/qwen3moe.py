@@ -3,6 +3,8 @@ top-k routing with renormalised weights, SwiGLU experts, no shared expert."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from strata.engine.experts import ExpertProvider
@@ -25,5 +27,8 @@ class Model(MoEDecoder):
         provider: ExpertProvider,
         device: torch.device | str = "cpu",
         repack: bool = False,
+        split: Sequence[tuple[range, torch.device]] | None = None,
+        providers: Sequence[ExpertProvider] | None = None,
     ) -> None:
-        super().__init__(index, ModelArgs.from_index(index), provider, device, repack)
+        args = ModelArgs.from_index(index)
+        super().__init__(index, args, provider, device, repack, split, providers)

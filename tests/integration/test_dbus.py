@@ -102,7 +102,7 @@ def test_contract_documents_every_member_and_matches_the_exported_interface(
     (iface,) = root.findall(f"interface[@name='{INTERFACE}']")
     children = list(iface)
     members = [el for el in children if el.tag in ("method", "property", "signal")]
-    assert len(members) == 5 + 10 + 2
+    assert len(members) == 7 + 11 + 3
     for el in members:
         before = children[children.index(el) - 1]
         assert before.tag is ET.Comment and el.get("name") in (before.text or ""), (

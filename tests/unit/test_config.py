@@ -46,6 +46,16 @@ BAD_VALUES = [
     ("max_stop_sequences", "0", "greater than or equal to 1"),
     ("model", "", "not an empty string"),  # "" would be the current directory
     ("simulated_vram_file", " ", "not an empty string"),
+    ("devices", "cuda:0,gpu", "'gpu' is not a device: expected cpu, cuda or cuda:N"),
+    ("devices", "auto,cpu", "'auto' is not a device"),
+    ("devices", "", "expected at least one device"),
+    ("devices", "cuda:0,,cuda:1", "'' is not a device"),
+    ("layer_split", "20,0", "expected whole numbers of layers >= 1, got 0"),
+    ("layer_split", "20,-4", "got '-4'"),
+    ("layer_split", "20,x", "got 'x'"),
+    ("layer_split", "2.5,2", "got '2.5'"),
+    ("layer_split", "", "expected one layer count per device"),
+    ("simulated_vram_files", "a.json,,b.json", "expected file paths, got ''"),
 ]
 
 
@@ -107,6 +117,12 @@ TOML_BAD = [
     ("cache_mib", "1e3", "1000.0", "expected an integer, not a float"),
     ("context_length", "4096.0", "4096.0", "expected an integer, not a float"),
     ("model", '""', "''", "not an empty string"),
+    ("layer_split", "[2.0, 2]", "[2.0, 2]", "got 2.0"),  # would pass as 2, silently
+    ("layer_split", "[true, 2]", "[True, 2]", "got True"),
+    ("layer_split", "[]", "[]", "one layer count per device"),
+    ("devices", '["cuda:0", 1]', "['cuda:0', 1]", "expected device names, got 1"),
+    ("devices", '"tpu"', "'tpu'", "'tpu' is not a device"),
+    ("devices", "3", "3", "list"),
 ]
 
 
@@ -260,3 +276,111 @@ def test_the_engine_options_are_the_ones_engine_options_reads() -> None:
     read = (fields & set(OPTION_NAMES)) | {"elastic_reserve_mib", "model", "log_level"}
     assert read == ENGINE_OPTIONS, read ^ ENGINE_OPTIONS
     assert BENCH_OPTIONS < ENGINE_OPTIONS and "cache_mib" not in BENCH_OPTIONS
+
+
+# -- several devices (issue 21): the rules between devices, layer_split and the simulated files ----
+
+SPLIT_RULES = [
+    ({"STRATA_LAYER_SPLIT": "20,28"}, ["layer_split 20,28 needs devices"]),
+    (
+        {"STRATA_DEVICES": "cuda:0,cuda:1", "STRATA_LAYER_SPLIT": "48"},
+        ["layer_split 48", "1 count(s) for the 2 device(s)", "cuda:0,cuda:1", "one per device"],
+    ),
+    (
+        {"STRATA_DEVICES": "cuda:0", "STRATA_LAYER_SPLIT": "20,28"},
+        ["layer_split 20,28", "2 count(s) for the 1 device(s)"],
+    ),
+    (
+        {"STRATA_DEVICES": "cuda:0,cuda:1", "STRATA_DEVICE": "cuda:1"},
+        ["device 'cuda:1' and devices cuda:0,cuda:1 are both set"],
+    ),
+    (
+        {"STRATA_DEVICES": "cpu,cpu", "STRATA_VRAM_MONITOR": "simulated",
+         "STRATA_SIMULATED_VRAM_FILE": "/tmp/a.json"},
+        ["vram_monitor = simulated with 2 devices needs simulated_vram_files"],
+    ),
+    (
+        {"STRATA_DEVICES": "cpu,cpu", "STRATA_VRAM_MONITOR": "simulated",
+         "STRATA_SIMULATED_VRAM_FILES": "/tmp/a.json"},
+        ["simulated_vram_files /tmp/a.json has 1 file(s) for 2 device(s)"],
+    ),
+    (
+        {"STRATA_SIMULATED_VRAM_FILES": "/tmp/a.json", "STRATA_SIMULATED_VRAM_FILE": "/tmp/b"},
+        ["simulated_vram_file and simulated_vram_files are both set"],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("environ", "fragments"), SPLIT_RULES)
+def test_a_broken_split_is_one_line_naming_the_options_and_values(
+    env: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    environ: dict[str, str],
+    fragments: list[str],
+) -> None:
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    _fails_with(capsys, ["config", "show"], *fragments)
+
+
+def test_devices_and_layer_split_from_each_layer(env: Path) -> None:
+    import argparse
+
+    from strata.daemon.config import load_config
+
+    env.write_text('devices = ["CUDA:0", "cuda:1"]\nlayer_split = [20, 28]\n')
+    loaded = load_config(argparse.Namespace(), {"XDG_CONFIG_HOME": str(env.parents[1])})
+    assert loaded.config.devices == ["cuda:0", "cuda:1"]
+    assert loaded.config.layer_split == [20, 28]
+    assert loaded.config.device_count == 2
+    environ = {"XDG_CONFIG_HOME": str(env.parents[1]), "STRATA_LAYER_SPLIT": " 24 , 24 "}
+    assert load_config(argparse.Namespace(), environ).config.layer_split == [24, 24]
+    args = argparse.Namespace(opt_devices="cpu,cpu,cpu", opt_layer_split="1,1,2")
+    config = load_config(args, environ).config  # the flags win over the file
+    assert config.devices == ["cpu", "cpu", "cpu"] and config.layer_split == [1, 1, 2]
+    assert config.simulated_files() == [None, None, None]
+
+
+def test_one_device_is_as_before(env: Path) -> None:
+    import argparse
+
+    from strata.daemon.config import load_config
+
+    config = load_config(argparse.Namespace(), {"XDG_CONFIG_HOME": str(env.parents[1])}).config
+    assert config.devices is None and config.layer_split is None and config.device_count == 1
+    sim = {"XDG_CONFIG_HOME": str(env.parents[1]), "STRATA_VRAM_MONITOR": "simulated",
+           "STRATA_SIMULATED_VRAM_FILE": "/tmp/one.json"}  # fmt: skip
+    assert load_config(argparse.Namespace(), sim).config.simulated_files() == [
+        Path("/tmp/one.json")
+    ]
+
+
+def test_config_show_prints_lists_as_toml_arrays(
+    env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env.write_text('devices = ["cuda:0", "cuda:1"]\n')
+    assert main(["config", "show", "--layer-split", "20,28"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r'^devices\s+= \["cuda:0", "cuda:1"\]\s+# file ', out, re.M), out
+    assert re.search(r"^layer_split\s+= \[20, 28\]\s+# command line --layer-split", out, re.M)
+    # what config show prints reads back as the same configuration
+    env.write_text('devices = ["cuda:0", "cuda:1"]\nlayer_split = [20, 28]\n')
+    assert main(["config", "show"]) == 0
+    assert re.search(r"^layer_split\s+= \[20, 28\]\s+# file ", capsys.readouterr().out, re.M)
+
+
+def test_engine_options_carry_the_split_as_tuples_and_nothing_without_it() -> None:
+    from strata.daemon.config import StrataConfig
+    from strata.daemon.engine_setup import engine_options
+    from strata.engine.generate import EngineOptions
+
+    plain = engine_options(StrataConfig(device="cpu"))
+    assert plain.devices is None and plain.layer_split is None
+    assert (EngineOptions().devices, EngineOptions().layer_split) == (None, None)
+    split = engine_options(StrataConfig(devices="cpu,cpu", layer_split="1,3"), "cpu")
+    assert split.devices == ("cpu", "cpu") and split.layer_split == (1, 3)
+    automatic = engine_options(StrataConfig(devices="cpu,cpu"), "cpu")
+    assert automatic.devices == ("cpu", "cpu") and automatic.layer_split is None
+    # strata generate names no device: the first stage's, never "auto"'s guess
+    assert engine_options(StrataConfig(devices="cuda:1,cuda:0")).device == "cuda:1"

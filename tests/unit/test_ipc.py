@@ -120,3 +120,89 @@ def test_status_table_says_unknown_for_absent_values() -> None:
     table = format_leases(STATUS["leases"]).splitlines()
     assert table[0].split() == ["COOKIE", "MIB", "APP", "ID", "REASON", "PID", "SINCE", "OWNER"]
     assert table[1].split()[:5] == ["3", "512", "org.example.A", "render", "-"]
+
+
+# -- several devices -----------------------------------------------------------------------------
+
+SECOND = {
+    "index": 1, "compute_device": "cuda:1", "device": "simulated",
+    "monitor": {"kind": "simulated", "healthy": True, "problem": None}, "vram_requests": "room",
+    "first_layer": 20, "layers": 28, "cache_mib": 30, "core_mib": 8, "tail_mib": 22,
+    "max_cache_mib": 48, "cache_experts": 20, "kv_mib": 2, "budget_mib": 40, "total_mib": 800,
+    "free_mib": 700, "ours_mib": 32, "tenants_mib": 68, "reserve_mib": 100, "holds": {},
+    "room_kept_mib": 612, "borrowed_mib": 512, "resizes": 3,
+    "leases": [{"cookie": 4, "app_id": "org.example.B", "reason": "game", "mib": 512,
+                "since_us": 1_796_000_000_000_000, "owner": ":1.6", "pid": 77, "device": 1}],
+}  # fmt: skip
+FIRST = {**SECOND, "index": 0, "compute_device": "cuda:0", "first_layer": 0, "layers": 20,
+         "leases": [{**STATUS["leases"][0], "device": 0}]}  # fmt: skip
+SPLIT = {**STATUS, "devices": [FIRST, SECOND]}
+
+
+def test_device_options_of_reserve_and_borrow() -> None:
+    assert parse_args(["reserve", "4000"]).device is None  # SetReserve, as with one device
+    assert parse_args(["reserve", "4000", "--device", "1"]).device == 1
+    borrow = parse_args(["borrow", "--device", "1", "4000", "--", "sleep", "1"])
+    assert (borrow.device, borrow.mib, borrow.command) == (1, 4000, ["sleep", "1"])
+    assert parse_args(["borrow", "4000", "--", "x"]).device is None
+
+
+@pytest.mark.parametrize("value", ["-1", "one", "1.5", "", str(2**32)])
+def test_a_bad_device_number_is_a_usage_error_naming_it(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(["reserve", "10", "--device", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"expected a device number (0, 1, …), got {value!r}" in err
+
+
+def test_the_status_table_lists_each_device_and_every_lease() -> None:
+    text = format_status(SPLIT)
+    assert "borrowed   512 MiB in 1 lease(s)" in text, "the rows of one device are device 0's"
+    assert "device 0   cuda:0 (simulated, monitor simulated), layers 0-19" in text
+    line = next(row for row in text.splitlines() if row.startswith("device 1 "))
+    assert "cuda:1" in line and "layers 20-47" in line and "cache 30 MiB" in line
+    assert "reserve 100 MiB" in line and "borrowed 512 MiB in 1 lease(s)" in line
+    header, *rows = text.split("\n\n")[1].splitlines()
+    assert header.split()[:3] == ["COOKIE", "DEVICE", "MIB"]
+    assert [row.split()[:2] for row in rows] == [["3", "0"], ["4", "1"]]
+    # one device: the table as it always was
+    assert "DEVICE" not in format_status({**STATUS, "devices": [FIRST]})
+    assert "device 1" not in format_status({**STATUS, "devices": [FIRST]})
+
+
+def test_a_reserve_line_speaks_of_its_device() -> None:
+    from strata.ipc.ctl import _device_status, carried_out
+
+    assert _device_status(SPLIT, None) is SPLIT and _device_status(SPLIT, 0) is SPLIT
+    assert carried_out(_device_status(SPLIT, 1), 48, 100) == (
+        "700 MiB free on simulated (cache 48 -> 30 MiB)"
+    )
+
+
+def test_the_devices_property_and_the_split_status_over_the_wire() -> None:
+    assert property_values(SPLIT)["Devices"] == ["cuda:0", "cuda:1"]
+    assert property_values(SPLIT)["CacheMiB"] == 48, "the size properties are device 0's"
+    back = from_variant(_over_the_wire(to_vardict(SPLIT)))
+    assert [d["index"] for d in back["devices"]] == [0, 1]
+    assert back["devices"][1]["leases"][0]["device"] == 1
+
+
+def test_metrics_label_each_device_and_keep_the_old_series_for_device_0() -> None:
+    from types import SimpleNamespace
+
+    from strata.daemon.metrics import Metrics
+
+    daemon = SimpleNamespace(status=lambda: SPLIT, worker=SimpleNamespace(steps=0))
+    text = Metrics(daemon).render().decode()
+    assert "\nstrata_cache_mib 48.0\n" in text and "\nstrata_free_vram_mib 488.0\n" in text
+    assert 'strata_device_cache_mib{device="0",name="cuda:0"} 30.0' in text
+    assert 'strata_device_cache_mib{device="1",name="cuda:1"} 30.0' in text
+    assert 'strata_device_reserve_mib{device="1",name="cuda:1"} 100.0' in text
+    assert 'strata_device_borrowed_mib{device="1",name="cuda:1"} 512.0' in text
+    unwatched = {**SPLIT, "devices": [{**FIRST, "free_mib": None}, SECOND]}
+    text = Metrics(SimpleNamespace(status=lambda: unwatched, worker=None)).render().decode()
+    assert 'strata_device_free_vram_mib{device="0"' not in text, "an unknown value is left out"
+    assert 'strata_device_free_vram_mib{device="1",name="cuda:1"} 700.0' in text

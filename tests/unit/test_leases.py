@@ -228,7 +228,7 @@ def test_error_hierarchy_and_dbus_names() -> None:
 
 def test_cookie_space_is_never_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
     book = LeaseBook()
-    book._last_cookie = COOKIE_MAX - 1  # white-box: 4 billion borrows take too long to test
+    book._cookies.last = COOKIE_MAX - 1  # white-box: 4 billion borrows take too long to test
     assert _add(book).cookie == COOKIE_MAX
     with pytest.raises(LeaseError, match="cookies"):
         _add(book)
@@ -241,3 +241,43 @@ def test_the_book_and_the_policy_import_no_torch() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- several devices: one book per device, one cookie sequence and one set of limits -------------
+
+
+def test_books_of_several_devices_share_cookies_and_limits() -> None:
+    from strata.daemon.leases import Cookies
+
+    cookies = Cookies()
+    first, second = LeaseBook(cookies), LeaseBook(cookies)
+    a, b, c = _add(first), _add(second), _add(first)
+    assert [a.cookie, b.cookie, c.cookie] == [1, 2, 3], "a cookie names one lease of the daemon"
+    assert [lease.cookie for lease in first.leases()] == [1, 3]
+    assert second.leases() == [b] and second.borrowed_mib == 1000 and first.borrowed_mib == 2000
+    # each book knows only its own leases: the other device's cookie is not found in it
+    with pytest.raises(LeaseNotFound, match="2"):
+        first.remove(2, None)
+    # reserves and holds are each device's own
+    second.set_reserve(4000)
+    second.set_hold("gamemode", 500)
+    assert first.reserve_mib == 0 and first.holds == {} and second.reserve_mib == 4000
+    # the per-caller limit counts both books
+    for _ in range(MAX_LEASES_PER_OWNER - 3):
+        _add(second)
+    with pytest.raises(LeaseError, match=f"holds {MAX_LEASES_PER_OWNER} leases already"):
+        _add(first)
+    assert cookies.count(":1.7") == MAX_LEASES_PER_OWNER
+    # and so does the limit of all leases
+    for i in range(MAX_LEASES - MAX_LEASES_PER_OWNER):
+        _add(first if i % 2 else second, owner=f":2.{i // MAX_LEASES_PER_OWNER}")
+    with pytest.raises(LeaseError, match=f"{MAX_LEASES} leases are held"):
+        _add(second, owner=":3.1")
+    # a returned lease's cookie is never handed out again, by either book
+    first.remove(1, None)
+    assert _add(first, owner=":3.1").cookie == MAX_LEASES + 1
+
+
+def test_a_book_on_its_own_counts_only_its_leases() -> None:
+    one, other = LeaseBook(), LeaseBook()
+    assert _add(one).cookie == 1 and _add(other).cookie == 1

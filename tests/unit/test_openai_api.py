@@ -154,7 +154,7 @@ def loading_daemon(**config: Any) -> Any:
     return SimpleNamespace(
         config=StrataConfig(**config), state="loading", model_id="", model_path=None,
         device="cpu", started=0.0, status=lambda: status, sizes=lambda: [],
-        worker=SimpleNamespace(engine=None, steps=0), controller=None,
+        worker=SimpleNamespace(engine=None, steps=0), controller=None, controls=None,
     )  # fmt: skip
 
 

@@ -161,18 +161,18 @@ def test_a_pending_resize_is_not_replaced_by_the_refill_after_a_request() -> Non
     worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
     worker.engine = engine  # type: ignore[assignment]  # as the engine thread sees it
     pending = _Resize(8, None, "reserve (request)", [])
-    worker._resize = pending  # a shrink asked for while the request ran
+    worker._resizes[0] = pending  # a shrink asked for while the request ran
     worker._refill_after_request()
-    assert worker._resize is pending, "the newer request decides the size"
-    worker._resize = None
+    assert worker._resizes[0] is pending, "the newer request decides the size"
+    worker._resizes.clear()
     worker._refill_after_request()
-    refill = worker._resize
+    refill = worker._resizes.get(0)
     assert refill is not None and refill.reason == "room the K/V gave back"
     assert refill.budget == engine.runner.budget and refill.futures == []
     engine.runner.want = 40  # no room left: nothing to ask
-    worker._resize = None
+    worker._resizes.clear()
     worker._refill_after_request()
-    assert worker._resize is None
+    assert worker._resizes == {}
 
 
 def test_a_shrink_comes_at_once() -> None:
@@ -183,3 +183,66 @@ def test_a_shrink_comes_at_once() -> None:
     assert worker.request_resize(4, None, "reserve (request)").result(30).to_slots == 4
     worker.stop(30)
     assert cache.calls == [4]
+
+
+# -- a layer split: one cache and one pending resize per stage ----------------------------------
+
+
+class _Stage:
+    def __init__(self, number: int, cache: _Cache) -> None:
+        self.number, self.cache, self.budget = number, cache, None
+        self.on_cache_resized: Any = None
+
+
+class _SplitEngine(_Engine):
+    """Two stages, each with its own cache; budgets recorded with their stage."""
+
+    def __init__(self, first: _Cache, second: _Cache) -> None:
+        super().__init__(first)
+        self.stages = [_Stage(0, first), _Stage(1, second)]
+        self.budgets: list[tuple[int, int]] = []
+
+    def set_budget(self, budget: int, stage: int = 0) -> int:
+        self.budgets.append((stage, budget))
+        return budget // self.stages[stage].cache.slot_bytes
+
+
+def test_each_stage_has_its_own_pending_resize_and_cache() -> None:
+    first, second = _Cache(40), _Cache(40)
+    engine = _SplitEngine(first, second)
+    worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
+    worker.engine = engine  # type: ignore[assignment]  # not started: requests stay pending
+    assert worker.stage_cache(0) is first and worker.stage_cache(1) is second
+    one = worker.request_resize(10, None, "lease (request)", stage=1)
+    zero = worker.request_resize(30, None, "reserve (request)")
+    assert set(worker._resizes) == {0, 1}, "a request for stage 1 never replaces stage 0's"
+    newer = worker.request_resize(8, None, "lease (request)", stage=1)
+    assert worker._resizes[1].n_slots == 8 and worker._resizes[0].n_slots == 30
+    seen: list[tuple[str, int, int]] = []
+    worker.on_resized = lambda r, why: seen.append(("stage 0", r.from_slots, r.to_slots))
+    worker.on_stage_resized[1] = lambda r, why: seen.append(("stage 1", r.from_slots, r.to_slots))
+    worker._apply_resizes()
+    assert first.calls == [30] and second.calls == [8]
+    assert one.result(0).to_slots == newer.result(0).to_slots == 8  # the newer size answers both
+    assert zero.result(0).to_slots == 30
+    assert seen == [("stage 0", 40, 30), ("stage 1", 40, 8)]
+    assert worker._resizes == {}
+
+
+def test_a_stage_budget_goes_to_that_stage() -> None:
+    first, second = _Cache(4), _Cache(4)
+    engine = _SplitEngine(first, second)
+    worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
+    worker.start()
+    worker.ready.result(30)
+    done = worker.request_budget(6 * _Cache.slot_bytes, "room (period)", stage=1)
+    assert done.result(30).to_slots == 6
+    worker.stop(30)
+    assert engine.budgets == [(1, 6 * _Cache.slot_bytes)]
+    assert first.calls == [] and second.calls == [6], "stage 0's cache is left alone"
+    # a resize the K/V's growth makes in stage 1 reaches stage 1's listener, not stage 0's
+    heard: list[tuple[str, str]] = []
+    worker.on_resized = lambda r, why: heard.append(("stage 0", why))
+    worker.on_stage_resized[1] = lambda r, why: heard.append(("stage 1", why))
+    engine.stages[1].on_cache_resized(second.resize(5), "K/V growth")
+    assert heard == [("stage 1", "K/V growth")]
