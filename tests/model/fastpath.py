@@ -1,22 +1,29 @@
 """Runners for the fast-path tests: the reference path, and the fast decoder assembled by hand
 (``Engine.load`` takes the fast path on a GPU only), on the GPU when there is one, else on the
-CPU in Triton's interpreter (the importing test sets ``TRITON_INTERPRET`` first)."""
+CPU in Triton's interpreter (set here, before the kernels are imported, as the importing tests
+do: whichever module imports them first decides)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.provider import FileExpertProvider
 from strata.engine.fast_decode import FastDecoder
+from strata.engine.generate import Engine
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.models import architecture_module
 from strata.engine.runner import Runner
 
 MiB = 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PROMPT = [1, 5, 9, 100, 7]
 
 
 def reference_runner(path: Path) -> Runner:
@@ -75,4 +82,27 @@ def worst(a: torch.Tensor, b: torch.Tensor, tol: float) -> float:
         top2 = torch.topk(ra, 2).values
         if float(top2[0] - top2[1]) > 2 * tol * scale:
             assert int(ra.argmax()) == int(rb.argmax())
+    return out
+
+
+def decode(runner: Runner, steps: int, first: int) -> list[torch.Tensor]:
+    """Logits of PROMPT and of ``steps`` forced tokens from ``first`` (the same for every
+    runner), on the CPU."""
+    runner.rewind(0)
+    out = [runner.feed(PROMPT).cpu()]
+    tok = first
+    for _ in range(steps):
+        out.append(runner.feed([tok]).cpu())
+        tok = (tok * 31 + 7) % 500
+    return out
+
+
+def forced_logits(e: Engine, prompt: list[int], steps: int) -> list[torch.Tensor]:
+    """An engine's logits of ``prompt`` and of ``steps`` forced tokens, on the CPU."""
+    e.runner.rewind(0)
+    out = [e.runner.feed(prompt).cpu()]
+    tok = 17
+    for _ in range(steps):
+        out.append(e.runner.feed([tok]).cpu())
+        tok = (tok * 131 + 3) % 2000
     return out

@@ -28,24 +28,12 @@ from strata.engine.runner import Runner
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed")
-from fastpath import fast_runner, reference_runner
+from fastpath import PROMPT, decode, fast_runner, reference_runner
 
 Q = gguf.GGMLQuantizationType
 MiB = 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 1e-5  # max |fast - reference| / max |reference| of one step's logits
-PROMPT = [1, 5, 9, 100, 7]
-
-
-def decode(runner: Runner, steps: int, first: int) -> list[torch.Tensor]:
-    """Logits of the prompt and of ``steps`` forced tokens (the same for every runner)."""
-    runner.rewind(0)
-    out = [runner.feed(PROMPT)]
-    tok = first
-    for _ in range(steps):
-        out.append(runner.feed([tok]).cpu())
-        tok = (tok * 31 + 7) % 500
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fastpath import forced_logits
 
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.generate import Engine, EngineOptions, decode_path
@@ -44,16 +45,6 @@ def all_mib(path: Path, cuda: str) -> int:
     mib = -(-e.cache.n_slots * e.cache.slot_bytes // MiB) + 2
     e.close()
     return mib
-
-
-def forced_logits(e: Engine, prompt: list[int], steps: int) -> list[torch.Tensor]:
-    e.runner.rewind(0)
-    out = [e.runner.feed(prompt).cpu()]
-    tok = 17
-    for _ in range(steps):
-        out.append(e.runner.feed([tok]).cpu())
-        tok = (tok * 131 + 3) % 2000
-    return out
 
 
 def test_the_gpu_takes_the_fast_path_and_says_so(tiny_models, cuda, caplog) -> None:

@@ -25,14 +25,13 @@ from strata.engine.stages import layer_ranges
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed")
-from fastpath import fast_runner
+from fastpath import PROMPT, decode, fast_runner
 
 from strata.engine.fast_decode import FastPathError
 from strata.engine.fast_stages import StagedDecoder
 
 MiB = 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-PROMPT = [1, 5, 9, 100, 7]
 
 
 def staged_runner(
@@ -70,16 +69,6 @@ def staged_runner(
     decoder.bind_stages()
     runner.decoder = decoder  # type: ignore[assignment]
     return runner
-
-
-def decode(runner: Runner, steps: int, first: int) -> list[torch.Tensor]:
-    runner.rewind(0)
-    out = [runner.feed(PROMPT).cpu()]
-    tok = first
-    for _ in range(steps):
-        out.append(runner.feed([tok]).cpu())
-        tok = (tok * 31 + 7) % 500
-    return out
 
 
 @pytest.fixture(scope="module")

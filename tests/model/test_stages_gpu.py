@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fastpath import forced_logits
 
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.generate import Engine, EngineOptions, decode_path
@@ -42,16 +43,6 @@ def load(path: Path, devices: tuple[str, ...] | None, **kw) -> Engine:
         options["devices"] = devices  # type: ignore[assignment]
     options.update(kw)
     return Engine.load(path, EngineOptions(**options))  # type: ignore[arg-type]
-
-
-def forced_logits(e: Engine, prompt: list[int], steps: int) -> list[torch.Tensor]:
-    e.runner.rewind(0)
-    out = [e.runner.feed(prompt).cpu()]
-    tok = 17
-    for _ in range(steps):
-        out.append(e.runner.feed([tok]).cpu())
-        tok = (tok * 131 + 3) % 2000
-    return out
 
 
 def generate(e: Engine, params: SamplingParams) -> list[int]:
