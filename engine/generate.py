@@ -310,7 +310,7 @@ def _configure_decoder(
         raise EngineError(f"adapt_swaps={options.adapt_swaps} is negative")
     decoder.adapt_swaps = options.adapt_swaps
     ahead = options.prefetch_experts
-    if not 0 <= ahead <= model.args.n_expert:
+    if not isinstance(ahead, int) or not 0 <= ahead <= model.args.n_expert:
         raise EngineError(
             f"prefetch_experts={ahead}: must be between 0 and the model's "
             f"{model.args.n_expert} experts per layer"

@@ -209,6 +209,14 @@ class KVCache:
         self.length = len(self.book.active.tokens)
         self._sync_table()
 
+    def evict(self) -> int:
+        """Let the least recently used kept conversation go, or the idle active sequence
+        (``KVBook.evict``); returns the pages freed."""
+        freed = self.book.evict()
+        self.length = len(self.book.active.tokens)
+        self._sync_table()
+        return freed
+
     def _sync_table(self) -> None:
         table = self.book.table(self.table_pages)
         if table != self._table_synced:
@@ -261,10 +269,11 @@ class KVCache:
         }
 
     def floor_bytes(self) -> int:
-        """What the K/V cannot give back now: the pages the active sequence holds (and the
-        sink), packed down and in whole chunks. Kept conversations and free pages can go."""
+        """What the K/V cannot give back now: the pages the active sequence holds while its
+        request runs (and the sink), packed down and in whole chunks. Kept conversations, an
+        idle active sequence (between requests) and free pages can go."""
         b = self.book
-        return b.bytes_for(max(1, b.used_pages - b.kept_only_pages()))
+        return b.bytes_for(max(1, b.used_pages - b.evictable_pages()))
 
     def context_bytes(self, tokens: int) -> int:
         """What ``tokens`` positions of one sequence need mapped (whole pages)."""

@@ -12,6 +12,8 @@ Holders:
 * the **active sequence** (the conversation the runner computes): its tokens and the pages that
   hold them, position ``p`` in ``pages[p // page]``; it may own pages ahead of its tokens
   (reserved for the next chunk);
+  between requests it is *idle* (``park``): its pages may then go, after every kept one, when
+  the budget needs them (a lease waiting for room must not wait for the next request);
 * the **kept** conversations: the tokens and pages of recent requests, most recently used last,
   at most ``keep`` of them. A new request starts from the one sharing the longest prefix with its
   prompt: the whole pages of that prefix are shared (a reference more each, no copy); the page
@@ -77,6 +79,7 @@ class KVBook:
         self.mapped = 0  # pages [0, mapped) are backed by memory
         self._free: list[int] = []  # a heap of free mapped pages: the lowest is handed out first
         self.active = Held()
+        self.idle = False  # the active sequence's request has ended (``park``)
         self.kept: list[Held] = []  # least recently used first
 
     # -- memory ----------------------------------------------------------------------------------
@@ -174,9 +177,19 @@ class KVBook:
             if best is not previous:
                 self.kept.remove(best)
                 self.kept.append(best)  # the most recently used
-        self.active = seq
+        self.active, self.idle = seq, False
         self._keep(previous)
         return best_n
+
+    def park(self) -> None:
+        """The active sequence's request has ended: its pages stay (the next prompt that
+        extends it reuses them) but, after every kept conversation, may go when the budget
+        needs them, until ``resume`` (or ``begin``)."""
+        self.idle = True
+
+    def resume(self) -> None:
+        """The active sequence is in use again (it is about to grow): its pages stay."""
+        self.idle = False
 
     def _keep(self, held: Held) -> None:
         """Keep ``held`` for reuse (dropping the kept ones it covers), or let it go."""
@@ -200,13 +213,20 @@ class KVBook:
         while len(self.kept) > self.keep:
             self.evict()
 
+    def evictable(self) -> bool:
+        """Whether ``evict`` has something to let go: a kept conversation, or an idle active
+        sequence holding pages."""
+        return bool(self.kept) or (self.idle and bool(self.active.pages))
+
     def evict(self) -> int:
-        """Let the least recently used kept conversation go; returns the pages that became free
-        (0 when nothing is kept, or all its pages are shared with the active sequence)."""
-        if not self.kept:
-            return 0
+        """Let the least recently used kept conversation go, or, when none is kept, the idle
+        active sequence (``park``: it is forgotten); returns the pages that became free (0 when
+        there is nothing to let go, or all its pages are shared with the active sequence)."""
         before = len(self._free)
-        self._drop(self.kept.pop(0).pages)
+        if self.kept:
+            self._drop(self.kept.pop(0).pages)
+        elif self.idle:
+            self.truncate(0)
         return len(self._free) - before
 
     def pages_needed(self, length: int) -> int:
@@ -223,6 +243,7 @@ class KVBook:
         """Give the active sequence pages for positions up to ``length``; returns the copies
         (source page, new page) to make before writing: shared pages it writes into from now on
         (copy on write). ``pages_needed(length)`` pages must be free."""
+        self.idle = False
         need = self.pages_needed(length)
         if need > len(self._free):
             raise KVBookError(
@@ -268,6 +289,13 @@ class KVBook:
 
     def active_pages(self) -> int:
         return len(self.active.pages)
+
+    def evictable_pages(self) -> int:
+        """Pages that evicting everything ``evict`` may let go would free: the kept
+        conversations' own, and the idle active sequence's."""
+        if self.idle:
+            return self.used_pages - 1  # all but the sink
+        return self.kept_only_pages()
 
     def kept_only_pages(self) -> int:
         """Pages only kept conversations hold: what evicting all of them would free."""

@@ -140,13 +140,14 @@ class Runner:
         too little."""
         for stage in self.stages:
             kv = stage.kv
+            kv.book.resume()  # the active sequence grows: it is no longer idle, its pages stay
             while (short := kv.pages_short(end)) > 0:
                 want = kv.bytes_to_map(short)
                 room = stage.budget_room()
                 if want and not kv.fixed and (room is None or room >= want):
                     if kv.grow(want):
                         continue
-                if kv.book.kept:
+                if kv.book.kept:  # (never the active sequence: it is growing)
                     self._evict()
                     continue
                 cache = stage.cache
@@ -162,9 +163,10 @@ class Runner:
             stage.kv.prepare(end)
 
     def _evict(self) -> None:
-        """Drop the least recently used kept conversation from every stage's K/V."""
+        """Drop the least recently used kept conversation (or, none kept, the idle active
+        sequence) from every stage's K/V."""
         for stage in self.stages:
-            stage.kv.book.evict()
+            stage.kv.evict()
 
     def _full(self, stage: Stage, end: int, short: int) -> KVFull:
         kv, MiB = stage.kv, 2**20
@@ -189,9 +191,11 @@ class Runner:
     def settle(self) -> int:
         """After a request: unmap each stage's K/V's free chunks above its pages in use, and
         (with ``settle_grows``) let each expert cache's tail grow into its budget's room at once
-        (the hottest missing experts); returns the bytes the K/V gave back."""
+        (the hottest missing experts); returns the bytes the K/V gave back. The active sequence
+        becomes idle: a budget cut before the next request may take its pages too."""
         freed = 0
         for stage in self.stages:
+            stage.kv.book.park()
             freed += stage.kv.trim()
             slots = stage.refill_slots() if self.settle_grows else None
             if slots is not None and stage.cache is not None:
@@ -208,15 +212,16 @@ class Runner:
     def fit_budget(self, budget: int, stage: int = 0) -> int:
         """A new budget for ``stage`` (the policy's target for its cache and K/V together): the
         kept conversations go first (least recently used; from every stage, which keep the same
-        ones), the stage's K/V's free chunks are unmapped; then its cache takes what is left,
-        never below its core. Returns the cache's slots to resize to (the caller resizes, in
-        pieces). The active sequence keeps its pages."""
+        ones; then, between requests, the idle active sequence), the stage's K/V's free chunks
+        are unmapped; then its cache takes what is left, never below its core. Returns the
+        cache's slots to resize to (the caller resizes, in pieces). The active sequence of a
+        running request keeps its pages."""
         st = self.stages[stage]
         st.budget = budget
         kv, cache = st.kv, st.cache
         assert cache is not None, "a budget needs an expert cache"
         while cache.mapped_bytes_for(cache.sizes.core_slots) + kv.mapped_bytes > budget:
-            if not kv.book.kept:
+            if not kv.book.evictable():
                 break
             self._evict()
             kv.trim()

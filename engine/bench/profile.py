@@ -46,9 +46,10 @@ def _engine(
 ) -> Any:
     from strata.engine.generate import Engine, EngineOptions
 
+    ahead = {} if prefetch is None else {"prefetch_experts": prefetch}  # else the engine's
     options = EngineOptions(
         device="cuda:0", cache_mib=cache_mib, context_length=n_ctx, fast_decode=fast,
-        enforce_eager=eager, prefill_chunk_tokens=chunk, prefetch_experts=prefetch,
+        enforce_eager=eager, prefill_chunk_tokens=chunk, **ahead,
     )  # fmt: skip
     return Engine.load(path, options)
 

@@ -141,6 +141,40 @@ def test_the_kv_takes_room_from_the_cache_tail_within_one_budget(path: Path) -> 
         e.close()
 
 
+def test_between_requests_a_budget_cut_takes_the_last_conversations_pages_too(
+    path: Path,
+) -> None:
+    """A lease that comes after a long request must not wait for the next one: the finished
+    conversation's pages are no longer the active sequence's floor, and go after the kept ones."""
+    e, cold = load(path, cache_mib=16, elastic_tail_mib=12), load(path)
+    try:
+        cache, r = e.cache, e.runner
+        assert cache is not None and r.budget is not None
+        budget, kv = r.budget, r.kv
+        p1 = words(e, 900)
+        r1 = gen(e, p1)
+        assert kv.mapped_bytes > 3 * MiB and len(r.tokens) == len(p1) + len(r1.tokens) - 1
+        assert kv.floor_bytes() == kv.chunk_bytes, "between requests only the sink stays for good"
+        core = cache.mapped_bytes_for(cache.sizes.core_slots)
+        cache.resize(e.set_budget(core + kv.chunk_bytes))  # a lease wants all but the core
+        in_budget(e)
+        assert kv.mapped_bytes == kv.chunk_bytes and cache.n_slots == cache.sizes.core_slots
+        assert r.tokens == [] and not kv.book.kept
+        cache.resize(e.set_budget(budget))  # the lease returns
+        in_budget(e)
+        p2 = p1 + r1.tokens + words(e, 10, seed=3)
+        floors: list[int] = []
+        r2 = e.generate(p2, GREEDY, safe_point=lambda: floors.append(kv.floor_bytes()))
+        assert r2.cached_tokens == 0, "its pages went with the lease: the second turn recomputes"
+        assert r2.tokens == gen(cold, p2).tokens
+        # while a request runs its pages are the floor (a cut then waits for its end)
+        assert min(floors) >= kv.book.bytes_for(pages_for(len(p2), kv.page) + 1)
+        assert kv.floor_bytes() == kv.chunk_bytes
+    finally:
+        e.close()
+        cold.close()
+
+
 def test_a_prompt_beyond_the_budget_at_the_cache_core_is_refused_with_the_numbers(
     path: Path,
 ) -> None:

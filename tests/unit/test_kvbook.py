@@ -128,6 +128,38 @@ def test_no_kept_conversation_still_reuses_the_previous_one() -> None:
     assert b.used_pages == 1 + 1  # the sink and the active sequence's page
 
 
+def test_an_idle_active_sequence_goes_last_and_only_between_requests() -> None:
+    b = book(keep=1)
+    run(b, [1] * 6)
+    run(b, [2] * 9)
+    assert [h.tokens[0] for h in b.kept] == [1] and not b.idle
+    assert b.evictable_pages() == b.kept_only_pages() == 2  # 1's two pages; 2's are in use
+    b.park()  # the request ended
+    assert b.evictable() and b.evictable_pages() == 2 + 3
+    assert b.evict() == 2 and b.kept == []  # the kept one first
+    assert b.active.tokens == [2] * 9, "the idle sequence stays while something else can go"
+    assert b.evict() == 3 and b.active == type(b.active)() and not b.evictable()
+    assert b.used_pages == 1 and b.evict() == 0  # the sink alone: nothing left to let go
+    b.check()
+    run(b, [2] * 10)  # nothing to reuse any more: computed from the start
+    assert len(b.active.tokens) == 10 and not b.idle
+
+
+def test_a_parked_sequence_is_in_use_again_once_it_grows() -> None:
+    b = book(keep=0)
+    run(b, [3] * 5)
+    b.park()
+    b.reserve(6)  # the same sequence goes on (a caller that feeds it again)
+    assert not b.idle and not b.evictable() and b.evict() == 0
+    assert b.active.tokens == [3] * 5
+    b.park()
+    assert run(b, [3] * 7) == 5 and not b.idle  # the next request reuses it
+    b.park()
+    b.resume()
+    assert not b.evictable()
+    b.check()
+
+
 def test_a_kept_conversation_covered_by_a_longer_one_is_dropped() -> None:
     b = book(keep=4)
     run(b, [1] * 6)
@@ -223,6 +255,12 @@ def test_random_sessions_keep_every_reference_accounted_for() -> None:
             b.extend([t])
         convs[i] = list(b.active.tokens)
         b.check()
+        b.park()  # the request ends
+        if rng.random() < 0.1:  # a budget cut before the next one: everything held may go
+            while b.evictable():
+                b.evict()
+            assert b.used_pages == 1 and not b.active.tokens
+            b.check()
         if rng.random() < 0.3:  # a trim as far as the pages in use allow
             target = b.used_pages
             moves = b.trim_plan(target)
