@@ -9,7 +9,9 @@ instead of the device's free memory, and their budget stays there. Reports, as o
 * ``ttft``: time to the first token of a ``--prompt`` token prompt, cold, and of its second turn
   (the first turn's reply and ``--turn`` new tokens after it: the prefix is reused), with the
   prompt tokens each computed (``cached_tokens``);
-* ``decode``: greedy decode tokens per second after a prompt of each ``--decode-at`` length;
+* ``decode``: greedy decode tokens per second after a prompt of each ``--decode-at`` length,
+  once the cache has settled (``tok_s``: the prompt's second run) and right after the previous
+  measurement (``first_tok_s``: the cache may still be refilling);
 * ``experts``: experts the cache holds with a ``--long`` token context, at load and after a
   ``--decode-at``'s first prompt, for the growing K/V and for a fixed one (``kv_fixed``).
 
@@ -80,11 +82,21 @@ def ttft(engine: Any, n: int, turn: int) -> dict[str, Any]:
 
 
 def decode(engine: Any, at: int, steps: int) -> dict[str, Any]:
+    """Greedy decode after an ``at``-token prompt, twice: ``first_tok_s`` just after the
+    previous measurement (the cache may still be refilling what a longer K/V took from it, a
+    piece per step), ``tok_s`` the same prompt again (its prefix reused), with the cache as it
+    settled: the speed of that context. ``cache_experts_before`` is the second run's start."""
     from strata.engine.params import SamplingParams
 
     params = SamplingParams(max_tokens=steps, temperature=0.0)
-    r = engine.generate(_prompt(engine, at, 3 + at), params)
-    return {"context": at, "tokens": len(r.tokens), "tok_s": r.decode_tok_s, **_sizes(engine)}
+    prompt = _prompt(engine, at, 3 + at)
+    first = engine.generate(prompt, params)
+    before = _sizes(engine)["cache_experts"]
+    again = engine.generate(prompt, params)
+    return {
+        "context": at, "tokens": len(again.tokens), "tok_s": again.decode_tok_s,
+        "first_tok_s": first.decode_tok_s, "cache_experts_before": before, **_sizes(engine),
+    }  # fmt: skip
 
 
 def experts(path: Path, card: int, long: int, at: int) -> dict[str, Any]:
