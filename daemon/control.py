@@ -83,6 +83,11 @@ def _mib(nbytes: int) -> int:
     return nbytes // MiB
 
 
+def _core_mib(cache: Any) -> int:
+    """The least the cache can hold, as its arena maps it (whole chunks), in whole MiB."""
+    return -(-cache.core_mapped_bytes // MiB)
+
+
 class VramController:
     def __init__(
         self,
@@ -262,7 +267,7 @@ class VramController:
                 size_mib = -(-(cache.arena.mapped_bytes + kv_mapped) // MiB)
         elif size_mib is None or cache.slots_for_bytes(size_mib * MiB) != cache.n_slots:
             size_mib = -(-cache.arena.mapped_bytes // MiB)
-        core_mib = _mib(cache.core_bytes) + -(-kv_floor // MiB)
+        core_mib = _core_mib(cache) + -(-kv_floor // MiB)
         view = CacheView(
             size_mib=max(size_mib, core_mib),
             core_mib=core_mib,
@@ -331,14 +336,17 @@ class VramController:
         if sample is None:
             return None
         cache = self._cache()
-        core = _mib(cache.core_bytes) if cache is not None else 0
+        core = _core_mib(cache) if cache is not None else 0
         core += -(-self._kv_bytes()[1] // MiB)  # the K/V's pages in use stay
         usable = _mib(sample.used_bytes + sample.free_bytes)
         return max_freeable_mib(usable, core, _mib(self.fixed_bytes()))
 
-    def _admit(self, mib: int, demand_after: int, what: str) -> None:
+    def _admit(self, mib: int, demand_after: int, room_after: int, what: str) -> None:
         """Refuse, before anything is recorded, a request that could not be carried out: no GPU
-        (:class:`NoDevice`), or more than Strata could free (:class:`NotEnoughVram`)."""
+        (:class:`NoDevice`), or more than Strata could free (:class:`NotEnoughVram`).
+        ``demand_after``: what the book asks of a cache nothing watches once the request is in;
+        ``room_after``: the room a watched device must then have free (the base room, every
+        lease), which must fit what Strata could ever free."""
         if mib == 0:
             return
         mode = self.requests
@@ -346,15 +354,23 @@ class VramController:
             raise NoDevice(f"cannot free {mib} MiB for {what}: {self._no_device_text()}")
         if mode == "room":
             limit = self.max_freeable_mib()
-            if limit is not None and mib > limit:
-                raise NotEnoughVram(mib, limit)
+            if limit is not None and room_after > limit:
+                others = room_after - mib
+                if not others:
+                    raise NotEnoughVram(mib, limit)
+                raise NotEnoughVram(
+                    mib, max(0, limit - others),
+                    "device total - the expert cache's core - the engine's own memory: "
+                    f"{limit} MiB, of which {min(limit, others)} MiB is already the room kept "
+                    "free for the automatic or run-time reserve, the holds and the leases",
+                )  # fmt: skip
             return
         cache = self._cache()
         if cache is None or _closed(cache):
             return  # still loading: the request waits for the cache (or times out)
         base, at_base = self._unwatched_base(cache)
         # what the cache's core and the K/V's pages in use keep can never be given
-        allowed = base + at_base - _mib(cache.core_bytes) - -(-self._kv_bytes()[1] // MiB)
+        allowed = base + at_base - _core_mib(cache) - -(-self._kv_bytes()[1] // MiB)
         if demand_after > allowed:
             others = demand_after - mib
             raise NotEnoughVram(
@@ -392,7 +408,8 @@ class VramController:
         LeaseBook.check_request(mib, mib, allow_zero=True)
         view = self.book.view()
         holds = max([0, *view.holds.values()])
-        self._admit(mib, max(mib, holds) + view.borrowed_mib, f"a reserve of {mib} MiB")
+        room = base_room(self.policy, mib, view.holds)[0] + view.borrowed_mib
+        self._admit(mib, max(mib, holds) + view.borrowed_mib, room, f"a reserve of {mib} MiB")
         before = self._mapped_mib()
         self.book.set_reserve(mib)
         log.info("run-time reserve set to %d MiB", mib)
@@ -418,7 +435,9 @@ class VramController:
         """A lease of ``mib`` MiB; returns once it is carried out (Timeout after
         ``borrow_timeout_ms``, leaving no lease behind)."""
         LeaseBook.check_request(mib, mib)
-        self._admit(mib, unwatched_demand(self.book.view()) + mib, f"a lease of {mib} MiB")
+        view = self.book.view()
+        room = base_room(self.policy, view.reserve_mib, view.holds)[0] + view.borrowed_mib + mib
+        self._admit(mib, unwatched_demand(view) + mib, room, f"a lease of {mib} MiB")
         before = self._mapped_mib()
         sample = self.last_sample
         lease = self.book.add(

@@ -365,6 +365,12 @@ class ExpertCache:
         return self.sizes.core_slots * self.slot_bytes
 
     @property
+    def core_mapped_bytes(self) -> int:
+        """What the arena maps with the cache at its core (whole chunks): the least it can
+        hold."""
+        return self.mapped_bytes_for(self.sizes.core_slots)
+
+    @property
     def max_slots(self) -> int:
         return self.table.max_slots
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from strata.daemon.config import StrataConfig
+from strata.daemon.leases import NotEnoughVram
 from strata.daemon.service import Daemon, serve_async
 from strata.daemon.worker import GenerationJob
 from strata.engine import synth
@@ -212,3 +213,63 @@ def test_the_kv_grows_trims_and_grows_again_under_a_lease_within_one_budget(
     finally:
         d.close()
     assert d.code == 0
+
+
+def test_a_lease_after_a_long_request_takes_that_conversations_pages(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a request has ended, its conversation's K/V is no longer the core: a lease that
+    needs those pages is granted at once (not kept waiting for a next request that may never
+    come), and the next turn of that conversation computes its prompt again."""
+    d = InProcess(config_for(model, tmp_path, monkeypatch, kv_keep_conversations=0))
+    try:
+        engine, controller = d.daemon.worker.engine, d.daemon.controller
+        long = engine.tokenizer.encode("The miller counted sacks of grain by the river. " * 300)
+        long = long[:3000]
+        first = generate(d, long, 4).done.result(120)
+        before = d.daemon.status()
+        assert before["kv_mib"] >= 12 and before["kv_active_tokens"] == 3003
+        freeable = controller.max_freeable_mib()
+        assert freeable is not None
+        most = freeable - 8  # the automatic reserve stays free beside the lease
+        print(f"\nafter the request: {before['kv_mib']} MiB of K/V, {before['cache_mib']} MiB "
+              f"of cache, a lease may get {most} MiB")  # fmt: skip
+        # more than what the cache's tail and the free room alone could give
+        core_mib = -(-engine.cache.core_mapped_bytes // 2**20)
+        assert most > before["free_mib"] + before["cache_mib"] - core_mib, before
+        # one MiB more could never be granted: refused at once, naming the most
+        with pytest.raises(NotEnoughVram, match=f"cannot free {most + 1} MiB: at most {most} "):
+            d.call(d.daemon.borrow(most + 1, ":1.t", None, "encoder", "test")).result(60)
+        lease = d.call(d.daemon.borrow(most, ":1.t", None, "encoder", "test")).result(60)
+        leased = d.daemon.status()
+        assert lease.mib == most and leased["borrowed_mib"] == most
+        assert leased["kv_mib"] == 2 and leased["kv_active_tokens"] == 0  # the sink's chunk
+        assert leased["cache_mib"] + leased["kv_mib"] <= leased["budget_mib"]
+        d.daemon.return_lease(lease.cookie, ":1.t")
+        deadline = time.monotonic() + 60  # the budget grows back once the room has lasted
+        while d.daemon.status()["budget_mib"] < before["budget_mib"]:
+            assert time.monotonic() < deadline, d.daemon.status()
+            time.sleep(0.05)
+        again = generate(d, long, 4).done.result(120)
+        assert again.cached_tokens == 0 and again.tokens == first.tokens
+    finally:
+        d.close()
+    assert d.code == 0
+
+
+def test_a_lease_that_could_never_be_granted_beside_the_reserve_is_refused_at_once(
+    daemon: InProcess,
+) -> None:
+    """A lease needs its MiB free on top of the room kept for the reserve: one that cannot fit
+    beside it is refused at once with the most it could get, not left to time out."""
+    d = daemon.daemon
+    limit = d.controller.max_freeable_mib()
+    assert limit is not None
+    daemon.call(d.reserve(20)).result(60)
+    with pytest.raises(NotEnoughVram, match=f"cannot free {limit - 19} MiB: at most {limit - 20} "):
+        daemon.call(d.borrow(limit - 19, ":1.t", None, "encoder", "test")).result(60)
+    assert d.status()["leases"] == [] and d.status()["reserve_mib"] == 20
+    lease = daemon.call(d.borrow(limit - 20, ":1.t", None, "encoder", "test")).result(60)
+    assert lease.mib == limit - 20 and d.status()["free_mib"] >= limit
+    d.return_lease(lease.cookie, ":1.t")
+    daemon.call(d.reserve(0)).result(60)

@@ -30,7 +30,7 @@ class _Cache:
 
     slot_bytes = MiB
     max_slots = 48
-    core_bytes = 4 * MiB
+    core_bytes = core_mapped_bytes = 4 * MiB
 
     def __init__(self, n_slots: int) -> None:
         self.n_slots = n_slots
