@@ -56,7 +56,7 @@ from strata.daemon.openai_api import (
 )
 from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.daemon.status_feed import event_stream
-from strata.engine.errors import EngineError
+from strata.engine.errors import ContextOverflow, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +292,8 @@ def as_api_error(exc: BaseException) -> ApiError:
         return ApiError(exc.status_code, str(exc.detail), "invalid_request_error", None, code)
     if isinstance(exc, RequestValidationError):
         return invalid(str(exc.errors()[0].get("msg")) if exc.errors() else "invalid request")
+    if isinstance(exc, ContextOverflow):  # the budget shrank after the request was checked
+        return invalid(str(exc), None, "context_length_exceeded")
     if isinstance(exc, EngineError):
         log.error("generation failed: %s", exc)
         return ApiError(500, f"the engine failed: {exc}", "server_error")

@@ -508,6 +508,10 @@ def prepare(req: Parsed, engine: Any) -> Prepared:
                 "context_length_exceeded",
             )
         max_tokens = room if req.kind == "chat" else min(room, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        try:  # the prompt's K/V must fit the VRAM budget too (tokens beyond it end as "length")
+            engine.check_fits(len(prompt), 1)
+        except ContextOverflow as e:
+            raise invalid(str(e), where, "context_length_exceeded") from None
     elif max_tokens <= 0:
         raise invalid(
             f"{req.max_tokens_param}: invalid value {max_tokens} (expected an integer >= 1)",

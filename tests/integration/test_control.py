@@ -245,6 +245,15 @@ def test_a_lease_after_a_long_request_takes_that_conversations_pages(
         assert lease.mib == most and leased["borrowed_mib"] == most
         assert leased["kv_mib"] == 2 and leased["kv_active_tokens"] == 0  # the sink's chunk
         assert leased["cache_mib"] + leased["kv_mib"] <= leased["budget_mib"]
+        # while the lease holds the room, the long prompt is refused with the numbers, with
+        # max_tokens left out too (never a 500 from inside the generation)
+        text = "The miller counted sacks of grain by the river. " * 100  # ~1,200 tokens
+        chat = {"model": model.stem, "messages": [{"role": "user", "content": text}]}
+        r = httpx.post(d.url + "/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "messages", error
+        assert "MiB of K/V" in error["message"] and "prompt tokens fit" in error["message"]
         d.daemon.return_lease(lease.cookie, ":1.t")
         deadline = time.monotonic() + 60  # the budget grows back once the room has lasted
         while d.daemon.status()["budget_mib"] < before["budget_mib"]:

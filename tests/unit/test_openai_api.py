@@ -99,6 +99,7 @@ def test_completion_prompt_forms() -> None:
 
 class FakeEngine:
     n_ctx = 100
+    fits = 100  # the tokens whose K/V the VRAM budget holds
     tokenizer = SimpleNamespace(vocab_size=50)
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -109,6 +110,8 @@ class FakeEngine:
 
         if n_prompt + max_tokens > self.n_ctx:
             raise ContextOverflow(f"{n_prompt} + {max_tokens} > {self.n_ctx}")
+        if n_prompt + 1 > self.fits:
+            raise ContextOverflow(f"prompt of {n_prompt} tokens: at most {self.fits - 1} fit")
 
 
 def test_prepare_defaults_and_context_checks() -> None:
@@ -124,6 +127,25 @@ def test_prepare_defaults_and_context_checks() -> None:
     assert e.param == "top_p" and "top_p: invalid value 2" in e.message
     e = refused(lambda raw: prepare(parse_completion(raw), eng), body(prompt=[49, 50]))
     assert e.param == "prompt" and "50" in e.message
+
+
+def test_a_prompt_beyond_the_vram_budget_is_refused_without_max_tokens_too() -> None:
+    eng = FakeEngine()
+    eng.fits = 10
+    e = refused(lambda raw: prepare(parse_completion(raw), eng), body(prompt="a " * 20))
+    assert e.param == "prompt" and e.code == "context_length_exceeded"
+    assert "at most 9 fit" in e.message
+    eng.fits = 21
+    assert prepare(parse_completion(body(prompt="a " * 20)), eng).prompt == [1] * 20
+
+
+def test_a_context_overflow_from_the_engine_is_a_400() -> None:
+    from strata.daemon.http import as_api_error
+    from strata.engine.errors import ContextOverflow
+
+    err = as_api_error(ContextOverflow("prompt of 9 tokens needs 12 MiB of K/V"))
+    assert (err.status, err.code) == (400, "context_length_exceeded")
+    assert "12 MiB of K/V" in err.message
 
 
 def test_stream_chunks_have_the_openai_shape() -> None:
