@@ -32,6 +32,28 @@ def reference_runner(path: Path) -> Runner:
     return Runner(model, 64, "f32", 512)
 
 
+def share_cache(
+    index: GGUFIndex, cache_share: float, host: bool, layers: range | None = None
+) -> ExpertCache:
+    """An expert cache on DEVICE in the kernel layout holding ``cache_share`` of the experts (of
+    ``layers``: a stage's), with a host tier (page-locked on CUDA) holding the rest when
+    ``host``."""
+    probe = ExpertCache.create(
+        index, torch.device("cpu"), 1 << 40, None, 2 * MiB, kernel=True, layers=layers
+    )
+    budget = int(probe.max_slots * cache_share) * probe.slot_bytes
+    probe.close()
+    pinner = None
+    if host and DEVICE.type == "cuda":
+        from strata.vmm.pinned import CudaPinner
+
+        pinner = CudaPinner(DEVICE.index or 0)
+    return ExpertCache.create(
+        index, DEVICE, budget, None, 2 * MiB, kernel=True,
+        host_budget_bytes=1 << 40 if host else 0, pinner=pinner, layers=layers,
+    )  # fmt: skip
+
+
 def fast_runner(
     path: Path,
     cache_share: float | None = None,
@@ -54,18 +76,7 @@ def fast_runner(
     if not prefill:
         decoder.prefill = None
     if cache_share is not None:
-        probe = ExpertCache.create(index, torch.device("cpu"), 1 << 40, None, 2 * MiB, kernel=True)
-        budget = int(probe.max_slots * cache_share) * probe.slot_bytes
-        probe.close()
-        pinner = None
-        if host and DEVICE.type == "cuda":
-            from strata.vmm.pinned import CudaPinner
-
-            pinner = CudaPinner(DEVICE.index or 0)
-        model.provider = ExpertCache.create(
-            index, DEVICE, budget, None, 2 * MiB, kernel=True,
-            host_budget_bytes=1 << 40 if host else 0, pinner=pinner,
-        )  # fmt: skip
+        model.provider = share_cache(index, cache_share, host)
     decoder.set_prefetch(prefetch)
     decoder.bind(model.provider)
     runner.decoder = decoder

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata.engine.experts.cache import ExpertCache, ForeignLayer
+from strata.engine.experts.cache import ForeignLayer
 from strata.engine.experts.provider import FileExpertProvider
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.models import architecture_module
@@ -25,12 +25,11 @@ from strata.engine.stages import layer_ranges
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed")
-from fastpath import PROMPT, decode, fast_runner
+from fastpath import PROMPT, decode, fast_runner, share_cache
 
 from strata.engine.fast_decode import FastPathError
 from strata.engine.fast_stages import StagedDecoder
 
-MiB = 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -55,16 +54,7 @@ def staged_runner(
         decoder.prefill = None
     if cache_share is not None:
         for stage in runner.stages:
-            probe = ExpertCache.create(
-                index, torch.device("cpu"), 1 << 40, None, 2 * MiB, kernel=True,
-                layers=stage.layers,
-            )  # fmt: skip
-            budget = int(probe.max_slots * cache_share) * probe.slot_bytes
-            probe.close()
-            model.providers[stage.number] = ExpertCache.create(
-                index, DEVICE, budget, None, 2 * MiB, kernel=True,
-                host_budget_bytes=1 << 40 if host else 0, layers=stage.layers,
-            )  # fmt: skip
+            model.providers[stage.number] = share_cache(index, cache_share, host, stage.layers)
     decoder.set_prefetch(0)
     decoder.bind_stages()
     runner.decoder = decoder  # type: ignore[assignment]
