@@ -435,9 +435,8 @@ class VramController:
         """A lease of ``mib`` MiB; returns once it is carried out (Timeout after
         ``borrow_timeout_ms``, leaving no lease behind)."""
         LeaseBook.check_request(mib, mib)
-        view = self.book.view()
-        room = base_room(self.policy, view.reserve_mib, view.holds)[0] + view.borrowed_mib + mib
-        self._admit(mib, unwatched_demand(view) + mib, room, f"a lease of {mib} MiB")
+        demand = unwatched_demand(self.book.view()) + mib
+        self._admit(mib, demand, self._room_needed() + mib, f"a lease of {mib} MiB")
         before = self._mapped_mib()
         sample = self.last_sample
         lease = self.book.add(
@@ -493,7 +492,7 @@ class VramController:
 
     def _room_needed(self) -> int:
         """The room the book asks for, every lease counted as not yet allocated (for a device
-        watched while no cache exists)."""
+        watched while no cache exists, and for admitting a lease)."""
         view = self.book.view()
         return base_room(self.policy, view.reserve_mib, view.holds)[0] + view.borrowed_mib
 
