@@ -248,6 +248,20 @@ def _stage_cache_mib(options: EngineOptions, free: int | None, layers: int, n_la
     return options.cache_mib * layers // n_layer
 
 
+def _budget_free_room(runner: Runner, free: Sequence[int | None], reserve_mib: int) -> None:
+    """An automatic budget takes the VRAM the cache left free too (less ``reserve_mib``), up to
+    what every expert and the whole context's K/V need: with every expert cached the K/V grows
+    into that room before the cache's tail yields anything. (A cache that took all the room
+    leaves none; an explicit ``cache_mib`` is the budget as given; the daemon's policy moves the
+    budget after load.)"""
+    for st in runner.stages:
+        if st.budget is None or st.cache is None or free[st.number] is None:
+            continue
+        room = max(0, free[st.number] - reserve_mib * MiB)
+        ceiling = st.cache.mapped_bytes_for(st.cache.max_slots) + st.kv.arena.reserved_bytes
+        st.budget = max(st.budget, min(st.budget + room, ceiling))
+
+
 def _stage_tail(options: EngineOptions, layers: int, n_layer: int) -> int | None:
     """A stage's share of ``elastic_tail_mib`` in bytes (in proportion to its layers), or None."""
     if options.elastic_tail_mib is None:
@@ -548,12 +562,15 @@ class Engine:
                 except VmmError as e:  # page-locking refused or partial, no CUDA driver bindings
                     raise ModelLoadError(f"{path}: {e}") from None
                 model.providers[st.number] = cache
-                # One budget for the stage's cache and K/V: what they hold now. The K/V grows
+                # One budget for the stage's cache and K/V: what they hold now (room beyond it
+                # is added below, once the decoder's own buffers are allocated). The K/V grows
                 # into it (the cache's tail yields), the daemon's policy moves it.
                 st.budget = cache.arena.mapped_bytes + st.kv.mapped_bytes
             if decoder is not None:
                 _configure_decoder(decoder, model, options, lambda what: step(total - 1, what))
                 runner.decoder = decoder
+            if options.cache_mib is None:
+                _budget_free_room(runner, _stage_free(devices, frees), options.reserve_mib)
         except BaseException:
             if runner is not None:
                 _release(runner, runner.model)

@@ -13,6 +13,7 @@ from strata.engine.errors import ContextOverflow
 from strata.engine.generate import Engine, EngineOptions, GenerationResult
 from strata.engine.kvbook import pages_for
 from strata.engine.params import SamplingParams
+from strata.vmm.arena import ElasticArena, create_arena
 
 MiB = 2**20
 CHUNK_MIB = 1  # the tiny model's K/V page is 256 KiB: four pages (256 positions) a chunk
@@ -139,6 +140,58 @@ def test_the_kv_takes_room_from_the_cache_tail_within_one_budget(path: Path) -> 
         in_budget(e)
     finally:
         e.close()
+
+
+def test_an_automatic_budget_keeps_the_free_room_for_the_kv_before_the_cache_yields(
+    path: Path,
+) -> None:
+    """With every expert cached and VRAM left over, the K/V grows into that room: no expert
+    leaves. The budget stops at what every expert and the whole context need; a cache the
+    memory limits gets no extra room."""
+    probe = load(path, cache_mib=1024)
+    try:
+        experts = probe.cache.mapped_bytes_for(probe.cache.max_slots)
+        kv_max = probe.runner.kv.arena.reserved_bytes
+    finally:
+        probe.close()
+
+    def auto(free: int) -> Engine:
+        """An engine on a simulated card with ``free`` bytes free before its K/V and cache:
+        the free reading drops as their arenas map."""
+        arenas: list[ElasticArena] = []
+
+        def arena(reserved: int, chunk: int) -> ElasticArena:
+            arenas.append(create_arena("host", reserved, chunk))
+            return arenas[-1]
+
+        options = EngineOptions(kv_cache_type="f32", context_length=1024, arena_chunk_mib=CHUNK_MIB,
+                                host_budget_mib=0, cache_mib=None, reserve_mib=2)  # fmt: skip
+        return Engine.load(
+            path,
+            options,
+            arena_factory=arena,
+            free_vram=lambda: free - sum(a.mapped_bytes for a in arenas),
+        )
+
+    kv_at_load = CHUNK_MIB * MiB
+    roomy = auto(kv_at_load + experts + 8 * MiB + 2 * MiB)
+    huge = auto(kv_at_load + experts + kv_max + 64 * MiB)
+    tight = auto(kv_at_load + experts // 2 + 2 * MiB)
+    try:
+        cache, r = roomy.cache, roomy.runner
+        assert cache.n_slots == cache.max_slots
+        assert r.budget == experts + kv_at_load + 8 * MiB, "the free room, less the reserve"
+        gen(roomy, words(roomy, 900))  # about 3.5 MiB of K/V
+        assert r.kv.mapped_bytes > 3 * MiB and cache.n_slots == cache.max_slots
+        in_budget(roomy)
+        assert huge.runner.budget == experts + kv_max, "never more than the model can use"
+        c = tight.cache
+        assert c.n_slots < c.max_slots
+        assert tight.runner.budget == c.arena.mapped_bytes + tight.runner.kv.mapped_bytes
+    finally:
+        roomy.close()
+        huge.close()
+        tight.close()
 
 
 def test_between_requests_a_budget_cut_takes_the_last_conversations_pages_too(
