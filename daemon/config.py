@@ -151,6 +151,14 @@ class StrataConfig(BaseSettings):
         "this many that are in RAM into VRAM ahead of its routing (0: never, the default; at "
         "most the model's experts per layer)",
     )
+    cpu_share: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="GPU decode: the share (0 to 1) of each layer's chosen experts in RAM that "
+        "the CPU computes, on `threads` threads, while the GPU reads the others over PCIe (0: "
+        "none, the GPU reads them all)",
+    )
     verify_experts: bool = Field(
         False,
         description="checksum every expert at load and check it after every fill and move "
@@ -484,7 +492,8 @@ def _is_bool(name: str) -> bool:
 ENGINE_OPTIONS: frozenset[str] = frozenset({
     "model", "log_level", "threads", "context_length", "prefill_chunk_tokens", "kv_cache_type",
     "device", "cache_mib", "elastic_tail_mib", "elastic_reserve_mib", "host_budget_mib",
-    "adapt_swaps", "prefetch_experts", "verify_experts", "arena_chunk_mib", "fast_decode",
+    "adapt_swaps", "prefetch_experts", "cpu_share", "verify_experts", "arena_chunk_mib",
+    "fast_decode",
     "enforce_eager", "fast_prefill", "kv_keep_conversations", "kv_fixed", "devices",
     "layer_split",
 })  # fmt: skip

@@ -52,6 +52,7 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         host_budget_mib=config.host_budget_mib,
         adapt_swaps=config.adapt_swaps,
         prefetch_experts=config.prefetch_experts,
+        cpu_share=config.cpu_share,
         verify_experts=config.verify_experts,
         kv_keep_conversations=config.kv_keep_conversations,
         kv_fixed=config.kv_fixed,

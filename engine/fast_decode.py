@@ -30,6 +30,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,6 +51,9 @@ from strata.engine.layers.decoder import Block, MoEDecoder
 from strata.engine.layers.norm import rms_norm
 from strata.engine.layers.weights import RepackedWeight, Weight, linear
 from strata.engine.quant import repack_kernels
+
+if TYPE_CHECKING:
+    from strata.engine.kernels.cpu_experts import CpuExperts, CpuJob
 
 log = logging.getLogger(__name__)
 _INTERP_BN = 128  # rows per program in Triton's interpreter: few, wide programs
@@ -183,6 +187,13 @@ class FastDecoder:
         # each expert's RAM home (MISSING for the rest): what a step may copy ahead
         self.homes = torch.full((L * E,), MISSING, dtype=torch.int64, device=dev)
         self.prefetch = 0  # predicted experts each layer copies ahead (set_prefetch)
+        # the CPU's share of the chosen experts read from RAM (set_cpu_share): its kernels, one
+        # job (page-locked buffers) per layer, and each RAM home's host address
+        self.cpu_share = 0.0
+        self.cpu: CpuExperts | None = None
+        self.cpu_jobs: list[CpuJob] = []
+        self.cpu_reason: str | None = None  # why a share asked for is not taken here
+        self.hosts = torch.zeros(L * E, dtype=torch.int64, device=dev)
         # the copies ahead run here, odd and even layers apart: a layer's copies never wait for
         # the previous layer's to end (nor for its expert kernels), so the link has work from
         # the moment each guess is made. High priority: their few programs start first.
@@ -191,8 +202,9 @@ class FastDecoder:
         # the stage's experts, through the layer -> stage map (the only way to a cache)
         self.provider: ExpertProvider = model.provider_of(span.start)
         self.file: FileExpertProvider = _file_of(self.provider)
-        # the captured step, without and with the copies ahead (taken while RAM homes exist)
-        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        # the captured step by mode: "plain", and where RAM homes exist "ahead" (copies ahead)
+        # or "cpu" (the CPU's share)
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.graph_reason: str | None = "not captured"
         self.steps = 0
         self.counts_dirty = False  # a step or a chunk ran since the last flush of the counts
@@ -205,7 +217,72 @@ class FastDecoder:
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
         """The captured step that replays now (None: steps run eagerly)."""
-        return self.graphs.get(self.prefetching)
+        return self.graphs.get(self.mode)
+
+    @property
+    def mode(self) -> str:
+        """How a step runs now: "ahead" (copies ahead), "cpu" (the CPU computes its share of
+        the RAM experts) or "plain"; the first two only while some expert is in RAM."""
+        if self.prefetching:
+            return "ahead"
+        return "cpu" if self.cpu_sharing else "plain"
+
+    @property
+    def cpu_sharing(self) -> bool:
+        """Whether steps give the CPU its share: asked for, possible here, experts in RAM."""
+        return self.cpu is not None and self.host_count > 0
+
+    def set_cpu_share(self, share: float, threads: int) -> None:
+        """Let the CPU compute ``share`` (0 to 1) of each layer's chosen experts whose home is
+        in RAM (``kernels.cpu_experts``, on ``threads`` threads) while the GPU's kernels read
+        the others over PCIe; 0: none. Before capture. Where the CPU kernels cannot run here
+        (no C compiler, a type they lack) the log says why and the GPU reads every one."""
+        if isinstance(share, bool) or not isinstance(share, (int, float)):
+            raise ValueError(f"cpu_share={share!r}: must be a number between 0 and 1")
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"cpu_share={share}: must be between 0 and 1")
+        self._close_cpu()
+        self.cpu_share = float(share)
+        if share == 0:
+            return
+        from strata.engine.kernels import cpu_experts
+
+        cuda = self.device.type == "cuda"
+        K = self.args.n_expert_used
+        try:
+            cpu = cpu_experts.CpuExperts(threads)
+        except cpu_experts.CpuExpertsUnavailable as e:
+            self.cpu_reason = str(e)
+            log.warning("cpu_share=%g: the CPU computes no expert here: %s", share, e)
+            return
+        try:
+            jobs = [cpu.job(lay, K, pin=cuda) for lay in self.slot_layouts]
+        except ValueError as e:  # a type the CPU kernels lack
+            cpu.close()
+            self.cpu_reason = str(e)
+            log.warning("cpu_share=%g: the CPU computes no expert here: %s", share, e)
+            return
+        L, D, dev = len(self.layers), self.args.n_embd, self.device
+        self.cpu, self.cpu_jobs, self.cpu_reason = cpu, jobs, None
+        # each layer's request (its choice and input) in the job's layout: one copy moves it
+        size = cpu_experts.request_bytes(D, K)
+        self.cpu_req = torch.zeros(L, size, dtype=torch.uint8, device=dev)
+        self.cpu_views = [cpu_experts.request_views(self.cpu_req[i], D, K) for i in range(L)]
+        self.cpu_y = torch.zeros(L, D, dtype=torch.float32, device=dev)
+        self.cpu_done = torch.zeros(L, dtype=torch.int64, device=dev)
+        # the slot a CPU-computed expert's entry points at: zeros, so the GPU adds nothing
+        self.zero_slot = _aligned(self.staging_bytes, dev)
+        self.zero_off = self.zero_slot.data_ptr() - self.anchor.data_ptr()
+        self.cpu_side = torch.cuda.Stream(dev) if cuda else None
+        self.cpu_back = [torch.cuda.Event() for _ in range(L)] if cuda else []
+        if self.tier is not None:
+            self._write_hosts()
+
+    def _close_cpu(self) -> None:
+        if self.cpu is not None:
+            self.cpu_jobs = []
+            self.cpu.close()
+            self.cpu = None
 
     def set_prefetch(self, p: int) -> None:
         """Copy up to ``p`` of each layer's predicted experts from RAM ahead of its routing
@@ -326,6 +403,21 @@ class FastDecoder:
                 self.host_homes[tag.layer - self.first].append((tag.expert, slot))
             for homes in self.host_homes:
                 homes.sort(key=lambda es: es[1])  # host slot order: neighbours copy as one
+            if self.cpu is not None:
+                self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        """Each RAM home's host address, where the CPU reads it (0 elsewhere)."""
+        assert self.tier is not None
+        E, tier = self.args.n_expert, self.tier
+        hosts = [0] * (len(self.layers) * E)
+        for layer, homes in enumerate(self.host_homes):
+            for e, slot in homes:
+                hosts[layer * E + e] = tier.host_address(slot)
+        src = torch.tensor(hosts, dtype=torch.int64)
+        if self.hosts.is_cuda:
+            src = src.pin_memory()
+        self.hosts.copy_(src, non_blocking=True)
 
     def _stage_misses(self, layer: int) -> None:
         """Eager steps with misses: after the layer's top-k, stage each chosen expert that has no
@@ -361,6 +453,8 @@ class FastDecoder:
         self._count_reads(dict(zip(*_nonzero(fetched), strict=True)))
         if self.prefetch:
             self._count_prefetches()
+        if self.cpu is not None:
+            self._count_cpu()
         return sorted((first + i // E, i % E) for i in uses)
 
     def adapt(self) -> int:
@@ -388,6 +482,16 @@ class FastDecoder:
             stats.prefetched += n
             stats.prefetch_used += used
             stats.bytes_prefetched_unused += (n - used) * self.expert_bytes[layer]
+
+    def _count_cpu(self) -> None:
+        """The chosen RAM experts the CPU computed (their reads are counted as RAM reads
+        already), and their bytes: what went to the CPU instead of over PCIe."""
+        done = self.cpu_done.to("cpu", copy=True).tolist()
+        self.cpu_done.zero_()
+        stats = self.provider.stats
+        for layer, n in enumerate(done):
+            stats.cpu_computed += n
+            stats.bytes_cpu += n * self.expert_bytes[layer]
 
     def _count_reads(self, reads: dict[int, int]) -> None:
         """reads: table entry -> times read."""
@@ -490,8 +594,9 @@ class FastDecoder:
             self.pf_done[layer].record(side)
 
     def _moe(
-        self, layer: int, lyr: _Layer, stage: Callable[[int], None] | None, ahead: bool
-    ) -> None:
+        self, layer: int, lyr: _Layer, stage: Callable[[int], None] | None, ahead: bool,
+        cpu: bool = False,
+    ) -> None:  # fmt: skip
         a, b = self.args, lyr.block
         self._dense(
             self.router_logits, self.x, b.router, lyr.router, b.ffn_norm, h_out=self.h,
@@ -525,6 +630,8 @@ class FastDecoder:
             )  # fmt: skip
             if self.sides:  # this layer's copies ahead have landed
                 torch.cuda.current_stream(self.device).wait_event(self.pf_done[layer])
+        if cpu:
+            self._cpu_send(layer)
         lay = self.slot_layouts[layer]
         bn, warps = self.tuned["gate_up"]
         moe.gate_up(
@@ -532,15 +639,52 @@ class FastDecoder:
         )
         bn, warps = self.tuned["down"]
         moe.down(self.x, self.act, eoffs, wts, self.anchor, lay.down, lay.down_offset, bn, warps)
+        if cpu:
+            self._cpu_take(layer)
+
+    def _cpu_send(self, layer: int) -> None:
+        """Hand the CPU its share of the layer's RAM experts: the split (their entries then
+        add nothing on the GPU), the input and the choice copied to the layer's job, and the
+        job run, on a side stream on a GPU (a host function in the graph) while the expert
+        kernels read the others; its sum comes back into ``cpu_y``."""
+        E = self.args.n_expert
+        span = slice(layer * E, (layer + 1) * E)
+        o, w, n, h = self.cpu_views[layer]
+        moe.split_for_cpu(
+            self.ids[layer], self.wts[layer], self.eoffs[layer], self.homes[span],
+            self.hosts[span], n, w, o, self.cpu_done[layer : layer + 1], self.zero_off,
+            self.cpu_share,
+        )  # fmt: skip
+        h.copy_(self.h)
+        job = self.cpu_jobs[layer]
+        if self.cpu_side is None:  # the CPU device (Triton's interpreter): in order
+            job.request.copy_(self.cpu_req[layer])
+            job.run()
+            self.cpu_y[layer].copy_(job.y)
+            return
+        side = self.cpu_side
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            job.request.copy_(self.cpu_req[layer], non_blocking=True)
+            job.enqueue(side.cuda_stream)
+            self.cpu_y[layer].copy_(job.y, non_blocking=True)
+            self.cpu_back[layer].record(side)
+
+    def _cpu_take(self, layer: int) -> None:
+        """Add the CPU's sum for the layer to the residual stream (after the GPU's experts)."""
+        if self.cpu_side is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.cpu_back[layer])
+        self.x.add_(self.cpu_y[layer])
 
     def _forward(
         self,
         stage: Callable[[int], None] | None,
         on_layer: Callable[[int], None] | None = None,
-        ahead: bool | None = None,
+        mode: str | None = None,
     ) -> None:
-        """One step's kernels; ``ahead``: with the copies ahead (None: when ``prefetching``)."""
-        ahead = self.prefetching if ahead is None else ahead
+        """One step's kernels, run as ``mode`` (None: the ``mode`` of now)."""
+        mode = self.mode if mode is None else mode
+        ahead, cpu = mode == "ahead", mode == "cpu"
         if not self.is_first:
             pass  # a later stage: ``x`` holds the previous stage's output
         elif isinstance(self.embd, RepackedWeight):
@@ -553,7 +697,7 @@ class FastDecoder:
             if ahead and layer == 0:  # the later layers' guesses come a layer early (_moe)
                 self._prefetch(0)
             self._attention(layer, lyr)
-            self._moe(layer, lyr, stage, ahead)
+            self._moe(layer, lyr, stage, ahead, cpu)
         if not self.is_last:
             return  # the next stage goes on from ``x``
         self._dense(self.logits, self.x, self.output, _mat(self.output), self.out_norm, tune="head")
@@ -646,21 +790,23 @@ class FastDecoder:
     # -- set-up ----------------------------------------------------------------------------------
 
     def warm_up(
-        self, on_layer: Callable[[int], None] | None = None, ahead: bool | None = None
+        self, on_layer: Callable[[int], None] | None = None, mode: str | None = None
     ) -> None:
         """One eager step at position 0 (its K/V row is rewritten by the next prompt): every
-        kernel compiles now, not in the first request. ``ahead`` as ``_forward``'s."""
+        kernel compiles now, not in the first request. ``mode`` as ``_forward``'s."""
         self.tok.zero_()
         self.pos.zero_()
         stats = self.provider.stats
         before = (stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file)
-        self._forward(None if self.plan.complete else self._stage_misses, on_layer, ahead)
+        self._forward(None if self.plan.complete else self._stage_misses, on_layer, mode)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file = before
         self.counts.zero_()
         if self.prefetch:
             self.pf_stats.zero_()
+        if self.cpu is not None:
+            self.cpu_done.zero_()
 
     def capture(self) -> bool:
         """Capture one step as a CUDA graph (replayed while every expert has a readable home).
@@ -669,19 +815,22 @@ class FastDecoder:
         if self.device.type != "cuda":
             self.graph_reason = "CUDA graphs need a CUDA device"
             return False
-        # with a host tier, RAM homes come and go with resizes: the step with copies ahead too
+        # with a host tier, RAM homes come and go with resizes: the step with copies ahead, or
+        # with the CPU's share, too
         cache = self.provider if isinstance(self.provider, ExpertCache) else None
-        modes = [False] + ([True] if self.prefetch and cache and cache.tier else [])
+        tier = cache is not None and cache.tier is not None
+        modes = ["plain"] + (["ahead"] if self.prefetch and tier else [])
+        modes += ["cpu"] if self.cpu is not None and tier else []
         graphs = {}
         try:
-            for ahead in modes:
-                if ahead:  # its kernels compile before the capture, not inside it
-                    self.warm_up(ahead=True)
+            for mode in modes:
+                if mode != "plain":  # its kernels compile before the capture, not inside it
+                    self.warm_up(mode=mode)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    self._forward(None, ahead=ahead)
-                graphs[ahead] = graph
+                    self._forward(None, mode=mode)
+                graphs[mode] = graph
         except Exception as e:  # an op that cannot be captured
             self.graph_reason = f"capture failed ({type(e).__name__}: {e})".splitlines()[0]
             log.warning("decode steps run without a CUDA graph: %s", self.graph_reason)
@@ -696,9 +845,10 @@ class FastDecoder:
         return f"fused Triton kernels, eager ({self.graph_reason})"
 
     def close(self) -> None:
-        """Hand over the last counts and let the graph and the cache go."""
+        """Hand over the last counts and let the graph, the CPU's threads and the cache go."""
         self.flush_usage()
         self.graphs = {}
+        self._close_cpu()
         if isinstance(self.provider, ExpertCache):
             if self.rebuild_table in self.provider.listeners:
                 self.provider.listeners.remove(self.rebuild_table)

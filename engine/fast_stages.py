@@ -73,6 +73,11 @@ class StagedDecoder:
             with on_device(dec.device):
                 dec.set_prefetch(p)
 
+    def set_cpu_share(self, share: float, threads: int) -> None:
+        for dec in self.parts:
+            with on_device(dec.device):
+                dec.set_cpu_share(share, threads)
+
     def bind_stages(self) -> None:
         """Each stage's decoder serves its experts from its own stage's provider (reached
         through the layer -> stage map): the tables follow that cache from now on."""

@@ -87,6 +87,7 @@ class EngineOptions:
     # GPU decode: copy up to this many of each layer's predicted experts from RAM ahead of its
     # routing (``kernels.prefetch``); 0: never (on the H200 it made decode slower: docs)
     prefetch_experts: int = 0
+    cpu_share: float = 0.0  # GPU decode: the CPU's share of the chosen experts in RAM
     verify_experts: bool = False  # checksum experts at load; check every fill, move, and samples
     # conversations whose K/V is kept for a later request that extends one of them
     kv_keep_conversations: int = 4
@@ -330,6 +331,15 @@ def _configure_decoder(
             f"{model.args.n_expert} experts per layer"
         )
     decoder.set_prefetch(ahead)
+    share = options.cpu_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        raise EngineError(f"cpu_share={share!r}: must be a number between 0 and 1")
+    if share and ahead:
+        raise EngineError(
+            f"cpu_share={share} and prefetch_experts={ahead}: the CPU's share and the copies "
+            "ahead both take the experts in RAM; set one of them to 0"
+        )
+    decoder.set_cpu_share(share, options.threads or default_threads())
     from strata.engine.fast_stages import StagedDecoder
 
     if isinstance(decoder, StagedDecoder):

@@ -43,10 +43,13 @@ def _engine(
     chunk: int = 512,
     cache_mib: int = 10**7,
     prefetch: int | None = None,
+    cpu_share: float | None = None,
 ) -> Any:
     from strata.engine.generate import Engine, EngineOptions
 
-    ahead = {} if prefetch is None else {"prefetch_experts": prefetch}  # else the engine's
+    ahead: dict[str, Any] = {} if prefetch is None else {"prefetch_experts": prefetch}
+    if cpu_share is not None:
+        ahead["cpu_share"] = cpu_share  # (else the engine's defaults)
     options = EngineOptions(
         device="cuda:0", cache_mib=cache_mib, context_length=n_ctx, fast_decode=fast,
         enforce_eager=eager, prefill_chunk_tokens=chunk, **ahead,
@@ -75,6 +78,7 @@ def decode_speed(engine: Any, n_tokens: int) -> dict[str, Any]:
     engine.runner.flush_usage()
     st = engine.provider.stats
     out.update(hit_rate=st.hit_rate, prefetched=st.prefetched, prefetch_used=st.prefetch_used)
+    out.update(cpu_computed=st.cpu_computed)
     dec = engine.runner.decoder
     if dec is not None and dec.graph is not None:
         # each replay moves its position on (the in-graph advance): start low enough that 51
@@ -367,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-decode", action="store_true", help="skip the decode measurements")
     p.add_argument("--cache-mib", type=int, default=10**7, help="expert cache (default: all)")
     p.add_argument("--prefetch", type=int, help="prefetch_experts (default: the engine's)")
+    p.add_argument("--cpu-share", type=float, help="cpu_share (default: the engine's)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.model is None:
@@ -381,7 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"model": str(args.model)}
     t0 = time.monotonic()
     chunks = [int(v) for v in args.chunk.split(",")]
-    engine = _engine(args.model, True, args.eager, n_ctx, chunks[0], args.cache_mib, args.prefetch)
+    engine = _engine(
+        args.model, True, args.eager, n_ctx, chunks[0], args.cache_mib, args.prefetch,
+        args.cpu_share,
+    )  # fmt: skip
     result["load_s"] = time.monotonic() - t0
     from strata.engine.generate import decode_path
 

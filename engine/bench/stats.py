@@ -56,6 +56,19 @@ def prefetch(runs: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
     }
 
 
+def cpu_share(runs: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
+    """The GPU decode's experts computed by the CPU (``cpu_share``): per step, and their bytes
+    per step (read from RAM by the CPU instead of over PCIe); None where it computed none."""
+    steps = sum(r["steps"] for r in runs)
+    done = sum(r.get("cpu_computed", 0) for r in runs)
+    if not steps or not done:
+        return None
+    return {
+        "per_token": done / steps,
+        "bytes_per_token": sum(r.get("cpu_bytes", 0) for r in runs) / steps,
+    }
+
+
 def per_step(runs: Sequence[Mapping[str, Any]], key: str) -> float | None:
     """``key`` (bytes) per decode step, over all runs."""
     steps = sum(r["steps"] for r in runs)

@@ -103,6 +103,8 @@ def _counts(s: ProviderStats) -> dict[str, int]:
         "prefetched": s.prefetched,
         "prefetch_used": s.prefetch_used,
         "prefetch_unused_bytes": s.bytes_prefetched_unused,
+        "cpu_computed": s.cpu_computed,
+        "cpu_bytes": s.bytes_cpu,
     }
 
 
@@ -317,9 +319,11 @@ class StrataBench:
             "ttft_s": stats.summary([r["first_token_s"] for r in runs if r["first_token_s"]]),
             "hit_rate": stats.hit_rate(runs),
             "prefetch": stats.prefetch(runs),
+            "cpu": stats.cpu_share(runs),
         }
-        if self.cuda:
-            out["pcie_bytes_per_token"] = stats.per_step(runs, "miss_bytes")
+        if self.cuda:  # the misses the CPU computed (cpu_share) did not cross the link
+            miss, cpu = stats.per_step(runs, "miss_bytes"), stats.per_step(runs, "cpu_bytes")
+            out["pcie_bytes_per_token"] = None if miss is None else miss - (cpu or 0.0)
             out["pcie_reason"] = None
         else:
             out["pcie_bytes_per_token"] = None

@@ -129,6 +129,11 @@ class HostTier:
         self.table.tag(slot)
         if self.pinned:
             return self.memory.device_address(slot * self.slot_bytes)
+        return self.host_address(slot)
+
+    def host_address(self, slot: int) -> int:
+        """Where the CPU reads host slot ``slot`` (its host address, page-locked or not)."""
+        self.table.tag(slot)
         return self.memory.address + slot * self.slot_bytes
 
     # -- changes (the expert cache copies the bytes) -------------------------------------------

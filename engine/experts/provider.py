@@ -50,6 +50,10 @@ class ProviderStats:
     prefetched: int = 0
     prefetch_used: int = 0
     bytes_prefetched_unused: int = 0  # not in bytes_from_ram: that counts what steps read
+    # GPU decode with ``cpu_share``: chosen RAM experts the CPU computed (counted as misses and
+    # in bytes_from_ram too: the CPU read them there, instead of the GPU over PCIe)
+    cpu_computed: int = 0
+    bytes_cpu: int = 0
 
     @property
     def hit_rate(self) -> float | None:

@@ -160,6 +160,47 @@ def _down_kernel(
     tl.store(x + rows, tl.load(x + rows, mask=ok, other=0.0) + tl.sum(acc, 1), mask=ok)
 
 
+@triton.jit
+def _cpu_split_kernel(ids, wts, eoffs, homes, hosts, n_out, w_out, o_out, done, zero_off, share,
+                      K: tl.constexpr, KP: tl.constexpr):  # fmt: skip
+    kk = tl.arange(0, KP)
+    km = kk < K
+    i = tl.load(ids + kk, mask=km, other=0)
+    home = tl.load(homes + i, mask=km, other=-1)
+    eo = tl.load(eoffs + kk, mask=km, other=0)
+    w = tl.load(wts + kk, mask=km, other=0.0)
+    ram = km & (home != -1) & (eo == home)  # read from its RAM home (not from a copy in VRAM)
+    r = ram.to(tl.int32)
+    m = tl.floor(tl.sum(r, 0).to(tl.float32) * share + 0.5).to(tl.int32)
+    rank = tl.cumsum(r, 0) - r  # its place among the layer's chosen RAM experts
+    take = ram & (rank < m)
+    tl.store(w_out + rank, w, mask=take)
+    tl.store(o_out + rank, tl.load(hosts + i, mask=take, other=0), mask=take)
+    tl.store(n_out, m)
+    tl.store(done, tl.load(done) + m.to(tl.int64))
+    # the GPU's kernels read zeros for them (a zero expert adds nothing) with weight 0
+    tl.store(eoffs + kk, tl.where(take, zero_off, eo), mask=km)
+    tl.store(wts + kk, tl.where(take, 0.0, w), mask=km)
+
+
+def split_for_cpu(ids: torch.Tensor, wts: torch.Tensor, eoffs: torch.Tensor, homes: torch.Tensor,
+                  hosts: torch.Tensor, n_out: torch.Tensor, w_out: torch.Tensor,
+                  o_out: torch.Tensor, done: torch.Tensor, zero_off: int,
+                  share: float) -> None:  # fmt: skip
+    """After ``route``: of the chosen experts read from their RAM homes (``homes``: the
+    layer's RAM home offsets from the anchor, -1 elsewhere), the first ``round(share * n)`` in
+    top-k order go to the CPU: n_out int32 [1] = their count, w_out / o_out [k] their weights
+    and their homes' host addresses (``hosts``), packed from 0, done int64 [1] += the count.
+    Their entries in ``eoffs`` then point at ``zero_off`` (a slot of zero bytes in VRAM) and
+    their ``wts`` are 0, so the expert kernels add nothing for them and read nothing over
+    PCIe."""
+    k = ids.numel()
+    _cpu_split_kernel[(1,)](
+        ids, wts, eoffs, homes, hosts, n_out, w_out, o_out, done, zero_off, share,
+        K=k, KP=triton.next_power_of_2(k), num_warps=1,
+    )  # fmt: skip
+
+
 BN_GATE_UP = 128 if INTERPRETED else 4
 BN_DOWN = 128 if INTERPRETED else 4
 

@@ -102,7 +102,7 @@ def test_json_schema_output_on_the_graph_path(model: Path) -> None:
     assert dec is not None and dec.plan.complete
     assert decode_path(e.runner) == "fused Triton kernels, one CUDA graph per step"
     counted = CountedGraph(dec.graph)
-    dec.graphs[dec.prefetching] = counted  # type: ignore[assignment]
+    dec.graphs[dec.mode] = counted  # type: ignore[assignment]
     prompt = e.encode_chat([{"role": "user", "content": "The weather as JSON."}])
     steps = 0
     for seed in range(12):

@@ -60,10 +60,12 @@ def fast_runner(
     prefill: bool = False,
     host: bool = False,
     prefetch: int = 0,
+    cpu_share: float = 0.0,
 ) -> Runner:
     """Dense weights repacked, the decoder's kernels warmed up, and an expert cache in the
     kernel layout holding ``cache_share`` of the experts (None: no cache), with a host tier
-    holding the rest when ``host``, and ``prefetch`` predicted experts copied ahead from it.
+    holding the rest when ``host``, and ``prefetch`` predicted experts copied ahead from it
+    (or ``cpu_share`` of the chosen ones in it computed by the CPU, on two threads).
     Prompts take the reference path unless ``prefill`` (``test_fast_prefill`` tests that
     path)."""
     index = GGUFIndex(path)
@@ -78,6 +80,7 @@ def fast_runner(
     if cache_share is not None:
         model.provider = share_cache(index, cache_share, host)
     decoder.set_prefetch(prefetch)
+    decoder.set_cpu_share(cpu_share, 2)
     decoder.bind(model.provider)
     runner.decoder = decoder
     return runner

@@ -137,6 +137,91 @@ def test_copies_ahead_stop_when_no_expert_is_in_ram(q8: Path) -> None:
     assert cache.stats.prefetched > 0
 
 
+def _cpu_or_skip(runner: Runner) -> None:
+    dec = runner.decoder
+    assert dec is not None
+    if dec.cpu is None:
+        pytest.skip(f"the CPU expert kernels cannot run here: {dec.cpu_reason}")
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_the_cpus_share_of_the_ram_experts_keeps_the_numbers_and_is_counted(
+    q8: Path, share: float
+) -> None:
+    plain = fast_runner(q8, 0.5, host=True)
+    cpu = fast_runner(q8, 0.5, host=True, cpu_share=share)
+    _cpu_or_skip(cpu)
+    dec = cpu.decoder
+    assert dec.mode == "cpu" and dec.host_count > 0
+    steps = {}
+    for name, runner in (("plain", plain), ("cpu", cpu)):
+        runner.rewind(0)
+        first = runner.feed(PROMPT).cpu()  # the reference path (it counts its own reads)
+        runner.flush_usage()
+        st = runner.model.provider.stats
+        before = (st.hits, st.misses, st.bytes_from_ram, st.cpu_computed)
+        out, tok = [first], 9
+        for _ in range(4):
+            out.append(runner.feed([tok]).cpu())
+            tok = (tok * 31 + 7) % 500
+        runner.flush_usage()
+        after = (st.hits, st.misses, st.bytes_from_ram, st.cpu_computed)
+        steps[name] = (out, [b - a for a, b in zip(before, after, strict=True)])
+    (a, ref), (b, got) = steps["plain"], steps["cpu"]
+    assert torch.equal(a[0], b[0])
+    for x, y in zip(a[1:], b[1:], strict=True):  # the same sums, in another order
+        err = float((x - y).abs().max() / x.abs().max())
+        assert err < 1e-5, f"step logits differ by {err:.2e}"
+    # the same experts were chosen and read from RAM; the CPU computed its share of them
+    assert got[:3] == ref[:3] and ref[3] == 0
+    misses, computed = got[1], got[3]
+    if share == 1.0:  # every chosen expert in RAM
+        assert computed == misses > 0
+    else:
+        assert 0 < computed < misses
+    st = cpu.model.provider.stats
+    assert st.bytes_cpu == st.cpu_computed * dec.expert_bytes[0]
+
+
+def test_the_cpus_share_starts_and_stops_with_the_experts_in_ram(q8: Path) -> None:
+    runner = fast_runner(q8, 1.0, host=True, cpu_share=0.5)
+    _cpu_or_skip(runner)
+    dec = runner.decoder
+    assert dec.host_count == 0 and dec.mode == "plain"
+    decode(runner, 2, 9)
+    runner.flush_usage()
+    assert runner.model.provider.stats.cpu_computed == 0
+    cache = runner.model.provider
+    cache.resize(cache.sizes.core_slots)  # the evicted experts go to RAM homes: the CPU helps
+    assert dec.mode == "cpu"
+    steady = decode(fast_runner(q8, 1.0), 2, 9)
+    for x, y in zip(steady[1:], decode(runner, 2, 9)[1:], strict=True):
+        assert float((x - y).abs().max() / x.abs().max()) < 1e-5
+    runner.flush_usage()
+    assert runner.model.provider.stats.cpu_computed > 0
+    cache.resize(cache.max_slots)
+    assert dec.mode == "plain"
+
+
+def test_a_bad_cpu_share_is_refused_naming_it(q8: Path) -> None:
+    runner = fast_runner(q8, 0.5, host=True)
+    for bad in (-0.1, 1.5, "half", True):
+        with pytest.raises(ValueError, match=f"cpu_share={bad!r}"):
+            runner.decoder.set_cpu_share(bad, 2)  # type: ignore[arg-type]
+    assert runner.decoder.cpu is None and runner.decoder.mode == "plain"
+
+
+def test_the_cpus_share_and_the_copies_ahead_are_one_or_the_other(q8: Path) -> None:
+    runner = fast_runner(q8, 0.5, host=True)
+    both = EngineOptions(cpu_share=0.5, prefetch_experts=2, enforce_eager=True)
+    with pytest.raises(generate.EngineError, match=r"cpu_share=0\.5 and prefetch_experts=2"):
+        generate._configure_decoder(runner.decoder, runner.model, both, lambda what: None)
+    with pytest.raises(generate.EngineError, match="cpu_share=2: must be a number between"):
+        generate._configure_decoder(
+            runner.decoder, runner.model, EngineOptions(cpu_share=2), lambda what: None
+        )
+
+
 def test_more_copies_ahead_than_experts_is_refused(q8: Path) -> None:
     runner = fast_runner(q8, 0.5, host=True)
     E = runner.model.args.n_expert

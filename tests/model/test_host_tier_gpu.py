@@ -46,14 +46,20 @@ def same(a: tuple[list[int], list[torch.Tensor]], b: tuple[list[int], list[torch
     return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
 
 
-@pytest.mark.parametrize("ahead", [2, 0], ids=["copies-ahead", "no-copies-ahead"])
-@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
-def test_the_decode_graph_reads_misses_from_page_locked_homes(tiny_models, cuda, kind, ahead):
-    path = tiny_models.path("qwen3moe", kind)
+def every_expert_in_vram(path: Path, cuda: str) -> tuple[tuple[list[int], list[torch.Tensor]], int]:
+    """``run``'s tokens and logits with every expert in VRAM, and the MiB that cache takes."""
     every = load(path, cuda, cache_mib=1 << 20, host_budget_mib=0)
     want = run(every)
     full = -(-every.cache.n_slots * every.cache.slot_bytes // MiB) + 2
     every.close()
+    return want, full
+
+
+@pytest.mark.parametrize("ahead", [2, 0], ids=["copies-ahead", "no-copies-ahead"])
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
+def test_the_decode_graph_reads_misses_from_page_locked_homes(tiny_models, cuda, kind, ahead):
+    path = tiny_models.path("qwen3moe", kind)
+    want, full = every_expert_in_vram(path, cuda)
     for mib in (full // 2, 0):
         e = load(path, cuda, cache_mib=mib, host_budget_mib=256, prefetch_experts=ahead)
         cache, dec = e.cache, e.runner.decoder
@@ -75,6 +81,28 @@ def test_the_decode_graph_reads_misses_from_page_locked_homes(tiny_models, cuda,
             assert dec.prefetching and 0 < chosen <= made
         else:
             assert not dec.prefetching and made == 0
+        e.close()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
+def test_the_cpus_share_inside_the_decode_graph_keeps_the_logits(tiny_models, cuda, kind):
+    """The CPU's share of the RAM experts runs as host functions captured in the graph: the
+    same logits to float rounding, at half a cache and none, and counted."""
+    path = tiny_models.path("qwen3moe", kind)
+    want, full = every_expert_in_vram(path, cuda)
+    for mib in (full // 2, 0):
+        e = load(path, cuda, cache_mib=mib, host_budget_mib=256, cpu_share=0.5, threads=4)
+        dec = e.runner.decoder
+        assert dec is not None and dec.cpu is not None, dec.cpu_reason if dec else None
+        assert dec.mode == "cpu" and dec.graph is dec.graphs["cpu"] and e.runner.can_look_ahead()
+        got = run(e)
+        for i, (a, b) in enumerate(zip(want[1], got[1], strict=True)):
+            err = float((a - b).abs().max() / a.abs().max())
+            assert err < 1e-4, f"cache {mib} MiB, step {i}: logits differ by {err:.2e}"
+        e.runner.flush_usage()
+        st = e.provider.stats
+        print(f"\n{kind} cache {mib} MiB: {st.cpu_computed} of {st.misses} RAM experts on the CPU")
+        assert 0 < st.cpu_computed < st.misses
         e.close()
 
 

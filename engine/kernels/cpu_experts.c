@@ -1,0 +1,789 @@
+/* A few MoE experts' FFN for one token on the CPU, reading the experts' weights from host RAM in
+ * the kernel layout (repacked quantised planes).
+ *
+ * Why: during decoding the GPU reads the experts that are not in VRAM over PCIe; the CPU can
+ * compute a share of those itself, from the same host bytes, at the same time. A job computes
+ *
+ *     y = sum_i wts[i] * down_i(SiLU(gate_i h) * (up_i h)),   i < *n
+ *
+ * which is what strata.engine.kernels.moe computes on the GPU. It runs from Python (ctypes,
+ * which releases the GIL) or as a CUDA host function inside a graph (strata_enqueue, or a host
+ * node: strata_run_job is a CUhostFn), on CUDA's callback thread.
+ *
+ * The format. strata/engine/quant/repack.py is the layout's one description (its module docstring
+ * gives the byte and nibble order of every plane) and its dequantize_repacked is the exact
+ * reference of every value; each decoder below says briefly what it reads. A matrix is `rows`
+ * rows of `cols` elements; plane p of row r starts at
+ *     matrix + planes[p] + r * (cols / elements per block) * (plane p's bytes per block)
+ * except a fixed plane (IQ4_XS's levels), which is once per matrix at matrix + planes[p]. A
+ * "unit" is 32 consecutive elements of a row: in every 4-bit plane, byte 16 u + k holds element
+ * 32 u + k in its low nibble and element 32 u + 16 + k in its high one.
+ *
+ * The arithmetic. A row's dot product keeps float32 partial sums in vectors of the machine's
+ * width (GCC vector extensions, sized for what -march=native enables: see "vectors" below) and
+ * adds their lanes at the row's end; the loops are plain elementwise vector code, so no float
+ * reassociation (-ffast-math) is needed. The K-quants use the factored form: per unit,
+ * scale * (q . x) - min * (sum of the unit's x), the unit sums computed once per input vector,
+ * not once per row. Equal to "dequantise, then multiply" up to float rounding (the Python tests
+ * bound the difference). The results do not depend on the number of threads: each row's
+ * arithmetic is the same whichever thread does it.
+ *
+ * The threads. A pool has `threads - 1` workers; the thread that runs a job is the last one.
+ * Phase 1 splits the n * F rows of gate and up (each gate row and its up row in one pass over h)
+ * into contiguous ranges, one per thread; a barrier; phase 2 splits the D rows of down (each
+ * output row sums its n experts, weights applied). Idle workers spin for STRATA_SPIN_NS (during
+ * decoding the next job comes within a fraction of a millisecond) and then sleep on a condition
+ * variable, so an idle pool burns no CPU. No two jobs of one pool may run at the same time: the
+ * caller guarantees it (one CUDA stream, or one Python caller). A job may be run from any thread
+ * (a pool thread excepted), one after another from different ones.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "GGUF's fields are little-endian");
+
+#define STRATA_MAX_PLANES 5 /* Q4_K and Q5_K have five planes (qs, sc, mn, d, dm) */
+
+typedef struct {                /* one repacked matrix inside an expert's slot */
+    int32_t qtype;              /* GGML type id */
+    int32_t rows, cols;
+    int64_t offset;             /* the matrix's byte offset inside the slot */
+    int64_t planes[STRATA_MAX_PLANES]; /* each plane's byte offset from the matrix (unused: 0) */
+} strata_mat;
+
+typedef struct strata_pool strata_pool;
+
+typedef struct {
+    strata_mat gate, up, down; /* gate/up: F x D, down: D x F */
+    int32_t D, F, kmax;
+    const int32_t *n;     /* entries to compute (0..kmax), read at call time */
+    const float *wts;     /* [kmax] routing weights */
+    const int64_t *offs;  /* [kmax] expert i's slot is at base + offs[i] */
+    int64_t base;
+    const float *h;       /* [D] */
+    float *y;             /* [D] */
+    float *act;           /* [kmax * F] scratch */
+    strata_pool *pool;
+} strata_job;
+
+/* GGML type ids (gguf.GGMLQuantizationType); the Python tests check them against gguf's. */
+enum {
+    T_F32 = 0,
+    T_F16 = 1,
+    T_Q4_0 = 2,
+    T_Q8_0 = 8,
+    T_Q4_K = 12,
+    T_Q5_K = 13,
+    T_Q6_K = 14,
+    T_IQ4_XS = 23,
+    T_BF16 = 30,
+};
+
+#define INLINE static inline __attribute__((always_inline))
+/* Vectors wider than the machine's registers are passed differently across ABIs; these are all
+ * static and inlined, so no such call ever crosses a library boundary. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+/* -- scalars (fields are read bytewise: a slot may sit at any address) ---------------------- */
+
+INLINE uint32_t f2u(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+INLINE float u2f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE half -> float, exact for every value and with no subnormal float on the way (a thread
+ * may flush those to zero): a normal half's exponent rebased by 127 - 15; a subnormal one is its
+ * mantissa times 2^-24; infinities and NaNs keep their mantissa under the all-ones exponent. */
+INLINE float half(uint16_t h) {
+    const uint32_t m = h & 0x7fffu, sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t r;
+    if (m < 0x400u)
+        r = f2u((float)m * 0x1p-24f);
+    else if (m >= 0x7c00u)
+        r = m << 13 | 0x7f800000u;
+    else
+        r = (m << 13) + (112u << 23);
+    return u2f(sign | r);
+}
+
+INLINE float ld_f16(const uint8_t *p) { return half((uint16_t)(p[0] | p[1] << 8)); }
+
+INLINE uint32_t ld_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* -- vectors (GCC vector extensions) --------------------------------------------------------
+ * A vector holds H lanes: 16 where the machine has 512-bit registers (AVX-512), else 8 (AVX2's
+ * 256 bits; narrower machines get the same code split by the compiler). In a unit's loop, lane k
+ * of step j (j = 0, H, ..., 16 - H) takes the unit's elements j + k (x0) and 16 + j + k (x1),
+ * so a 4-bit plane's H bytes at 16 u + j give both. */
+
+#if defined(__AVX512F__)
+#define H 16
+#else
+#define H 8
+#endif
+
+typedef float vf __attribute__((vector_size(4 * H)));
+typedef int32_t vi __attribute__((vector_size(4 * H)));
+typedef uint32_t vu __attribute__((vector_size(4 * H)));
+typedef uint8_t vb __attribute__((vector_size(H)));
+typedef int8_t vc __attribute__((vector_size(H)));
+typedef uint16_t vw __attribute__((vector_size(H))); /* vb as 16-bit lanes, for shifts */
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+typedef int8_t v8c __attribute__((vector_size(8)));
+
+/* unaligned loads: a slot, and so a plane, may sit at any address */
+typedef float uvf __attribute__((vector_size(4 * H), aligned(1), may_alias));
+typedef float uv8f __attribute__((vector_size(32), aligned(1), may_alias));
+typedef uint8_t uvb __attribute__((vector_size(H), aligned(1), may_alias));
+typedef uint8_t uv8b __attribute__((vector_size(8), aligned(1), may_alias));
+typedef uint16_t uvh __attribute__((vector_size(2 * H), aligned(1), may_alias));
+
+INLINE vf ldf(const float *p) { return *(const uvf *)p; }
+INLINE v8f ldf8(const float *p) { return *(const uv8f *)p; }
+INLINE vb ldb(const uint8_t *p) { return *(const uvb *)p; }
+/* Bytes that a conversion widens at once. GCC 12 turns a conversion fed straight by a load into
+ * a load per byte; a byte operation in between ((x ^ 0x80) + 0x80 == x) keeps it one load. */
+INLINE vc ldc(const uint8_t *p) { return (vc)(*(const uvb *)p ^ 0x80) + (int8_t)-128; }
+INLINE v8b ldb8(const uint8_t *p) { return (*(const uv8b *)p ^ 0x80) + 0x80; }
+INLINE v8c ldc8(const uint8_t *p) { return (v8c)(*(const uv8b *)p ^ 0x80) + (int8_t)-128; }
+
+/* bytes -> floats, unsigned and signed */
+INLINE vf b2f(vb v) { return __builtin_convertvector(__builtin_convertvector(v, vi), vf); }
+INLINE vf c2f(vc v) { return __builtin_convertvector(__builtin_convertvector(v, vi), vf); }
+INLINE v8f u8f(const uint8_t *p) {
+    return __builtin_convertvector(__builtin_convertvector(ldb8(p), v8i), v8f);
+}
+INLINE v8f c8f(const uint8_t *p) {
+    return __builtin_convertvector(__builtin_convertvector(ldc8(p), v8i), v8f);
+}
+
+/* Bytes shifted as 16-bit lanes: one instruction on x86, which has no byte shifts; the bits that
+ * cross into the next byte must be masked off by the caller. */
+INLINE vb shl16(vb v, int k) { return (vb)((vw)v << k); }
+INLINE vb shr16(vb v, int k) { return (vb)((vw)v >> k); }
+
+INLINE float hsum8(v8f v) {
+    v4f a, b;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    a += b;
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+INLINE float hsum(vf v) {
+#if H == 16
+    v8f a, b;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    return hsum8(a + b);
+#else
+    return hsum8(v);
+#endif
+}
+
+/* A row's partial sums: four independent chains (consecutive steps need not wait for each
+ * other's additions), and the K-quants' min terms (lane u: unit u of every block). */
+typedef struct {
+    vf a[4];
+    v8f m;
+} acc_t;
+
+/* the chain of unit u's step j */
+#define CHAIN(u, j) (((u) * (16 / H) + (j) / H) & 3)
+
+INLINE float acc_sum(const acc_t *c) {
+    return hsum((c->a[0] + c->a[1]) + (c->a[2] + c->a[3])) - hsum8(c->m);
+}
+
+/* -- one block of a row against the input ----------------------------------------------------
+ * p: the row's plane pointers, b: the block, x: the input row (the block's part starts at
+ * x + b * elements per block), xs: the unit sums of x (xs[v] = x[32 v] + ... + x[32 v + 31]). */
+
+/* Q4_K (256 elements; planes qs 128, sc 8, mn 8, d 2, dm 2): unit u's nibbles at qs[16 u..],
+ * its 6-bit scale and min a byte each at sc[u], mn[u]; value = (d * sc) * q - dm * mn. */
+INLINE void blk_q4_k(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    const uint8_t *qs = p[0] + 128 * b;
+    const float d = ld_f16(p[3] + 2 * b), dm = ld_f16(p[4] + 2 * b);
+    const v8f ds = d * u8f(p[1] + 8 * b);
+    c->m += (dm * u8f(p[2] + 8 * b)) * ldf8(xs + 8 * b);
+    x += 256 * b;
+#pragma GCC unroll 16
+    for (int s = 0; s < 8 * 16 / H; s++) {
+        const int u = s * H / 16, j = s * H % 16;
+        const vb q = ldb(qs + 16 * u + j);
+        const vf x0 = ldf(x + 32 * u + j), x1 = ldf(x + 32 * u + 16 + j);
+        c->a[CHAIN(u, j)] += ds[u] * (b2f(q & 15) * x0 + b2f(shr16(q, 4) & 15) * x1);
+    }
+}
+
+/* Q5_K (256; qs 128, qh 32, sc 8, mn 8, dd 4 = d then dmin): the low 4 bits as Q4_K's; the
+ * fifth bit of element 32 u + i is bit i of the little-endian uint32 at qh[4 u]. */
+INLINE void blk_q5_k(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    const uint8_t *qs = p[0] + 128 * b, *qh = p[1] + 32 * b;
+    const float d = ld_f16(p[4] + 4 * b), dm = ld_f16(p[4] + 4 * b + 2);
+    const v8f ds = d * u8f(p[2] + 8 * b);
+    c->m += (dm * u8f(p[3] + 8 * b)) * ldf8(xs + 8 * b);
+    vu lanes;
+    for (int k = 0; k < H; k++) lanes[k] = (uint32_t)k;
+    x += 256 * b;
+#pragma GCC unroll 16
+    for (int s = 0; s < 8 * 16 / H; s++) {
+        const int u = s * H / 16, j = s * H % 16;
+        const vb q = ldb(qs + 16 * u + j);
+        const vu w = (vu){0} + ld_u32(qh + 4 * u);
+        const vu lo = __builtin_convertvector(q & 15, vu) | ((w >> (lanes + j)) & 1) << 4;
+        const vu hi = __builtin_convertvector(shr16(q, 4) & 15, vu) |
+                      ((w >> (lanes + 16 + j)) & 1) << 4;
+        const vf x0 = ldf(x + 32 * u + j), x1 = ldf(x + 32 * u + 16 + j);
+        const vf flo = __builtin_convertvector((vi)lo, vf);
+        const vf fhi = __builtin_convertvector((vi)hi, vf);
+        c->a[CHAIN(u, j)] += ds[u] * (flo * x0 + fhi * x1);
+    }
+}
+
+/* Q6_K (256; ql 128, qh 64, sc 16 int8, d 2): the low 4 bits as Q4_K's nibbles; the high two
+ * bits of element 64 g + 16 t + m are bits 2t of qh[16 g + m], so unit u (g = u / 2) finds them
+ * at bit 4 (u % 2) for its first 16 elements and 2 more for its next 16; those two groups of 16
+ * have the scales sc[u] and sc[8 + u]. value = (d * sc) * (q - 32). */
+INLINE void blk_q6_k(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    (void)xs;
+    const uint8_t *ql = p[0] + 128 * b, *qh = p[1] + 64 * b;
+    const float d = ld_f16(p[3] + 2 * b);
+    const v8f sa = d * c8f(p[2] + 16 * b), sb = d * c8f(p[2] + 16 * b + 8);
+    x += 256 * b;
+#pragma GCC unroll 16
+    for (int s = 0; s < 8 * 16 / H; s++) {
+        const int u = s * H / 16, j = s * H % 16;
+        const vb l = ldb(ql + 16 * u + j), h = ldb(qh + 16 * (u >> 1) + j);
+        /* the high bits moved to bits 4 and 5 */
+        const vb h0 = (u & 1 ? h : shl16(h, 4)) & 0x30;
+        const vb h1 = (u & 1 ? shr16(h, 2) : shl16(h, 2)) & 0x30;
+        const vc lo = (vc)((l & 15) | h0) - 32, hi = (vc)((shr16(l, 4) & 15) | h1) - 32;
+        const vf x0 = ldf(x + 32 * u + j), x1 = ldf(x + 32 * u + 16 + j);
+        c->a[CHAIN(u, j)] += sa[u] * (c2f(lo) * x0);
+        c->a[CHAIN(u, j) ^ 1] += sb[u] * (c2f(hi) * x1);
+    }
+}
+
+/* IQ4_XS (256; qs 128 level indices ordered as Q4_K's nibbles, sc 8 int8 = scale - 32, d 2, and
+ * the fixed plane lv: the 16 float32 levels, once per matrix): value = (d * sc) * lv[q]. */
+INLINE void blk_iq4_xs(const uint8_t *const *p, int b, const float *x, const float *xs,
+                       acc_t *c) {
+    (void)xs;
+    const uint8_t *qs = p[0] + 128 * b;
+    const v8f ds = ld_f16(p[2] + 2 * b) * c8f(p[1] + 8 * b);
+    const float *lv = (const float *)p[3];
+    x += 256 * b;
+#if H == 16
+    const vf lv0 = ldf(lv);
+#define LEVELS(i) __builtin_shuffle(lv0, i)
+#else
+    const vf lv0 = ldf(lv), lv1 = ldf(lv + 8);
+#define LEVELS(i) __builtin_shuffle(lv0, lv1, i)
+#endif
+#pragma GCC unroll 16
+    for (int s = 0; s < 8 * 16 / H; s++) {
+        const int u = s * H / 16, j = s * H % 16;
+        const vb q = ldb(qs + 16 * u + j);
+        const vi lo = __builtin_convertvector(q & 15, vi);
+        const vi hi = __builtin_convertvector(shr16(q, 4) & 15, vi);
+        const vf x0 = ldf(x + 32 * u + j), x1 = ldf(x + 32 * u + 16 + j);
+        c->a[CHAIN(u, j)] += ds[u] * (LEVELS(lo) * x0 + LEVELS(hi) * x1);
+    }
+#undef LEVELS
+}
+
+/* Q8_0 (32; qs 32 int8, d 2): value = d * q. */
+INLINE void blk_q8_0(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    (void)xs;
+    const uint8_t *q = p[0] + 32 * b;
+    const float d = ld_f16(p[1] + 2 * b);
+    x += 32 * b;
+    vf t = {0};
+#pragma GCC unroll 2
+    for (int j = 0; j < 16; j += H)
+        t += c2f(ldc(q + j)) * ldf(x + j) + c2f(ldc(q + 16 + j)) * ldf(x + 16 + j);
+    c->a[0] += d * t;
+}
+
+/* Q4_0 (32; qs 16, d 2): element k is the low nibble of byte k, 16 + k its high one;
+ * value = d * (q - 8). */
+INLINE void blk_q4_0(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    (void)xs;
+    const uint8_t *q = p[0] + 16 * b;
+    const float d = ld_f16(p[1] + 2 * b);
+    x += 32 * b;
+    vf t = {0};
+#pragma GCC unroll 2
+    for (int j = 0; j < 16; j += H) {
+        const vb v = ldb(q + j);
+        const vc lo = (vc)(v & 15) - 8, hi = (vc)(shr16(v, 4) & 15) - 8;
+        t += c2f(lo) * ldf(x + j) + c2f(hi) * ldf(x + 16 + j);
+    }
+    c->a[0] += d * t;
+}
+
+/* Plain floats (one plane w, the file's bytes): a block is H elements, a row's tail scalar. */
+INLINE void blk_f32(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    (void)xs;
+    c->a[0] += ldf((const float *)(p[0] + 4 * H * b)) * ldf(x + H * b);
+}
+
+INLINE void blk_f16(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    (void)xs;
+    const vu h = __builtin_convertvector(*(const uvh *)(p[0] + 2 * H * b), vu); /* half() */
+    const vu m = h & 0x7fff;
+    const vu sub = (vu)(m < 0x400), big = (vu)(m >= 0x7c00);
+    const vu normal = (m << 13) + (112u << 23), special = (m << 13) | 0x7f800000;
+    const vu small = (vu)(__builtin_convertvector((vi)m, vf) * 0x1p-24f);
+    const vu r = (normal & ~(sub | big)) | (small & sub) | (special & big);
+    c->a[0] += (vf)(r | (h & 0x8000) << 16) * ldf(x + H * b);
+}
+
+INLINE void blk_bf16(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    (void)xs;
+    const vu h = __builtin_convertvector(*(const uvh *)(p[0] + 2 * H * b), vu);
+    c->a[0] += (vf)(h << 16) * ldf(x + H * b);
+}
+
+INLINE float el_f32(const uint8_t *w, int i) { return u2f(ld_u32(w + 4 * i)); }
+INLINE float el_f16(const uint8_t *w, int i) { return ld_f16(w + 2 * i); }
+INLINE float el_bf16(const uint8_t *w, int i) {
+    return u2f((uint32_t)(w[2 * i] | w[2 * i + 1] << 8) << 16);
+}
+
+/* The elements after a row's last whole block: only the floats' rows have any. */
+#define FLOAT_TAIL(T)                                                                         \
+    INLINE float tail_##T(const uint8_t *const *p, int from, int cols, const float *x) {      \
+        float s = 0.0f;                                                                       \
+        for (int i = from; i < cols; i++) s += el_##T(p[0], i) * x[i];                        \
+        return s;                                                                             \
+    }
+#define NO_TAIL(T)                                                                            \
+    INLINE float tail_##T(const uint8_t *const *p, int from, int cols, const float *x) {      \
+        (void)p, (void)from, (void)cols, (void)x;                                             \
+        return 0.0f;                                                                          \
+    }
+FLOAT_TAIL(f32)
+FLOAT_TAIL(f16)
+FLOAT_TAIL(bf16)
+NO_TAIL(q4_k)
+NO_TAIL(q5_k)
+NO_TAIL(q6_k)
+NO_TAIL(iq4_xs)
+NO_TAIL(q8_0)
+NO_TAIL(q4_0)
+
+/* Per type, from its block function:
+ * dot1: one row's dot product with x;
+ * dot2: two rows of one type with the same x in one pass (an expert's gate and up rows);
+ * dotw: the sum over e < n of w[e] * (row p[e] . x + e * cols): one output row of down against
+ *       the n experts' activations. */
+typedef const uint8_t *planes_t[STRATA_MAX_PLANES];
+typedef float (*dot1_fn)(const uint8_t *const *p, int cols, const float *x, const float *xs);
+typedef void (*dot2_fn)(const uint8_t *const *pa, const uint8_t *const *pb, int cols,
+                        const float *x, const float *xs, float *out);
+typedef float (*dotw_fn)(const planes_t *p, int n, int cols, const float *x, const float *xs,
+                         const float *w);
+
+#define DOTS(T, BLOCK)                                                                        \
+    static float dot1_##T(const uint8_t *const *p, int cols, const float *x, const float *xs) { \
+        acc_t c = {0};                                                                        \
+        const int nb = cols / (BLOCK);                                                        \
+        for (int b = 0; b < nb; b++) blk_##T(p, b, x, xs, &c);                                \
+        return acc_sum(&c) + tail_##T(p, nb * (BLOCK), cols, x);                              \
+    }                                                                                         \
+    static void dot2_##T(const uint8_t *const *pa, const uint8_t *const *pb, int cols,        \
+                         const float *x, const float *xs, float *out) {                       \
+        acc_t a = {0}, c = {0};                                                               \
+        const int nb = cols / (BLOCK);                                                        \
+        for (int b = 0; b < nb; b++) {                                                        \
+            blk_##T(pa, b, x, xs, &a);                                                        \
+            blk_##T(pb, b, x, xs, &c);                                                        \
+        }                                                                                     \
+        out[0] = acc_sum(&a) + tail_##T(pa, nb * (BLOCK), cols, x);                           \
+        out[1] = acc_sum(&c) + tail_##T(pb, nb * (BLOCK), cols, x);                           \
+    }                                                                                         \
+    static float dotw_##T(const planes_t *p, int n, int cols, const float *x, const float *xs, \
+                          const float *w) {                                                   \
+        vf all = {0};                                                                         \
+        v8f mins = {0};                                                                       \
+        float tail = 0.0f;                                                                    \
+        const int nb = cols / (BLOCK);                                                        \
+        for (int e = 0; e < n; e++) {                                                         \
+            const float *xe = x + (int64_t)e * cols, *se = xs + (int64_t)e * (cols / 32);      \
+            acc_t c = {0};                                                                    \
+            for (int b = 0; b < nb; b++) blk_##T(p[e], b, xe, se, &c);                        \
+            all += w[e] * ((c.a[0] + c.a[1]) + (c.a[2] + c.a[3]));                            \
+            mins += w[e] * c.m;                                                               \
+            tail += w[e] * tail_##T(p[e], nb * (BLOCK), cols, xe);                            \
+        }                                                                                     \
+        return hsum(all) - hsum8(mins) + tail;                                                \
+    }
+DOTS(q4_k, 256)
+DOTS(q5_k, 256)
+DOTS(q6_k, 256)
+DOTS(iq4_xs, 256)
+DOTS(q8_0, 32)
+DOTS(q4_0, 32)
+DOTS(f32, H)
+DOTS(f16, H)
+DOTS(bf16, H)
+
+/* Per type: elements per block and each plane's bytes per block (0: a fixed plane, once per
+ * matrix), in repack.PLANES order (repack.KERNEL_PLANE_BYTES; the floats' one plane is w). */
+typedef struct {
+    int32_t qtype;
+    int32_t block;
+    int32_t nplanes;
+    int32_t bytes[STRATA_MAX_PLANES];
+    dot1_fn dot1;
+    dot2_fn dot2;
+    dotw_fn dotw;
+} qtype_info;
+
+#define FNS(T) dot1_##T, dot2_##T, dotw_##T
+static const qtype_info TYPES[] = {
+    {T_Q4_K, 256, 5, {128, 8, 8, 2, 2}, FNS(q4_k)},
+    {T_Q5_K, 256, 5, {128, 32, 8, 8, 4}, FNS(q5_k)},
+    {T_Q6_K, 256, 4, {128, 64, 16, 2}, FNS(q6_k)},
+    {T_IQ4_XS, 256, 4, {128, 8, 2, 0}, FNS(iq4_xs)},
+    {T_Q8_0, 32, 2, {32, 2}, FNS(q8_0)},
+    {T_Q4_0, 32, 2, {16, 2}, FNS(q4_0)},
+    {T_F32, 1, 1, {4}, FNS(f32)},
+    {T_F16, 1, 1, {2}, FNS(f16)},
+    {T_BF16, 1, 1, {2}, FNS(bf16)},
+};
+
+static const qtype_info *type_info(int32_t qtype) {
+    for (size_t i = 0; i < sizeof TYPES / sizeof TYPES[0]; i++)
+        if (TYPES[i].qtype == qtype) return &TYPES[i];
+    return NULL;
+}
+
+/* 1 if the library computes matrices of GGML type qtype. */
+int strata_supported(int32_t qtype) { return type_info(qtype) != NULL; }
+
+/* sizeof(strata_job): the Python wrapper checks its ctypes mirror against it. */
+size_t strata_job_bytes(void) { return sizeof(strata_job); }
+
+/* The plane pointers of row r of matrix m in the slot at `slot`. */
+static void row_planes(const strata_mat *m, const qtype_info *ti, const uint8_t *slot, int r,
+                       const uint8_t **p) {
+    const uint8_t *mat = slot + m->offset;
+    const int64_t nb = m->cols / ti->block;
+    for (int i = 0; i < ti->nplanes; i++)
+        p[i] = mat + m->planes[i] + (int64_t)r * nb * ti->bytes[i];
+}
+
+/* out[j] = x[32 j] + ... + x[32 j + 31] for j in [lo, hi). */
+static void unit_sums(const float *x, int64_t lo, int64_t hi, float *out) {
+    for (int64_t j = lo; j < hi; j++) {
+        vf s = ldf(x + 32 * j);
+        for (int i = H; i < 32; i += H) s += ldf(x + 32 * j + i);
+        out[j] = hsum(s);
+    }
+}
+
+/* -- the pool ------------------------------------------------------------------------------ */
+
+#ifndef STRATA_SPIN_NS
+/* How long an idle worker spins before it sleeps. A decode step's layers hand out a job every
+ * 0.1-0.5 ms: the workers keep spinning from one to the next (on the H200's host a wake-up from
+ * sleep cost ~100 us a job: 253 against 156 us for two experts on 15 threads), and sleep 3 ms
+ * after the last one. */
+#define STRATA_SPIN_NS 3000000
+#endif
+
+struct strata_pool {
+    int nthreads; /* the workers and the caller */
+    int started;  /* workers running */
+    pthread_t *tids;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    /* the job now running, written by its caller before `gen` moves on */
+    const strata_job *job;
+    int n;
+    float *hsums; /* [D / 32] unit sums of h, by the caller */
+    float *asums; /* [n * F / 32] unit sums of act, in phase 1 */
+    float *sums;  /* the storage of both, grown by callers */
+    size_t sums_cap;
+    /* each counter on its own cache line: the threads hammer them */
+    _Alignas(64) atomic_uint_fast64_t gen; /* bumped once per job; workers run on a change */
+    _Alignas(64) atomic_int sleepers;      /* workers waiting on cv */
+    atomic_int stop;
+    _Alignas(64) atomic_int arrived1; /* threads done with phase 1 (the barrier) */
+    _Alignas(64) atomic_int arrived2; /* threads done with phase 2 */
+};
+
+INLINE float silu(float g) { return g / (1.0f + expf(-g)); }
+
+static const uint8_t *slot_of(const strata_job *job, int i) {
+    return (const uint8_t *)(uintptr_t)(job->base + job->offs[i]);
+}
+
+/* Phase 1: act[i] for rows [lo, hi) of the n * F gate/up rows (i = e * F + r), then the unit
+ * sums of act that fall wholly in [lo, hi) (lo is a multiple of 32; the sums are read only when
+ * F is one too, so no unit spans two experts). */
+static void phase1(const strata_pool *pool, const strata_job *job, int lo, int hi) {
+    const qtype_info *tg = type_info(job->gate.qtype), *tu = type_info(job->up.qtype);
+    const int F = job->F, D = job->D;
+    planes_t pg, pu;
+    for (int i = lo; i < hi; i++) {
+        const int e = i / F, r = i % F;
+        const uint8_t *slot = slot_of(job, e);
+        row_planes(&job->gate, tg, slot, r, pg);
+        row_planes(&job->up, tu, slot, r, pu);
+        float gu[2];
+        if (tg == tu) {
+            tg->dot2(pg, pu, D, job->h, pool->hsums, gu);
+        } else {
+            gu[0] = tg->dot1(pg, D, job->h, pool->hsums);
+            gu[1] = tu->dot1(pu, D, job->h, pool->hsums);
+        }
+        job->act[i] = silu(gu[0]) * gu[1];
+    }
+    unit_sums(job->act, lo / 32, hi / 32, pool->asums);
+}
+
+/* Phase 2: y[r] for rows [lo, hi) of down, up to 16 experts at a time. */
+static void phase2(const strata_pool *pool, const strata_job *job, int lo, int hi) {
+    const qtype_info *td = type_info(job->down.qtype);
+    const int F = job->F, n = pool->n;
+    planes_t pd[16];
+    for (int r = lo; r < hi; r++) {
+        float s = 0.0f;
+        for (int e0 = 0; e0 < n; e0 += 16) {
+            const int m = n - e0 < 16 ? n - e0 : 16;
+            for (int e = 0; e < m; e++)
+                row_planes(&job->down, td, slot_of(job, e0 + e), r, pd[e]);
+            s += td->dotw(pd, m, F, job->act + (int64_t)e0 * F, pool->asums + e0 * (F / 32),
+                          job->wts + e0);
+        }
+        job->y[r] = s;
+    }
+}
+
+INLINE void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+typedef struct {
+    strata_pool *pool;
+    int t;
+} worker_arg;
+
+/* Wait until `counter` reaches `want`: spin, then yield (with more threads than cores, the ones
+ * waited for need the core). */
+static void wait_count(atomic_int *counter, int want) {
+    for (int i = 0; atomic_load_explicit(counter, memory_order_acquire) < want; i++) {
+        if (i < 4096)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+}
+
+/* Where thread t's rows of `total` start: phase 1's at multiples of 32 (whole units of act). */
+static int split(int64_t total, int t, int T, int unit) {
+    return t == T ? (int)total : (int)(total * t / T / unit * unit);
+}
+
+/* Thread t's share of the running job: its rows of phase 1, the barrier, its rows of phase 2. */
+static void run_share(strata_pool *pool, int t) {
+    const strata_job *job = pool->job;
+    const int T = pool->nthreads;
+    const int64_t r1 = (int64_t)pool->n * job->F;
+    phase1(pool, job, split(r1, t, T, 32), split(r1, t + 1, T, 32));
+    if (T > 1) {
+        atomic_fetch_add_explicit(&pool->arrived1, 1, memory_order_acq_rel);
+        wait_count(&pool->arrived1, T);
+    }
+    phase2(pool, job, split(job->D, t, T, 1), split(job->D, t + 1, T, 1));
+    if (T > 1) atomic_fetch_add_explicit(&pool->arrived2, 1, memory_order_release);
+}
+
+static void *worker(void *arg) {
+    strata_pool *pool = ((worker_arg *)arg)->pool;
+    const int t = ((worker_arg *)arg)->t;
+    free(arg);
+    uint_fast64_t seen = 0; /* gen at creation, not now: a job may have started already */
+    for (;;) {
+        /* spin a while, then sleep until a job (a new gen) or stop */
+        const int64_t until = now_ns() + STRATA_SPIN_NS;
+        int i = 0;
+        while (atomic_load_explicit(&pool->gen, memory_order_acquire) == seen &&
+               !atomic_load_explicit(&pool->stop, memory_order_relaxed)) {
+            cpu_relax();
+            if (++i % 64 == 0 && now_ns() > until) {
+                pthread_mutex_lock(&pool->mu);
+                atomic_fetch_add(&pool->sleepers, 1); /* seq_cst: pairs with strata_run_job */
+                while (atomic_load(&pool->gen) == seen && !atomic_load(&pool->stop))
+                    pthread_cond_wait(&pool->cv, &pool->mu);
+                atomic_fetch_sub(&pool->sleepers, 1);
+                pthread_mutex_unlock(&pool->mu);
+            }
+        }
+        if (atomic_load(&pool->stop)) return NULL;
+        seen = atomic_load_explicit(&pool->gen, memory_order_acquire);
+        run_share(pool, t);
+    }
+}
+
+static void pool_stop(strata_pool *pool) {
+    pthread_mutex_lock(&pool->mu);
+    atomic_store(&pool->stop, 1);
+    pthread_cond_broadcast(&pool->cv);
+    pthread_mutex_unlock(&pool->mu);
+    for (int i = 0; i < pool->started; i++) pthread_join(pool->tids[i], NULL);
+    pthread_cond_destroy(&pool->cv);
+    pthread_mutex_destroy(&pool->mu);
+    free(pool->sums);
+    free(pool->tids);
+    free(pool);
+}
+
+/* A pool of threads - 1 workers (the caller of a job is the last thread); NULL if threads < 1 or
+ * a thread could not start. */
+strata_pool *strata_pool_new(int threads) {
+    if (threads < 1) return NULL;
+    strata_pool *pool = aligned_alloc(64, (sizeof(strata_pool) + 63) / 64 * 64);
+    if (!pool) return NULL;
+    memset(pool, 0, sizeof *pool);
+    pool->nthreads = threads;
+    pool->tids = calloc((size_t)threads, sizeof(pthread_t));
+    if (!pool->tids || pthread_mutex_init(&pool->mu, NULL) || pthread_cond_init(&pool->cv, NULL)) {
+        free(pool->tids);
+        free(pool);
+        return NULL;
+    }
+    atomic_init(&pool->gen, 0);
+    atomic_init(&pool->sleepers, 0);
+    atomic_init(&pool->stop, 0);
+    atomic_init(&pool->arrived1, 0);
+    atomic_init(&pool->arrived2, 0);
+    /* the workers take no signals: those are for the process's own threads */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int ok = 1;
+    for (int t = 1; t < threads && ok; t++) {
+        worker_arg *a = malloc(sizeof *a);
+        ok = a != NULL;
+        if (ok) {
+            a->pool = pool;
+            a->t = t;
+            ok = pthread_create(&pool->tids[pool->started], NULL, worker, a) == 0;
+            if (ok)
+                pool->started++;
+            else
+                free(a);
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (!ok) {
+        pool_stop(pool);
+        return NULL;
+    }
+    return pool;
+}
+
+/* Stops and joins the workers and frees the pool (NULL: nothing). No job of it may be running. */
+void strata_pool_free(strata_pool *pool) {
+    if (pool) pool_stop(pool);
+}
+
+/* Runs the job (a strata_job *) on its pool and returns once y is written: a CUhostFn. Reads n,
+ * wts, offs and h now. Not reentrant per pool: the caller runs one job of a pool at a time. */
+void strata_run_job(void *arg) {
+    const strata_job *job = arg;
+    strata_pool *pool = job->pool;
+    int n = *(const volatile int32_t *)job->n;
+    n = n < 0 ? 0 : n > job->kmax ? job->kmax : n;
+    const size_t hn = (size_t)job->D / 32, need = hn + (size_t)job->kmax * job->F / 32 + 1;
+    if (need > pool->sums_cap) { /* the first job of a shape: no thread reads sums now */
+        float *grown = realloc(pool->sums, need * sizeof(float));
+        if (!grown) n = -1;
+        else {
+            pool->sums = grown;
+            pool->sums_cap = need;
+        }
+    }
+    if (!type_info(job->gate.qtype) || !type_info(job->up.qtype) || !type_info(job->down.qtype))
+        n = -1;
+    if (n <= 0) { /* zeros; NaN for a type it cannot compute or scratch it could not allocate */
+        for (int i = 0; i < job->D; i++) job->y[i] = n == 0 ? 0.0f : NAN;
+        return;
+    }
+    pool->job = job;
+    pool->n = n;
+    pool->hsums = pool->sums;
+    pool->asums = pool->sums + hn;
+    unit_sums(job->h, 0, (int64_t)hn, pool->hsums);
+    if (pool->nthreads > 1) {
+        atomic_store_explicit(&pool->arrived1, 0, memory_order_relaxed);
+        atomic_store_explicit(&pool->arrived2, 0, memory_order_relaxed);
+        atomic_fetch_add(&pool->gen, 1); /* seq_cst: publishes the above; pairs with sleepers */
+        if (atomic_load(&pool->sleepers) > 0) {
+            pthread_mutex_lock(&pool->mu);
+            pthread_cond_broadcast(&pool->cv);
+            pthread_mutex_unlock(&pool->mu);
+        }
+    }
+    run_share(pool, 0);
+    if (pool->nthreads > 1) wait_count(&pool->arrived2, pool->nthreads);
+}
+
+/* -- CUDA: the job as a host function on a stream, through the driver found at run time ---- */
+
+typedef int (*launch_host_fn)(void *stream, void (*fn)(void *), void *user_data);
+static launch_host_fn cu_launch_host_func;
+static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;
+
+static void load_cuda(void) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return;
+    void *sym = dlsym(lib, "cuLaunchHostFunc");
+    memcpy(&cu_launch_host_func, &sym, sizeof sym);
+}
+
+/* cuLaunchHostFunc(stream, strata_run_job, job), through libcuda.so.1 found at run time: its
+ * CUresult, or -1 when the driver (or the function) cannot be loaded. */
+int strata_enqueue(void *stream, void *job) {
+    pthread_once(&cuda_once, load_cuda);
+    if (!cu_launch_host_func) return -1;
+    return cu_launch_host_func(stream, strata_run_job, job);
+}

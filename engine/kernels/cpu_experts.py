@@ -1,0 +1,414 @@
+"""A few MoE experts' FFN for one token on the CPU, from the experts' repacked bytes in host RAM.
+
+While the GPU reads the experts that are not in VRAM over PCIe, the CPU can compute a share of
+them from the same host bytes. ``cpu_experts.c`` does that with a pool of threads and no Python:
+a job is a C struct of pointers (the slots' base and per-expert offsets, routing weights, input,
+output, scratch) whose values a GPU copy may refresh before each call, and ``strata_run_job`` is
+a CUDA host function, so a CUDA graph can run it on CUDA's callback thread without the GIL.
+From Python, ``CpuJob.run`` calls it through ctypes, which releases the GIL too.
+
+The library is compiled on first use with the system's C compiler (``$CC``, default ``cc``) and
+``-march=native``, so its loops use this machine's vector width. The result is cached under
+``$XDG_CACHE_HOME/strata/kernels`` in a file named by a hash of the source, the flags and the
+compiler, so an edited source or another compiler builds a new file, and it is renamed into place
+whole, so a process never loads a half-written one. Without a working compiler ``library``
+raises ``CpuExpertsUnavailable`` saying why, and the caller keeps every expert on the GPU.
+
+``python -m strata.engine.kernels.cpu_experts`` measures the throughput (GB/s of weight bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import gguf
+import torch
+
+from strata.daemon.paths import cache_dir
+from strata.engine.experts.layout import RUN_ALIGN, KernelSlotLayout, align
+from strata.engine.quant.repack import FIXED_PLANES, PLANES, RepackedLayout, repacked_layout
+
+log = logging.getLogger(__name__)
+
+Q = gguf.GGMLQuantizationType
+SOURCE = Path(__file__).with_name("cpu_experts.c")
+FLAGS = ("-std=c11", "-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthread",
+         "-shared", "-fPIC")  # fmt: skip
+LIBS = ("-lm", "-ldl")
+MAX_PLANES = 5  # STRATA_MAX_PLANES in the C source: Q4_K and Q5_K have five planes
+assert max(len(p) for p in PLANES.values()) <= MAX_PLANES
+
+
+class CpuExpertsUnavailable(RuntimeError):
+    """The CPU expert library cannot be built or loaded here (the message says why)."""
+
+
+# -- the C structs, field for field -----------------------------------------------------------
+
+
+class StrataMat(ctypes.Structure):
+    _fields_ = [
+        ("qtype", ctypes.c_int32),
+        ("rows", ctypes.c_int32),
+        ("cols", ctypes.c_int32),
+        ("offset", ctypes.c_int64),
+        ("planes", ctypes.c_int64 * MAX_PLANES),
+    ]
+
+
+class StrataJob(ctypes.Structure):
+    _fields_ = [
+        ("gate", StrataMat),
+        ("up", StrataMat),
+        ("down", StrataMat),
+        ("D", ctypes.c_int32),
+        ("F", ctypes.c_int32),
+        ("kmax", ctypes.c_int32),
+        ("n", ctypes.c_void_p),
+        ("wts", ctypes.c_void_p),
+        ("offs", ctypes.c_void_p),
+        ("base", ctypes.c_int64),
+        ("h", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+        ("act", ctypes.c_void_p),
+        ("pool", ctypes.c_void_p),
+    ]
+
+
+# -- building and loading ---------------------------------------------------------------------
+
+
+def compiler() -> list[str]:
+    """The compiler command (``$CC``, default ``cc``), its program resolved to a path."""
+    cc = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
+    path = shutil.which(cc[0])
+    if path is None:
+        raise CpuExpertsUnavailable(f"no C compiler found (CC={cc[0]!r} is not on PATH)")
+    return [path, *cc[1:]]
+
+
+def cache_key(source: str, flags: tuple[str, ...], cc: list[str]) -> str:
+    """The library's file name: a hash of everything that decides its contents."""
+    h = hashlib.sha256()
+    for part in (source, *flags, *cc):
+        h.update(part.encode())
+        h.update(b"\0")
+    return f"cpu_experts-{h.hexdigest()[:20]}.so"
+
+
+compiles = 0  # how many times this process ran the compiler (the tests check the cache with it)
+
+
+def build(source: str, cc: list[str], where: Path) -> Path:
+    """The compiled library of ``source`` in ``where``: the cached file, or compiled now into a
+    temporary file beside it and renamed into place (atomic: a concurrent process finds the
+    whole file or none; two compiling at once both write whole files)."""
+    global compiles
+    target = where / cache_key(source, FLAGS + LIBS, cc)
+    if target.exists():
+        return target
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=where, prefix=".cpu_experts-", suffix=".so.tmp")
+        os.close(fd)
+    except OSError as e:
+        raise CpuExpertsUnavailable(f"cannot write the kernel cache {where}: {e}") from e
+    src = Path(tmp).with_suffix(".c")
+    try:
+        src.write_text(source)
+        cmd = [*cc, *FLAGS, "-o", tmp, str(src), *LIBS]
+        log.info("compiling the CPU expert kernels: %s", shlex.join(cmd))
+        compiles += 1
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise CpuExpertsUnavailable(f"the C compiler {cc[0]} could not run: {e}") from e
+        if done.returncode != 0:
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+            raise CpuExpertsUnavailable(
+                f"compiling {SOURCE.name} with {cc[0]} failed (exit {done.returncode}):\n{tail}"
+            )
+        os.replace(tmp, target)
+    finally:
+        for leftover in (tmp, src):
+            Path(leftover).unlink(missing_ok=True)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    vp, i32 = ctypes.c_void_p, ctypes.c_int32
+    lib.strata_pool_new.argtypes, lib.strata_pool_new.restype = [ctypes.c_int], vp
+    lib.strata_pool_free.argtypes, lib.strata_pool_free.restype = [vp], None
+    lib.strata_run_job.argtypes, lib.strata_run_job.restype = [vp], None
+    lib.strata_supported.argtypes, lib.strata_supported.restype = [i32], ctypes.c_int
+    lib.strata_enqueue.argtypes, lib.strata_enqueue.restype = [vp, vp], ctypes.c_int
+    lib.strata_job_bytes.argtypes, lib.strata_job_bytes.restype = [], ctypes.c_size_t
+    return lib
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The compiled library, built (or found in the cache) once per process. Raises
+    ``CpuExpertsUnavailable`` saying why it cannot be had."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = build(SOURCE.read_text(), compiler(), cache_dir() / "kernels")
+            try:
+                lib = _declare(ctypes.CDLL(str(path)))
+            except (OSError, AttributeError) as e:
+                raise CpuExpertsUnavailable(f"the library {path} would not load: {e}") from e
+            if lib.strata_job_bytes() != ctypes.sizeof(StrataJob):
+                raise CpuExpertsUnavailable(
+                    f"{path}: strata_job is {lib.strata_job_bytes()} bytes in C, "
+                    f"{ctypes.sizeof(StrataJob)} in the ctypes mirror"
+                )
+            _lib = lib
+        return _lib
+
+
+# -- the Python side --------------------------------------------------------------------------
+
+
+class CpuExperts:
+    """A pool of ``threads`` threads (the caller of a job counts as one) and the jobs on it.
+    No two jobs of one pool may run at the same time: the caller serialises them (one CUDA
+    stream, or one Python caller)."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"threads={threads}: a CPU expert pool needs at least 1 thread")
+        self.lib = library()
+        self.threads = threads
+        pool = self.lib.strata_pool_new(threads)
+        if not pool:
+            raise RuntimeError(f"strata_pool_new({threads}) failed: its threads did not start")
+        self.pool: int = pool
+        self._free = weakref.finalize(self, self.lib.strata_pool_free, pool)
+
+    @property
+    def closed(self) -> bool:
+        return not self._free.alive
+
+    def close(self) -> None:
+        """Join the threads and free the pool (once; later calls do nothing). Its jobs must not
+        run afterwards (``CpuJob.run`` refuses; a CUDA graph holding one must be gone)."""
+        self._free()
+
+    def supports(self, qtype: Q | int) -> bool:
+        return bool(self.lib.strata_supported(int(qtype)))
+
+    def job(self, layout: KernelSlotLayout, kmax: int, pin: bool) -> CpuJob:
+        """A job for up to ``kmax`` experts of ``layout``, its buffers page-locked when ``pin``.
+        Raises ValueError naming the matrix and its type when the library cannot compute that
+        type, or naming a shape that does not fit."""
+        if self.closed:
+            raise RuntimeError("this CpuExperts is closed")
+        if kmax < 1:
+            raise ValueError(f"kmax={kmax}: a job computes up to at least 1 expert")
+        for name, lay in zip(("gate", "up", "down"), layout.layouts, strict=True):
+            if not self.supports(lay.qtype):
+                raise ValueError(
+                    f"{name}: the CPU expert kernels do not compute {Q(lay.qtype).name}"
+                )
+        F, D = layout.gate.rows, layout.gate.cols
+        want = {"gate": (F, D), "up": (F, D), "down": (D, F)}
+        for (name, shape), lay in zip(want.items(), layout.layouts, strict=True):
+            if (lay.rows, lay.cols) != shape:
+                raise ValueError(
+                    f"{name} is {lay.rows} x {lay.cols}, expected {shape[0]} x {shape[1]} "
+                    "(gate and up F x D, down D x F)"
+                )
+        return CpuJob(self, layout, kmax, pin)
+
+
+def _mat(lay: RepackedLayout, offset: int) -> StrataMat:
+    planes = (ctypes.c_int64 * MAX_PLANES)(*lay.offsets)  # unused ones stay 0
+    return StrataMat(int(lay.qtype), lay.rows, lay.cols, offset, planes)
+
+
+def request_bytes(D: int, kmax: int) -> int:
+    """Bytes of a job's request (``request_views``), a multiple of 16."""
+    return -(-(12 * kmax + 4 + 4 * D) // 16) * 16
+
+
+def request_views(
+    buf: torch.Tensor, D: int, kmax: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A job's inputs as views of one 16-byte-aligned uint8 buffer of ``request_bytes``, so one
+    copy moves them all: (offs int64 [kmax], wts float32 [kmax], n int32 [1], h float32 [D]),
+    in that order, each aligned for its type."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < request_bytes(D, kmax):
+        raise ValueError(
+            f"a request of D={D}, kmax={kmax} needs a 1-D uint8 buffer of "
+            f"{request_bytes(D, kmax)} bytes, got {buf.dtype} {tuple(buf.shape)}"
+        )
+    w, n = 8 * kmax, 12 * kmax
+    return (
+        buf[:w].view(torch.int64),
+        buf[w:n].view(torch.float32),
+        buf[n : n + 4].view(torch.int32),
+        buf[n + 4 : n + 4 + 4 * D].view(torch.float32),
+    )
+
+
+class CpuJob:
+    """The buffers of one job and the C struct that points at them. ``n``, ``wts``, ``offs`` and
+    ``h`` are read when the job runs: write them in place (a GPU copy, torch ops), never rebind
+    them; they are views of one buffer, ``request`` (``request_views``: one copy fills them
+    all). Expert i's slot is at address ``base + offs[i]``; ``y`` is the result."""
+
+    def __init__(self, experts: CpuExperts, layout: KernelSlotLayout, kmax: int, pin: bool):
+        self.experts = experts  # the pool (and the library) live as long as the job
+        self.layout = layout
+        self.kmax = kmax
+        F, D = layout.gate.rows, layout.gate.cols
+
+        def buf(size: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(size, dtype=dtype, pin_memory=pin)
+
+        self.request = buf(request_bytes(D, kmax), torch.uint8)
+        self.offs, self.wts, self.n, self.h = request_views(self.request, D, kmax)
+        self.y = buf(D, torch.float32)  # [D]
+        self.act = buf(kmax * F, torch.float32)  # [kmax * F]
+        self.struct = StrataJob(
+            gate=_mat(layout.gate, layout.offsets[0]),
+            up=_mat(layout.up, layout.offsets[1]),
+            down=_mat(layout.down, layout.offsets[2]),
+            D=D,
+            F=F,
+            kmax=kmax,
+            n=self.n.data_ptr(),
+            wts=self.wts.data_ptr(),
+            offs=self.offs.data_ptr(),
+            base=0,
+            h=self.h.data_ptr(),
+            y=self.y.data_ptr(),
+            act=self.act.data_ptr(),
+            pool=experts.pool,
+        )
+
+    @property
+    def base(self) -> int:
+        """The host address the offsets count from."""
+        return self.struct.base
+
+    @base.setter
+    def base(self, value: int) -> None:
+        self.struct.base = value
+
+    @property
+    def fn_address(self) -> int:
+        """The address of ``strata_run_job`` (a CUhostFn), for a CUDA graph's host node."""
+        return ctypes.cast(self.experts.lib.strata_run_job, ctypes.c_void_p).value or 0
+
+    @property
+    def arg_address(self) -> int:
+        """The address of this job's struct: the host node's user data."""
+        return ctypes.addressof(self.struct)
+
+    def run(self) -> None:
+        """Compute ``y`` now, on the calling thread and the pool's (the GIL is released)."""
+        if self.experts.closed:
+            raise RuntimeError("the CpuExperts of this job is closed")
+        self.experts.lib.strata_run_job(self.arg_address)
+
+    def enqueue(self, stream_handle: int) -> None:
+        """Run the job on a CUDA stream (``cuLaunchHostFunc``), after the work queued there."""
+        if self.experts.closed:
+            raise RuntimeError("the CpuExperts of this job is closed")
+        rc = self.experts.lib.strata_enqueue(stream_handle or None, self.arg_address)
+        if rc == -1:
+            raise RuntimeError("cuLaunchHostFunc is unavailable: libcuda.so.1 could not be loaded")
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchHostFunc(stream {stream_handle:#x}) failed: CUresult {rc}")
+
+
+# -- the bench --------------------------------------------------------------------------------
+
+
+def random_repacked(qtype: Q, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """A repacked matrix of random bytes with finite, small scales: [nbytes] uint8 (for timing;
+    the tests build theirs from GGUF blocks instead)."""
+    lay = repacked_layout(qtype, (rows, cols))
+    data = torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8, generator=gen)
+    floats = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+    for p in PLANES[qtype]:
+        plane = lay.plane(data, p.name)
+        if p.fixed_bytes:
+            plane.copy_(FIXED_PLANES[qtype, p.name])
+        elif p.name in ("d", "dm", "dd"):  # the f16 scales
+            scales = (torch.rand(plane.numel() // 2, generator=gen) * 0.01).half()
+            plane.copy_(scales.view(torch.uint8).view(plane.shape))
+        elif qtype in floats:
+            w = torch.randn(plane.numel() // floats[qtype].itemsize, generator=gen)
+            plane.copy_(w.to(floats[qtype]).view(torch.uint8).view(plane.shape))
+    return data
+
+
+def bench(qtype: Q, threads: int, D: int, F: int, k: int, experts: int, reps: int) -> float:
+    """GB/s of weight bytes: jobs of ``k`` experts (gate, up, down all ``qtype``), each job's
+    experts the next ones of ``experts`` distinct slots (more than the caches hold)."""
+    gen = torch.Generator().manual_seed(0)
+    gate, down = repacked_layout(qtype, (F, D)), repacked_layout(qtype, (D, F))
+    up_off = align(gate.nbytes, RUN_ALIGN)
+    layout = KernelSlotLayout(gate, gate, down, up_off, up_off + align(gate.nbytes, RUN_ALIGN))
+    slot = align(layout.nbytes, RUN_ALIGN)
+    distinct = 4  # random slots, copied to fill the rest
+    one = torch.zeros(distinct * slot, dtype=torch.uint8)
+    for e in range(distinct):
+        for off, lay in zip(layout.offsets, layout.layouts, strict=True):
+            at = e * slot + off
+            one[at : at + lay.nbytes] = random_repacked(qtype, lay.rows, lay.cols, gen)
+    arena = one.repeat(-(-experts // distinct))
+    pool = CpuExperts(threads)
+    job = pool.job(layout, k, pin=False)
+    job.base = arena.data_ptr()
+    job.n[0] = k
+    job.wts.fill_(1.0 / k)
+    job.h.copy_(torch.randn(D, generator=gen))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for r in range(reps):
+            first = (r * k) % (experts - k + 1)
+            job.offs.copy_(torch.arange(first, first + k) * slot)
+            job.run()
+        best = min(best, (time.perf_counter() - start) / reps)
+    pool.close()
+    return k * (2 * gate.nbytes + down.nbytes) / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=bench.__doc__)
+    ap.add_argument("--types", default="Q4_K,Q6_K", help="GGML type names, comma-separated")
+    ap.add_argument("--threads", default="1,2", help="pool sizes, comma-separated")
+    ap.add_argument("--D", type=int, default=2048, help="model dimension (gate/up columns)")
+    ap.add_argument("--F", type=int, default=768, help="expert FFN dimension (gate/up rows)")
+    ap.add_argument("--k", type=int, default=8, help="experts per job")
+    ap.add_argument("--experts", type=int, default=128, help="distinct slots the jobs cycle")
+    ap.add_argument("--reps", type=int, default=40, help="jobs per timing")
+    args = ap.parse_args()
+    for name in args.types.split(","):
+        for t in (int(v) for v in args.threads.split(",")):
+            gbs = bench(Q[name], t, args.D, args.F, args.k, args.experts, args.reps)
+            print(f"{name} {args.F}x{args.D} threads={t}: {gbs:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

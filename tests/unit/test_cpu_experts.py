@@ -1,0 +1,335 @@
+"""The CPU expert kernels (``engine/kernels/cpu_experts.c``): a job's output equals a float64
+torch reference built from ``dequantize_repacked`` for every type the library computes, reads
+its inputs at call time, runs from any thread, and the compiled library is cached by its source.
+
+Skipped, with the reason printed, where no C compiler is found.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from strata.engine.experts.layout import RUN_ALIGN, KernelSlotLayout, align
+from strata.engine.kernels import cpu_experts
+from strata.engine.kernels.cpu_experts import CpuExperts, CpuExpertsUnavailable, CpuJob
+from strata.engine.quant import repack
+from strata.engine.quant.repack import RepackedLayout, repacked_layout
+from tests.model.quantdata import random_bytes
+
+Q = gguf.GGMLQuantizationType
+SUPPORTED = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_K, Q.Q4_0, Q.IQ4_XS, Q.F16, Q.BF16, Q.F32]
+TOL = 1e-4  # relative error of y against the float64 reference
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")  # an XDG_CACHE_HOME of the tests' own
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lib(cache: Path) -> ctypes.CDLL:
+    """The library, compiled into the tests' cache (not the user's) unless already loaded."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(cache))
+        try:
+            return cpu_experts.library()
+        except CpuExpertsUnavailable as e:
+            pytest.skip(str(e))
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20261207)
+
+
+@dataclass
+class Experts:
+    """E experts' slots in one buffer, one of them (the last) alone at an odd address in a
+    buffer of its own (as a staging slot may be), with their dense float64 matrices."""
+
+    layout: KernelSlotLayout
+    arena: torch.Tensor
+    lone: torch.Tensor
+    addrs: list[int]  # each expert's slot address
+    dense: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # gate, up, down
+
+    def reference(self, ids: list[int], wts: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h64, y = h.double(), torch.zeros(h.numel(), dtype=torch.float64)
+        for i, e in enumerate(ids):
+            g, u, d = self.dense[e]
+            y += float(wts[i]) * (d @ (torch.nn.functional.silu(g @ h64) * (u @ h64)))
+        return y
+
+
+def raw_bytes(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """GGUF bytes of ``shape``; BF16's of moderate values (``random_bytes`` spans 2^+-63, whose
+    products overflow float32)."""
+    if qtype == Q.BF16:
+        w = torch.from_numpy(rng.uniform(-4, 4, shape).astype(np.float32))
+        return w.to(torch.bfloat16).view(torch.uint8).reshape(-1).numpy()
+    return random_bytes(qtype, shape, rng)
+
+
+def experts(tg: Q, td: Q, D: int, F: int, E: int, rng: np.random.Generator) -> Experts:
+    gate, down = repacked_layout(tg, (F, D)), repacked_layout(td, (D, F))
+    up_offset = align(gate.nbytes, RUN_ALIGN)
+    layout = KernelSlotLayout(
+        gate, gate, down, up_offset, up_offset + align(gate.nbytes, RUN_ALIGN)
+    )
+    slot = align(layout.nbytes, RUN_ALIGN)
+    arena = torch.zeros((E - 1) * slot, dtype=torch.uint8)
+    lone = torch.zeros(slot + 1, dtype=torch.uint8)
+    addrs, dense = [], []
+    for e in range(E):
+        where = lone[1:] if e == E - 1 else arena[e * slot : (e + 1) * slot]
+        mats = []
+        for off, lay in zip(layout.offsets, layout.layouts, strict=True):
+            shape = (lay.rows, lay.cols)
+            raw = torch.from_numpy(raw_bytes(lay.qtype, shape, rng))
+            packed = repack.repack(raw, lay.qtype, shape)
+            where[off : off + lay.nbytes] = packed
+            mats.append(repack.dequantize_repacked(packed, lay.qtype, shape).double())
+        addrs.append(where.data_ptr())
+        dense.append(tuple(mats))
+    return Experts(layout, arena, lone, addrs, dense)  # type: ignore[arg-type]
+
+
+def fill(job: CpuJob, ex: Experts, ids: list[int], base: int, seed: int) -> None:
+    """Point the job at experts ``ids`` (offsets from ``base``), with new weights and input."""
+    gen = torch.Generator().manual_seed(seed)
+    job.n[0] = len(ids)
+    job.base = base
+    job.offs[: len(ids)] = torch.tensor([ex.addrs[e] - base for e in ids], dtype=torch.int64)
+    job.wts.copy_(torch.rand(job.kmax, generator=gen))
+    job.h.copy_(torch.randn(job.h.numel(), generator=gen))
+    job.y.fill_(float("nan"))  # every element must be written
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert not got.isnan().any(), "an output element was not written"
+    return float((got.double() - want).norm() / want.norm())
+
+
+def shape_for(qtype: Q) -> tuple[int, int]:
+    """(D, F) small enough to be quick, whole blocks for ``qtype`` in both directions (and
+    neither a multiple of the vector width for the float types)."""
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return (2 * block, block) if block > 1 else (100, 37)
+
+
+# -- every type -------------------------------------------------------------------------------
+
+
+def test_supported_types_are_the_library_s_and_gguf_s_ids(lib) -> None:
+    assert {t for t in Q if lib.strata_supported(int(t))} == set(SUPPORTED)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+def test_a_job_matches_the_dequantised_reference(qtype: Q, rng) -> None:
+    D, F = shape_for(qtype)
+    ex = experts(qtype, qtype, D, F, 5, rng)
+    job = CpuExperts(2).job(ex.layout, kmax=4, pin=False)
+    ids = [4, 0, 2]  # n < kmax; the lone odd-address slot first
+    fill(job, ex, ids, base=ex.arena.data_ptr() + 3 * RUN_ALIGN, seed=1)  # some offsets < 0
+    job.run()
+    assert rel_err(job.y, ex.reference(ids, job.wts, job.h)) < TOL
+
+
+def test_gate_up_q4_k_with_a_q6_k_down_as_q4_k_m_mixes_them(rng) -> None:
+    ex = experts(Q.Q4_K, Q.Q6_K, 512, 256, 3, rng)
+    job = CpuExperts(2).job(ex.layout, kmax=3, pin=False)
+    fill(job, ex, [2, 1, 0], base=0, seed=2)  # offsets are absolute addresses
+    job.run()
+    assert rel_err(job.y, ex.reference([2, 1, 0], job.wts, job.h)) < TOL
+
+
+def test_a_quantised_gate_beside_a_float_down_of_ragged_width(rng) -> None:
+    ex = experts(Q.Q8_0, Q.F32, 64, 37, 2, rng)  # act units span two experts: unused by F32
+    job = CpuExperts(3).job(ex.layout, kmax=2, pin=False)
+    fill(job, ex, [1, 0], base=0, seed=3)
+    job.run()
+    assert rel_err(job.y, ex.reference([1, 0], job.wts, job.h)) < TOL
+
+
+def test_a_realistic_q4_k_expert(rng) -> None:
+    ex = experts(Q.Q4_K, Q.Q4_K, 2048, 768, 2, rng)
+    job = CpuExperts(2).job(ex.layout, kmax=2, pin=False)
+    fill(job, ex, [0, 1], base=0, seed=4)
+    job.run()
+    assert rel_err(job.y, ex.reference([0, 1], job.wts, job.h)) < TOL
+
+
+# -- calls ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def q4(rng) -> Experts:
+    return experts(Q.Q4_K, Q.Q6_K, 256, 256, 4, rng)
+
+
+def test_no_entries_give_zeros(q4) -> None:
+    job = CpuExperts(2).job(q4.layout, kmax=2, pin=False)
+    fill(job, q4, [], base=0, seed=5)
+    job.run()
+    assert torch.equal(job.y, torch.zeros_like(job.y))
+
+
+def test_the_thread_count_does_not_change_a_bit(q4) -> None:
+    """Each row's arithmetic is the same whichever thread does it."""
+    ys = []
+    for threads in (1, 3):
+        job = CpuExperts(threads).job(q4.layout, kmax=3, pin=False)
+        fill(job, q4, [3, 1, 2], base=0, seed=6)
+        job.run()
+        ys.append(job.y.clone())
+    assert torch.equal(ys[0], ys[1])
+    assert rel_err(ys[0], q4.reference([3, 1, 2], job.wts, job.h)) < TOL
+
+
+def test_each_run_reads_the_inputs_written_in_place(q4) -> None:
+    job = CpuExperts(2).job(q4.layout, kmax=3, pin=False)
+    fill(job, q4, [0, 1], base=0, seed=7)
+    job.run()
+    first = job.y.clone()
+    fill(job, q4, [2, 3, 0], base=q4.arena.data_ptr(), seed=8)  # n, offs, base, wts, h
+    job.run()
+    assert not torch.equal(job.y, first)
+    assert rel_err(job.y, q4.reference([2, 3, 0], job.wts, job.h)) < TOL
+    job.h.mul_(-1.0)
+    job.run()
+    assert rel_err(job.y, q4.reference([2, 3, 0], job.wts, job.h)) < TOL
+
+
+def test_a_job_runs_from_other_threads_one_after_another(q4) -> None:
+    job = CpuExperts(2).job(q4.layout, kmax=2, pin=False)
+    fill(job, q4, [1, 3], base=0, seed=9)
+    for _ in range(3):
+        job.y.fill_(float("nan"))
+        t = threading.Thread(target=job.run)
+        t.start()
+        t.join()
+        assert rel_err(job.y, q4.reference([1, 3], job.wts, job.h)) < TOL
+
+
+def test_the_function_and_struct_addresses_make_a_host_call(q4) -> None:
+    """What a CUDA host node does with them: call the function with the struct's address."""
+    job = CpuExperts(2).job(q4.layout, kmax=2, pin=False)
+    fill(job, q4, [0, 2], base=0, seed=10)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(job.fn_address)(job.arg_address)
+    assert rel_err(job.y, q4.reference([0, 2], job.wts, job.h)) < TOL
+
+
+def test_enqueue_runs_on_a_stream_or_says_why_not(q4) -> None:
+    """Without a driver: an error naming libcuda; with one but no CUDA torch (no context): an
+    error naming the CUresult; with CUDA: the job runs on a stream."""
+    job = CpuExperts(2).job(q4.layout, kmax=2, pin=False)
+    fill(job, q4, [3, 0], base=0, seed=11)
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        with pytest.raises(RuntimeError, match="libcuda"):
+            job.enqueue(0)
+        return
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUresult"):
+            job.enqueue(0)
+        return
+    stream = torch.cuda.Stream()
+    job.enqueue(stream.cuda_stream)
+    stream.synchronize()
+    assert rel_err(job.y, q4.reference([3, 0], job.wts, job.h)) < TOL
+
+
+# -- errors and the pool's life ---------------------------------------------------------------
+
+
+def test_an_unsupported_type_is_named(q4) -> None:
+    q2 = RepackedLayout(Q.Q2_K, 256, 256, (0,), (84,), 256 * 84)
+    layout = KernelSlotLayout(q4.layout.gate, q4.layout.up, q2, 1 << 16, 1 << 17)
+    with pytest.raises(ValueError, match=r"down.*Q2_K"):
+        CpuExperts(1).job(layout, kmax=2, pin=False)
+
+
+def test_a_mismatched_shape_is_named(rng) -> None:
+    ex = experts(Q.Q8_0, Q.Q8_0, 64, 32, 1, rng)
+    wide = repacked_layout(Q.Q8_0, (64, 64))
+    layout = KernelSlotLayout(ex.layout.gate, ex.layout.up, wide, 1 << 16, 1 << 17)
+    with pytest.raises(ValueError, match="down is 64 x 64, expected 64 x 32"):
+        CpuExperts(1).job(layout, kmax=1, pin=False)
+
+
+@pytest.mark.parametrize("threads", [0, -2])
+def test_a_pool_needs_a_thread(threads: int) -> None:
+    with pytest.raises(ValueError, match=f"threads={threads}"):
+        CpuExperts(threads)
+
+
+def test_close_is_idempotent_and_its_jobs_refuse_to_run(q4) -> None:
+    pool = CpuExperts(3)
+    job = pool.job(q4.layout, kmax=1, pin=False)
+    pool.close()
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        job.run()
+
+
+def test_a_pool_left_alone_is_freed() -> None:
+    pools = [CpuExperts(2) for _ in range(4)]
+    finalizers = [p._free for p in pools]
+    del pools
+    assert not any(f.alive for f in finalizers)
+
+
+# -- building ---------------------------------------------------------------------------------
+
+
+LOAD = """
+from strata.engine.kernels import cpu_experts
+print(cpu_experts.library()._name, cpu_experts.compiles)
+"""
+
+
+def test_a_fresh_process_reuses_the_cached_library(cache: Path) -> None:
+    where = cache / "strata" / "kernels"
+    built = cpu_experts.build(cpu_experts.SOURCE.read_text(), cpu_experts.compiler(), where)
+    mtime = built.stat().st_mtime_ns
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == [str(built), "0"]  # that file, and no compiler run
+    assert built.stat().st_mtime_ns == mtime
+    assert [p.name for p in where.iterdir()] == [built.name]  # no temporary files left
+
+
+def test_the_cache_key_follows_the_source_flags_and_compiler() -> None:
+    cc = ["/usr/bin/cc"]
+    key = cpu_experts.cache_key("int x;", cpu_experts.FLAGS, cc)
+    assert key == cpu_experts.cache_key("int x;", cpu_experts.FLAGS, cc)
+    assert key != cpu_experts.cache_key("int x; ", cpu_experts.FLAGS, cc)
+    assert key != cpu_experts.cache_key("int x;", (*cpu_experts.FLAGS, "-g"), cc)
+    assert key != cpu_experts.cache_key("int x;", cpu_experts.FLAGS, ["/usr/bin/clang"])
+
+
+def test_a_failed_compile_says_what_the_compiler_said(tmp_path) -> None:
+    with pytest.raises(CpuExpertsUnavailable, match=r"(?s)with .* failed \(exit \d+\):\n.*error"):
+        cpu_experts.build("this is not C;\n", cpu_experts.compiler(), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_compiler_is_named(monkeypatch) -> None:
+    monkeypatch.setenv("CC", "no-such-cc-strata")
+    with pytest.raises(CpuExpertsUnavailable, match=r"no C compiler found.*no-such-cc-strata"):
+        cpu_experts.compiler()
