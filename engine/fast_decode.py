@@ -241,6 +241,9 @@ class FastDecoder:
             raise ValueError(f"cpu_share={share!r}: must be a number between 0 and 1")
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"cpu_share={share}: must be between 0 and 1")
+        # a captured step's host functions point at the jobs about to go: it goes first (steps
+        # run eagerly until the next capture)
+        self.graphs.pop("cpu", None)
         self._close_cpu()
         self.cpu_share = float(share)
         if share == 0:
