@@ -14,12 +14,11 @@ compiler, so an edited source or another compiler builds a new file, and it is r
 whole, so a process never loads a half-written one. Without a working compiler ``library``
 raises ``CpuExpertsUnavailable`` saying why, and the caller keeps every expert on the GPU.
 
-``python -m strata.engine.kernels.cpu_experts`` measures the throughput (GB/s of weight bytes).
+``python -m strata.engine.bench.cpu_experts`` measures the throughput (GB/s of weight bytes).
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import hashlib
 import logging
@@ -29,7 +28,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -37,8 +35,8 @@ import gguf
 import torch
 
 from strata.daemon.paths import cache_dir
-from strata.engine.experts.layout import RUN_ALIGN, KernelSlotLayout, align
-from strata.engine.quant.repack import FIXED_PLANES, PLANES, RepackedLayout, repacked_layout
+from strata.engine.experts.layout import KernelSlotLayout
+from strata.engine.quant.repack import PLANES, RepackedLayout
 
 log = logging.getLogger(__name__)
 
@@ -337,78 +335,3 @@ class CpuJob:
             raise RuntimeError("cuLaunchHostFunc is unavailable: libcuda.so.1 could not be loaded")
         if rc != 0:
             raise RuntimeError(f"cuLaunchHostFunc(stream {stream_handle:#x}) failed: CUresult {rc}")
-
-
-# -- the bench --------------------------------------------------------------------------------
-
-
-def random_repacked(qtype: Q, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """A repacked matrix of random bytes with finite, small scales: [nbytes] uint8 (for timing;
-    the tests build theirs from GGUF blocks instead)."""
-    lay = repacked_layout(qtype, (rows, cols))
-    data = torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8, generator=gen)
-    floats = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
-    for p in PLANES[qtype]:
-        plane = lay.plane(data, p.name)
-        if p.fixed_bytes:
-            plane.copy_(FIXED_PLANES[qtype, p.name])
-        elif p.name in ("d", "dm", "dd"):  # the f16 scales
-            scales = (torch.rand(plane.numel() // 2, generator=gen) * 0.01).half()
-            plane.copy_(scales.view(torch.uint8).view(plane.shape))
-        elif qtype in floats:
-            w = torch.randn(plane.numel() // floats[qtype].itemsize, generator=gen)
-            plane.copy_(w.to(floats[qtype]).view(torch.uint8).view(plane.shape))
-    return data
-
-
-def bench(qtype: Q, threads: int, D: int, F: int, k: int, experts: int, reps: int) -> float:
-    """GB/s of weight bytes: jobs of ``k`` experts (gate, up, down all ``qtype``), each job's
-    experts the next ones of ``experts`` distinct slots (more than the caches hold)."""
-    gen = torch.Generator().manual_seed(0)
-    gate, down = repacked_layout(qtype, (F, D)), repacked_layout(qtype, (D, F))
-    up_off = align(gate.nbytes, RUN_ALIGN)
-    layout = KernelSlotLayout(gate, gate, down, up_off, up_off + align(gate.nbytes, RUN_ALIGN))
-    slot = align(layout.nbytes, RUN_ALIGN)
-    distinct = 4  # random slots, copied to fill the rest
-    one = torch.zeros(distinct * slot, dtype=torch.uint8)
-    for e in range(distinct):
-        for off, lay in zip(layout.offsets, layout.layouts, strict=True):
-            at = e * slot + off
-            one[at : at + lay.nbytes] = random_repacked(qtype, lay.rows, lay.cols, gen)
-    arena = one.repeat(-(-experts // distinct))
-    pool = CpuExperts(threads)
-    job = pool.job(layout, k, pin=False)
-    job.base = arena.data_ptr()
-    job.n[0] = k
-    job.wts.fill_(1.0 / k)
-    job.h.copy_(torch.randn(D, generator=gen))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for r in range(reps):
-            first = (r * k) % (experts - k + 1)
-            job.offs.copy_(torch.arange(first, first + k) * slot)
-            job.run()
-        best = min(best, (time.perf_counter() - start) / reps)
-    pool.close()
-    return k * (2 * gate.nbytes + down.nbytes) / best / 1e9
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=bench.__doc__)
-    ap.add_argument("--types", default="Q4_K,Q6_K", help="GGML type names, comma-separated")
-    ap.add_argument("--threads", default="1,2", help="pool sizes, comma-separated")
-    ap.add_argument("--D", type=int, default=2048, help="model dimension (gate/up columns)")
-    ap.add_argument("--F", type=int, default=768, help="expert FFN dimension (gate/up rows)")
-    ap.add_argument("--k", type=int, default=8, help="experts per job")
-    ap.add_argument("--experts", type=int, default=128, help="distinct slots the jobs cycle")
-    ap.add_argument("--reps", type=int, default=40, help="jobs per timing")
-    args = ap.parse_args()
-    for name in args.types.split(","):
-        for t in (int(v) for v in args.threads.split(",")):
-            gbs = bench(Q[name], t, args.D, args.F, args.k, args.experts, args.reps)
-            print(f"{name} {args.F}x{args.D} threads={t}: {gbs:.2f} GB/s")
-
-
-if __name__ == "__main__":
-    main()
