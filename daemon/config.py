@@ -151,13 +151,14 @@ class StrataConfig(BaseSettings):
         "this many that are in RAM into VRAM ahead of its routing (0: never, the default; at "
         "most the model's experts per layer)",
     )
-    cpu_share: float = Field(
-        0.0,
+    cpu_share: float | None = Field(
+        None,
         ge=0.0,
         le=1.0,
         description="GPU decode: the share (0 to 1) of each layer's chosen experts in RAM that "
         "the CPU computes, on `threads` threads, while the GPU reads the others over PCIe (0: "
-        "none, the GPU reads them all)",
+        "none, the GPU reads them all; unset: chosen at load by timing a few decode steps at "
+        "0, 0.25, 0.375, 0.5, 0.625 and 0.75, on a GPU with experts in RAM, else 0)",
     )
     verify_experts: bool = Field(
         False,

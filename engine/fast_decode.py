@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from strata.engine.errors import EngineError
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.host import HostTier
 from strata.engine.experts.layout import RUN_ALIGN, align, kernel_layout
@@ -66,19 +67,35 @@ VERIFY_SAMPLE = 8  # experts whose copies each adapt() checks, with verify_exper
 # Rows per program and warps (None: one thread per unit of a step) of each launch, measured on an
 # H200 with the profile tool's --sweep (``python -m strata.engine.bench.profile``) on the
 # Qwen3-30B-A3B shapes; the kernels take any values, the interpreter its own (``kernels.dot``).
+# down: 4 rows, not 8: the same speed from VRAM (295.9 against 295.7 tok/s with every expert
+# cached), and its reads of experts in RAM over PCIe go at 47 GB/s, not 37 (more reads in
+# flight; ``python -m strata.engine.bench.moe_sweep``). One value for both, so residency never
+# changes a kernel's arithmetic.
 TUNED: dict[str, tuple[int, int | None]] = {
     "qkv": (4, 8),
     "o": (8, None),
     "router": (2, None),
     "head": (4, 8),
     "gate_up": (4, None),
-    "down": (8, None),
+    "down": (4, None),
 }
 MAX_SPLITS = 64  # most splits of the attention's key range
+# the CPU's share: how long a step's wait for the CPU's answer may last before it gives up (a
+# guard against a hang, far beyond any answer's time), and how long each arm keeps the server
+# spinning (longer than a step)
+CPU_WAIT_LIMIT_NS = 2_000_000_000
+CPU_ARM_S = 0.5
+# the shares an automatic cpu_share tries at load (tune_cpu_share)
+CPU_SHARE_CANDIDATES = (0.0, 0.25, 0.375, 0.5, 0.625, 0.75)
 
 
 class FastPathError(RuntimeError):
     """The decode kernels cannot serve this model here; the message says why."""
+
+
+class CpuShareFault(EngineError):
+    """A decode step waited for the CPU's share of the experts in vain: its output is wrong
+    (the message says why). The decoder has turned the CPU share off."""
 
 
 def _mat(w: Weight) -> Mat | None:
@@ -190,10 +207,11 @@ class FastDecoder:
         # the CPU's share of the chosen experts read from RAM (set_cpu_share): its kernels, one
         # job (page-locked buffers) per layer, and each RAM home's host address
         self.cpu_share = 0.0
+        self.cpu_share_now = torch.zeros(1, dtype=torch.float32, device=dev)  # what kernels read
+        self.cpu_tuned: dict[float, float] = {}  # tune_cpu_share's ms per step, by share
         self.cpu: CpuExperts | None = None
         self.cpu_jobs: list[CpuJob] = []
         self.cpu_reason: str | None = None  # why a share asked for is not taken here
-        self.hosts = torch.zeros(L * E, dtype=torch.int64, device=dev)
         # the copies ahead run here, odd and even layers apart: a layer's copies never wait for
         # the previous layer's to end (nor for its expert kernels), so the link has work from
         # the moment each guess is made. High priority: their few programs start first.
@@ -246,6 +264,8 @@ class FastDecoder:
         self.graphs.pop("cpu", None)
         self._close_cpu()
         self.cpu_share = float(share)
+        self.cpu_share_now.fill_(self.cpu_share)
+        self.cpu_tuned = {}
         if share == 0:
             return
         from strata.engine.kernels import cpu_experts
@@ -265,21 +285,54 @@ class FastDecoder:
             self.cpu_reason = str(e)
             log.warning("cpu_share=%g: the CPU computes no expert here: %s", share, e)
             return
-        L, D, dev = len(self.layers), self.args.n_embd, self.device
+        L, dev = len(self.layers), self.device
         self.cpu, self.cpu_jobs, self.cpu_reason = cpu, jobs, None
-        # each layer's request (its choice and input) in the job's layout: one copy moves it
-        size = cpu_experts.request_bytes(D, K)
-        self.cpu_req = torch.zeros(L, size, dtype=torch.uint8, device=dev)
-        self.cpu_views = [cpu_experts.request_views(self.cpu_req[i], D, K) for i in range(L)]
-        self.cpu_y = torch.zeros(L, D, dtype=torch.float32, device=dev)
         self.cpu_done = torch.zeros(L, dtype=torch.int64, device=dev)
         # the slot a CPU-computed expert's entry points at: zeros, so the GPU adds nothing
         self.zero_slot = _aligned(self.staging_bytes, dev)
         self.zero_off = self.zero_slot.data_ptr() - self.anchor.data_ptr()
-        self.cpu_side = torch.cuda.Stream(dev) if cuda else None
-        self.cpu_back = [torch.cuda.Event() for _ in range(L)] if cuda else []
+        # on a GPU the pool's server answers the posts of each step's kernels (no host in the
+        # loop); on the CPU device the step runs each job itself, in order
+        mb = cpu.serve(jobs, pin=True) if cuda else None
+        self.cpu_seq = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.cpu_posted = torch.zeros(L, dtype=torch.int32, device=dev)
+        a = self.anchor.data_ptr()
+        self.cpu_posts = [
+            moe.CpuPost(
+                base=self.anchor,
+                req=job.request.data_ptr() - a,
+                y=job.y.data_ptr() - a,
+                mb=0 if mb is None else mb.address - a,
+                seq=self.cpu_seq,
+                posted=self.cpu_posted[i : i + 1],
+                job=i,
+                post=mb is not None,
+            )
+            for i, job in enumerate(jobs)
+        ]
         if self.tier is not None:
-            self._write_hosts()
+            self._cpu_base()
+
+    def _cpu_base(self) -> None:
+        """Where the CPU reads the RAM homes: the split writes each chosen home as the GPU
+        reads it (its offset from the anchor), so each job's base is the anchor's address
+        turned into a host address. Where the tier's memory has no such single offset (on a
+        GPU) the CPU share goes off, and the log says why."""
+        assert self.tier is not None
+        a = self.anchor.data_ptr()
+        delta = self.tier.host_minus_device() if self.device.type == "cuda" else 0
+        if delta is None:
+            self.graphs.pop("cpu", None)
+            self._close_cpu()
+            self.cpu_reason = (
+                "the host tier's memory has no single offset from its device addresses to its "
+                "host addresses"
+            )
+            log.warning("cpu_share=%g: the CPU computes no expert here: %s", self.cpu_share,
+                        self.cpu_reason)  # fmt: skip
+            return
+        for job in self.cpu_jobs:
+            job.base = a + delta
 
     def _close_cpu(self) -> None:
         if self.cpu is not None:
@@ -407,20 +460,7 @@ class FastDecoder:
             for homes in self.host_homes:
                 homes.sort(key=lambda es: es[1])  # host slot order: neighbours copy as one
             if self.cpu is not None:
-                self._write_hosts()
-
-    def _write_hosts(self) -> None:
-        """Each RAM home's host address, where the CPU reads it (0 elsewhere)."""
-        assert self.tier is not None
-        E, tier = self.args.n_expert, self.tier
-        hosts = [0] * (len(self.layers) * E)
-        for layer, homes in enumerate(self.host_homes):
-            for e, slot in homes:
-                hosts[layer * E + e] = tier.host_address(slot)
-        src = torch.tensor(hosts, dtype=torch.int64)
-        if self.hosts.is_cuda:
-            src = src.pin_memory()
-        self.hosts.copy_(src, non_blocking=True)
+                self._cpu_base()
 
     def _stage_misses(self, layer: int) -> None:
         """Eager steps with misses: after the layer's top-k, stage each chosen expert that has no
@@ -647,37 +687,108 @@ class FastDecoder:
 
     def _cpu_send(self, layer: int) -> None:
         """Hand the CPU its share of the layer's RAM experts: the split (their entries then
-        add nothing on the GPU), the input and the choice copied to the layer's job, and the
-        job run, on a side stream on a GPU (a host function in the graph) while the expert
-        kernels read the others; its sum comes back into ``cpu_y``."""
+        add nothing on the GPU), their choice and the input written into the layer's job, and
+        on a GPU the job posted to the pool's server, which runs it while the expert kernels
+        read the others; on the CPU device the job runs now."""
         E = self.args.n_expert
         span = slice(layer * E, (layer + 1) * E)
-        o, w, n, h = self.cpu_views[layer]
-        moe.split_for_cpu(
+        to = self.cpu_posts[layer]
+        moe.post_for_cpu(
             self.ids[layer], self.wts[layer], self.eoffs[layer], self.homes[span],
-            self.hosts[span], n, w, o, self.cpu_done[layer : layer + 1], self.zero_off,
-            self.cpu_share,
+            self.cpu_done[layer : layer + 1], self.h, self.zero_off,
+            self.cpu_share_now, to,
         )  # fmt: skip
-        h.copy_(self.h)
-        job = self.cpu_jobs[layer]
-        if self.cpu_side is None:  # the CPU device (Triton's interpreter): in order
-            job.request.copy_(self.cpu_req[layer])
-            job.run()
-            self.cpu_y[layer].copy_(job.y)
-            return
-        side = self.cpu_side
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            job.request.copy_(self.cpu_req[layer], non_blocking=True)
-            job.enqueue(side.cuda_stream)
-            self.cpu_y[layer].copy_(job.y, non_blocking=True)
-            self.cpu_back[layer].record(side)
+        if not to.post:  # the CPU device (Triton's interpreter): in order
+            self.cpu_jobs[layer].run()
 
     def _cpu_take(self, layer: int) -> None:
         """Add the CPU's sum for the layer to the residual stream (after the GPU's experts)."""
-        if self.cpu_side is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.cpu_back[layer])
-        self.x.add_(self.cpu_y[layer])
+        to = self.cpu_posts[layer]
+        if to.post:
+            moe.collect_from_cpu(self.x, to, CPU_WAIT_LIMIT_NS)
+        else:
+            self.x.add_(self.cpu_jobs[layer].y)
+
+    def _arm_cpu(self) -> None:
+        """A step in the "cpu" mode is about to be queued: keep the pool's server spinning
+        through it, and say so if an earlier step's wait for the CPU gave up."""
+        self._check_cpu()
+        if self.cpu is not None:
+            self.cpu.arm(CPU_ARM_S)
+
+    def _check_cpu(self) -> None:
+        """Raise ``CpuShareFault`` when a step waited for the CPU's answer in vain (its output is
+        wrong); the CPU share is off from then on, and the steps read every RAM expert over
+        PCIe."""
+        mb = self.cpu.mailbox if self.cpu is not None else None
+        if mb is None or not mb.fault:
+            return
+        why = (
+            f"a decode step waited more than {CPU_WAIT_LIMIT_NS / 1e9:g} s for the CPU's share "
+            "of the experts"
+            if mb.fault == 1
+            else "the CPU's server got a post of no job"
+        )
+        torch.cuda.synchronize(self.device)  # the queued steps (they wait no more) end first
+        self.set_cpu_share(0, 1)
+        log.error("cpu_share is off from now on: %s", why)
+        raise CpuShareFault(f"{why}; that step's output is wrong, so this request stops")
+
+    def tune_cpu_share(
+        self, candidates: Sequence[float] = CPU_SHARE_CANDIDATES, steps: int = 8
+    ) -> float:
+        """Choose the CPU's share by timing: ``steps`` decode steps (after two unmeasured ones)
+        at each share in ``candidates`` (0: the plain step), then the fastest is kept and
+        returned (0 turns the CPU share off). Run after ``capture`` (or eagerly without a
+        graph), at load: the steps write K/V rows from position 1, which the next prompt
+        rewrites, and every count they make is dropped. Nothing to choose (no CPU pool, no
+        expert in RAM, the CPU device): returns the share as it is."""
+        if not self.cpu_sharing or self.device.type != "cuda":
+            return self.cpu_share
+        steps = max(1, min(steps, self.kv.page - 3))  # every row written in the first page
+        stats = self.provider.stats
+        before = (stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file)
+        times: dict[float, float] = {}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for share in candidates:
+            if not 0 <= share <= 1:
+                raise ValueError(f"cpu_share candidate {share}: must be between 0 and 1")
+            mode = "plain" if share == 0 else "cpu"
+            self.cpu_share_now.fill_(share)
+            graph = self.graphs.get(mode)
+            self.begin(1, 1)
+            for i in range(steps + 2):
+                if i == 2:
+                    start.record()
+                if mode == "cpu":
+                    self.cpu.arm(CPU_ARM_S)  # type: ignore[union-attr]
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._forward(None, mode=mode)
+            end.record()
+            end.synchronize()
+            times[share] = start.elapsed_time(end) / steps
+        stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file = before
+        self.counts.zero_()
+        self.cpu_done.zero_()
+        try:
+            self._check_cpu()
+        except CpuShareFault:  # said in the log; the share is off
+            return 0.0
+        best = min(times, key=lambda s: (times[s], s))
+        if best == 0:
+            threads = self.cpu.threads  # type: ignore[union-attr]
+            self.set_cpu_share(0, threads)
+        else:
+            self.cpu_share = best
+            self.cpu_share_now.fill_(best)
+        self.cpu_tuned = times
+        log.info(
+            "cpu_share %g, chosen by timing %d steps at each share (ms per step: %s)",
+            best, steps, ", ".join(f"{k:g}: {v:.2f}" for k, v in times.items()),
+        )  # fmt: skip
+        return best
 
     def _forward(
         self,
@@ -688,6 +799,8 @@ class FastDecoder:
         """One step's kernels, run as ``mode`` (None: the ``mode`` of now)."""
         mode = self.mode if mode is None else mode
         ahead, cpu = mode == "ahead", mode == "cpu"
+        if cpu and self.cpu is not None:
+            self.cpu.arm(CPU_ARM_S)  # (an eager step's posts; a capture's cost nothing)
         if not self.is_first:
             pass  # a later stage: ``x`` holds the previous stage's output
         elif isinstance(self.embd, RepackedWeight):
@@ -711,7 +824,15 @@ class FastDecoder:
         decoder's own buffer [V], valid until the next step."""
         self.run_step(token, pos)
         self.after_step()
+        self.confirm_cpu()
         return self.logits
+
+    def confirm_cpu(self) -> None:
+        """After a step whose logits the caller reads at once: with the CPU's share on a GPU,
+        wait for the step and raise ``CpuShareFault`` if its wait for the CPU gave up."""
+        if self.mode == "cpu" and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            self._check_cpu()
 
     def run_step(self, token: int, pos: int) -> None:
         """Queue one step's kernels: the graph where every expert has a readable home, else
@@ -721,6 +842,8 @@ class FastDecoder:
         self.tok.fill_(token)
         self.pos.fill_(pos)
         self.counts_dirty = True
+        if self.mode == "cpu":
+            self._arm_cpu()
         if self.plan.complete:
             if self.graph is not None:
                 self.graph.replay()
@@ -762,6 +885,8 @@ class FastDecoder:
         """Queue a greedy run's next step: its input is the token its predecessor left on the
         device. ``finish`` then files its token."""
         self.counts_dirty = True
+        if self.mode == "cpu":
+            self._arm_cpu()
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -783,6 +908,7 @@ class FastDecoder:
         slot = n % 2
         if self._ring_done is not None:
             self._ring_done[slot].synchronize()
+        self._check_cpu()
         return int(self._ring_host[slot])
 
     def accept(self) -> None:
@@ -843,9 +969,12 @@ class FastDecoder:
         return True
 
     def describe(self) -> str:
-        if self.graph is not None:
-            return "fused Triton kernels, one CUDA graph per step"
-        return f"fused Triton kernels, eager ({self.graph_reason})"
+        how = (
+            "one CUDA graph per step" if self.graph is not None else f"eager ({self.graph_reason})"
+        )
+        if self.cpu is not None:
+            how += f"; the CPU computes {self.cpu_share:.0%} of the chosen experts in RAM"
+        return f"fused Triton kernels, {how}"
 
     def close(self) -> None:
         """Hand over the last counts and let the graph, the CPU's threads and the cache go."""

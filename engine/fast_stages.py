@@ -78,6 +78,18 @@ class StagedDecoder:
             with on_device(dec.device):
                 dec.set_cpu_share(share, threads)
 
+    @property
+    def cpu_sharing(self) -> bool:
+        return any(dec.cpu_sharing for dec in self.parts)
+
+    def tune_cpu_share(self) -> list[float]:
+        """Each stage's CPU share, chosen by timing that stage's steps (``FastDecoder``'s)."""
+        chosen = []
+        for dec in self.parts:
+            with on_device(dec.device):
+                chosen.append(dec.tune_cpu_share())
+        return chosen
+
     def bind_stages(self) -> None:
         """Each stage's decoder serves its experts from its own stage's provider (reached
         through the layer -> stage map): the tables follow that cache from now on."""
@@ -110,6 +122,7 @@ class StagedDecoder:
         for dec in self.parts:
             with on_device(dec.device):
                 dec.after_step()
+                dec.confirm_cpu()
         return self.logits
 
     def flush_usage(self) -> list[ExpertKey]:

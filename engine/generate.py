@@ -87,7 +87,10 @@ class EngineOptions:
     # GPU decode: copy up to this many of each layer's predicted experts from RAM ahead of its
     # routing (``kernels.prefetch``); 0: never (on the H200 it made decode slower: docs)
     prefetch_experts: int = 0
-    cpu_share: float = 0.0  # GPU decode: the CPU's share of the chosen experts in RAM
+    # GPU decode: the CPU's share (0 to 1) of each layer's chosen experts in RAM; None: chosen
+    # at load by timing a few steps at each of ``fast_decode.CPU_SHARE_CANDIDATES`` (0 without
+    # a GPU, or where ``prefetch_experts`` is set)
+    cpu_share: float | None = None
     verify_experts: bool = False  # checksum experts at load; check every fill, move, and samples
     # conversations whose K/V is kept for a later request that extends one of them
     kv_keep_conversations: int = 4
@@ -159,6 +162,10 @@ def physical_cores() -> int:
     except OSError:
         pass
     return os.cpu_count() or 1
+
+
+# where an automatic cpu_share starts (the share the decode graph is captured with, then tuned)
+AUTO_CPU_SHARE_START = 0.5
 
 
 def default_threads() -> int:
@@ -332,7 +339,10 @@ def _configure_decoder(
         )
     decoder.set_prefetch(ahead)
     share = options.cpu_share
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+    auto = share is None
+    if auto:  # tuned once the graph is captured, from a start worth capturing
+        share = AUTO_CPU_SHARE_START if decoder.device.type == "cuda" and not ahead else 0.0
+    elif isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise EngineError(f"cpu_share={share!r}: must be a number between 0 and 1")
     if share and ahead:
         raise EngineError(
@@ -351,6 +361,9 @@ def _configure_decoder(
         decoder.capture()
     else:
         decoder.graph_reason = "enforce_eager is set"
+    if auto and decoder.cpu_sharing:
+        step("timing the CPU's share of the experts in RAM")
+        decoder.tune_cpu_share()
 
 
 def _release(runner: Runner, model: MoEDecoder) -> None:

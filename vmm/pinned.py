@@ -130,6 +130,13 @@ class HostMemory:
         self._check(offset, nbytes)
         return torch.frombuffer(self._buf, dtype=torch.uint8, count=nbytes, offset=offset)
 
+    def host_minus_device(self) -> int | None:
+        """The one number that turns a device address of this memory into its host address
+        (0 where the driver maps page-locked memory at its host address, as on x86-64 with
+        UVA); None where no piece is page-locked or the pieces differ."""
+        deltas = {host - dev for host, _, dev in self._pieces}
+        return deltas.pop() if len(deltas) == 1 else None
+
     def device_address(self, offset: int) -> int:
         """Where the device reads byte ``offset`` (page-locked memory only)."""
         self._check(offset, 0)

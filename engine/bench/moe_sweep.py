@@ -89,7 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--pool", type=int, default=96, help="experts in each place (> L2)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument(
+        "--ram-counts", default="",
+        help="also time a step with this many of each layer's k experts in RAM (the rest in VRAM),"
+        " e.g. 1,2,4: how the link's rate holds up with few experts a layer",
+    )  # fmt: skip
     a = ap.parse_args(argv)
+    try:
+        counts = [int(v) for v in a.ram_counts.split(",")] if a.ram_counts else []
+    except ValueError:
+        ap.error(f"--ram-counts {a.ram_counts!r}: give whole numbers separated by commas")
+    if any(not 0 < c <= a.k for c in counts):
+        ap.error(f"--ram-counts {a.ram_counts!r}: each must be between 1 and k={a.k}")
     if not torch.cuda.is_available():
         print("moe_sweep: no CUDA device", file=sys.stderr)
         return 2
@@ -166,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         frac = share / a.k
         record(f"gate_up + down, {label} (defaults)", _time(step(ts), dev, a.reps),
                int(nbytes * frac))  # fmt: skip
+    for c in counts:
+        t = _time(step(tables(c)), dev, a.reps)
+        record(f"gate_up + down, {c} of {a.k} in RAM", t, int(nbytes * c / a.k))
     for bn in (2, 4, 8, 16):
         for w in (None, 4, 8):
             t = _time(step(eo_ram, bn_gu=bn, w_gu=w, parts="g"), dev, a.reps)

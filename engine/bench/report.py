@@ -61,6 +61,13 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else f"{x * 100:.3g}%"
 
 
+def _cpu(c: Mapping[str, Any] | None) -> str:
+    if not c:
+        return "—"
+    share = c.get("share")
+    return _per_mib(c["bytes_per_token"]) + ("" if share is None else f" ({share:g})")
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" ---: " for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -72,7 +79,7 @@ def strata_table(result: Mapping[str, Any]) -> list[str]:
     decode = result["settings"]["decode_tokens"]
     header = ["cache", "experts", "peak VRAM MiB", "peak RSS MiB"]
     header += [f"pp{p} tok/s" for p in prefill] + [f"tg{decode} tok/s", "TTFT ms", "hit rate"]
-    header += ["PCIe MiB/tok", "roofline"]
+    header += ["PCIe MiB/tok", "CPU MiB/tok (share)", "roofline", "link-only bound tok/s"]
     rows = []
     for r in result["strata"]:
         if r.get("skipped"):
@@ -92,7 +99,9 @@ def strata_table(result: Mapping[str, Any]) -> list[str]:
                 _ms(d.get("ttft_s")),
                 _pct(d.get("hit_rate")),
                 _per_mib(d.get("pcie_bytes_per_token")),
+                _cpu(d.get("cpu")),
                 _pct(roof["fraction"]) if roof else "—",
+                num(1 / roof["link_bound_s_per_token"]) if roof else "—",
             ]
         )
     return _table(header, rows)

@@ -82,20 +82,26 @@ def roofline(
     pcie_bytes_per_s: float,
 ) -> dict[str, float] | None:
     """How close decode came to the memory roofline: each step must read the dense weights and
-    its cache hits from device memory and its misses over PCIe; the bound is the time those
-    reads take at the measured bandwidths, the fraction is bound / measured time per step."""
+    its cache hits from device memory and its misses over PCIe, less those the CPU computed
+    from RAM itself (``cpu_share``, read beside the link: counted as free); the bound is the
+    time those reads take at the measured bandwidths, the fraction is bound / measured time per
+    step. ``link_bound_s_per_token``: the same with every miss over PCIe (no CPU share)."""
     steps = sum(r["steps"] for r in runs)
     seconds = sum(r["decode_s"] for r in runs)
     if not steps or seconds <= 0:
         return None
     hit = sum(r["hit_bytes"] for r in runs) / steps
     miss = sum(r["miss_bytes"] for r in runs) / steps
-    bound = (dense_bytes + hit) / device_bytes_per_s + miss / pcie_bytes_per_s
+    cpu = sum(r.get("cpu_bytes", 0) for r in runs) / steps
+    vram_s = (dense_bytes + hit) / device_bytes_per_s
+    bound = vram_s + (miss - cpu) / pcie_bytes_per_s
     measured = seconds / steps
     return {
         "dense_bytes_per_token": float(dense_bytes),
         "hit_bytes_per_token": hit,
         "miss_bytes_per_token": miss,
+        "cpu_bytes_per_token": cpu,
+        "link_bound_s_per_token": vram_s + miss / pcie_bytes_per_s,
         "device_bytes_per_s": device_bytes_per_s,
         "pcie_bytes_per_s": pcie_bytes_per_s,
         "bound_s_per_token": bound,

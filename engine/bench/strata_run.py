@@ -29,6 +29,7 @@ from strata.engine.bench.settings import (
 )
 from strata.engine.experts.host import drive_read_bytes
 from strata.engine.experts.provider import ProviderStats
+from strata.engine.fast_decode import FastDecoder
 from strata.engine.generate import Engine
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.grammar import GrammarSpec, json_schema_lark
@@ -321,6 +322,11 @@ class StrataBench:
             "prefetch": stats.prefetch(runs),
             "cpu": stats.cpu_share(runs),
         }
+        dec = self.engine.runner.decoder
+        if out["cpu"] is not None and isinstance(dec, FastDecoder):
+            # the share the CPU was given, and the timings that chose it (automatic cpu_share)
+            out["cpu"]["share"] = dec.cpu_share
+            out["cpu"]["tuned_ms_per_step"] = {f"{k:g}": v for k, v in dec.cpu_tuned.items()}
         if self.cuda:  # the misses the CPU computed (cpu_share) did not cross the link
             miss, cpu = stats.per_step(runs, "miss_bytes"), stats.per_step(runs, "cpu_bytes")
             out["pcie_bytes_per_token"] = None if miss is None else miss - (cpu or 0.0)

@@ -131,6 +131,10 @@ class HostTier:
             return self.memory.device_address(slot * self.slot_bytes)
         return self.host_address(slot)
 
+    def host_minus_device(self) -> int | None:
+        """What turns a device address of a slot into its host address (``HostMemory``'s)."""
+        return self.memory.host_minus_device() if self.pinned else None
+
     def host_address(self, slot: int) -> int:
         """Where the CPU reads host slot ``slot`` (its host address, page-locked or not)."""
         self.table.tag(slot)

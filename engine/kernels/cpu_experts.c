@@ -7,8 +7,8 @@
  *     y = sum_i wts[i] * down_i(SiLU(gate_i h) * (up_i h)),   i < *n
  *
  * which is what strata.engine.kernels.moe computes on the GPU. It runs from Python (ctypes,
- * which releases the GIL) or as a CUDA host function inside a graph (strata_enqueue, or a host
- * node: strata_run_job is a CUhostFn), on CUDA's callback thread.
+ * which releases the GIL) or, during a GPU decode, on the pool's server thread, which answers the
+ * jobs a GPU kernel posts through a mailbox in page-locked memory (strata_pool_serve, at the end).
  *
  * The format. strata/engine/quant/repack.py is the layout's one description (its module docstring
  * gives the byte and nibble order of every plane) and its dequantize_repacked is the exact
@@ -34,12 +34,12 @@
  * output row sums its n experts, weights applied). Idle workers spin for STRATA_SPIN_NS (during
  * decoding the next job comes within a fraction of a millisecond) and then sleep on a condition
  * variable, so an idle pool burns no CPU. No two jobs of one pool may run at the same time: the
- * caller guarantees it (one CUDA stream, or one Python caller). A job may be run from any thread
+ * caller guarantees it (one server, or one Python caller). A job may be run from any thread
  * (a pool thread excepted), one after another from different ones.
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <math.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -531,12 +531,24 @@ struct strata_pool {
     float *asums; /* [n * F / 32] unit sums of act, in phase 1 */
     float *sums;  /* the storage of both, grown by callers */
     size_t sums_cap;
+    int64_t t1; /* when the running job's phase 1 ended everywhere (its caller's clock read) */
     /* each counter on its own cache line: the threads hammer them */
     _Alignas(64) atomic_uint_fast64_t gen; /* bumped once per job; workers run on a change */
     _Alignas(64) atomic_int sleepers;      /* workers waiting on cv */
     atomic_int stop;
     _Alignas(64) atomic_int arrived1; /* threads done with phase 1 (the barrier) */
     _Alignas(64) atomic_int arrived2; /* threads done with phase 2 */
+    /* what the pool's jobs took (strata_pool_stats): written by the job's caller, one at a time */
+    _Alignas(64) atomic_int_fast64_t jobs, busy_ns, phase1_ns;
+    /* serving a device (strata_pool_serve) */
+    int serving;
+    pthread_t server_tid;
+    pthread_cond_t scv; /* the server sleeps on it */
+    void *mb;           /* strata_mailbox * */
+    const strata_job **served;
+    int n_served;
+    _Alignas(64) atomic_int_fast64_t armed_until; /* now_ns() clock */
+    atomic_int server_sleeping;
 };
 
 INLINE float silu(float g) { return g / (1.0f + expf(-g)); }
@@ -632,6 +644,7 @@ static void run_share(strata_pool *pool, int t) {
         atomic_fetch_add_explicit(&pool->arrived1, 1, memory_order_acq_rel);
         wait_count(&pool->arrived1, T);
     }
+    if (t == 0) pool->t1 = now_ns();
     phase2(pool, job, split(job->D, t, T, 1), split(job->D, t + 1, T, 1));
     if (T > 1) atomic_fetch_add_explicit(&pool->arrived2, 1, memory_order_release);
 }
@@ -667,8 +680,12 @@ static void pool_stop(strata_pool *pool) {
     pthread_mutex_lock(&pool->mu);
     atomic_store(&pool->stop, 1);
     pthread_cond_broadcast(&pool->cv);
+    pthread_cond_broadcast(&pool->scv);
     pthread_mutex_unlock(&pool->mu);
+    if (pool->serving) pthread_join(pool->server_tid, NULL);
     for (int i = 0; i < pool->started; i++) pthread_join(pool->tids[i], NULL);
+    free(pool->served);
+    pthread_cond_destroy(&pool->scv);
     pthread_cond_destroy(&pool->cv);
     pthread_mutex_destroy(&pool->mu);
     free(pool->sums);
@@ -685,7 +702,8 @@ strata_pool *strata_pool_new(int threads) {
     memset(pool, 0, sizeof *pool);
     pool->nthreads = threads;
     pool->tids = calloc((size_t)threads, sizeof(pthread_t));
-    if (!pool->tids || pthread_mutex_init(&pool->mu, NULL) || pthread_cond_init(&pool->cv, NULL)) {
+    if (!pool->tids || pthread_mutex_init(&pool->mu, NULL) || pthread_cond_init(&pool->cv, NULL) ||
+        pthread_cond_init(&pool->scv, NULL)) {
         free(pool->tids);
         free(pool);
         return NULL;
@@ -695,6 +713,11 @@ strata_pool *strata_pool_new(int threads) {
     atomic_init(&pool->stop, 0);
     atomic_init(&pool->arrived1, 0);
     atomic_init(&pool->arrived2, 0);
+    atomic_init(&pool->jobs, 0);
+    atomic_init(&pool->busy_ns, 0);
+    atomic_init(&pool->phase1_ns, 0);
+    atomic_init(&pool->armed_until, 0);
+    atomic_init(&pool->server_sleeping, 0);
     /* the workers take no signals: those are for the process's own threads */
     sigset_t all, old;
     sigfillset(&all);
@@ -726,9 +749,10 @@ void strata_pool_free(strata_pool *pool) {
     if (pool) pool_stop(pool);
 }
 
-/* Runs the job (a strata_job *) on its pool and returns once y is written: a CUhostFn. Reads n,
+/* Runs the job (a strata_job *) on its pool and returns once y is written. Reads n,
  * wts, offs and h now. Not reentrant per pool: the caller runs one job of a pool at a time. */
 void strata_run_job(void *arg) {
+    const int64_t t0 = now_ns();
     const strata_job *job = arg;
     strata_pool *pool = job->pool;
     int n = *(const volatile int32_t *)job->n;
@@ -765,25 +789,141 @@ void strata_run_job(void *arg) {
     }
     run_share(pool, 0);
     if (pool->nthreads > 1) wait_count(&pool->arrived2, pool->nthreads);
+    const int64_t t2 = now_ns();
+    atomic_fetch_add_explicit(&pool->jobs, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool->busy_ns, t2 - t0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool->phase1_ns, pool->t1 - t0, memory_order_relaxed);
 }
 
-/* -- CUDA: the job as a host function on a stream, through the driver found at run time ---- */
-
-typedef int (*launch_host_fn)(void *stream, void (*fn)(void *), void *user_data);
-static launch_host_fn cu_launch_host_func;
-static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;
-
-static void load_cuda(void) {
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) return;
-    void *sym = dlsym(lib, "cuLaunchHostFunc");
-    memcpy(&cu_launch_host_func, &sym, sizeof sym);
+/* What the pool's jobs took so far: out[0] jobs computed (n > 0), out[1] nanoseconds from a
+ * job's start to its end (the caller's wall time), out[2] of those, the nanoseconds until every
+ * thread had finished phase 1. Any thread may ask at any time. */
+void strata_pool_stats(strata_pool *pool, int64_t out[3]) {
+    out[0] = atomic_load_explicit(&pool->jobs, memory_order_relaxed);
+    out[1] = atomic_load_explicit(&pool->busy_ns, memory_order_relaxed);
+    out[2] = atomic_load_explicit(&pool->phase1_ns, memory_order_relaxed);
 }
 
-/* cuLaunchHostFunc(stream, strata_run_job, job), through libcuda.so.1 found at run time: its
- * CUresult, or -1 when the driver (or the function) cannot be loaded. */
-int strata_enqueue(void *stream, void *job) {
-    pthread_once(&cuda_once, load_cuda);
-    if (!cu_launch_host_func) return -1;
-    return cu_launch_host_func(stream, strata_run_job, job);
+/* -- serving a device: jobs posted through a mailbox in page-locked memory --------------------
+ *
+ * A GPU kernel writes a job's request (its n, wts, offs and h) into the job's page-locked
+ * buffers, which the GPU maps, then the job's index and, after a system-wide fence, a new `seq`;
+ * a server thread of the pool sees `seq` change, runs that job and publishes `done = seq` once
+ * y is written; a GPU kernel waits for `done` to reach the `seq` it posted and reads y. No driver
+ * call lies between the two sides, so a post costs what a few PCIe reads and writes cost, not a
+ * host function's round trip through the driver. At most one job is posted at a time (the
+ * device waits for each answer before it posts again).
+ *
+ * The server spins while the pool is armed (strata_pool_arm, before each decode step) or a post
+ * came recently, then polls every SERVE_POLL_NS for SERVE_QUIET_NS more, then sleeps until the
+ * next arm: an idle pool burns no CPU, and a post that came while it slept is answered at the
+ * next arm. */
+
+#define SERVE_SPIN_NS 20000000LL  /* spin this long after the last post or arm's end */
+#define SERVE_POLL_NS 2000000LL   /* then poll this often */
+#define SERVE_QUIET_NS 2000000000LL /* for this long; then sleep until armed */
+
+typedef struct {                      /* in page-locked memory the device maps; 192 bytes */
+    _Alignas(64) int64_t seq;         /* the device: the last post (1, 2, ...) */
+    int32_t job;                      /* the device: the served job it asks for */
+    _Alignas(64) int64_t done;        /* the server: the last post answered */
+    _Alignas(64) int32_t fault;       /* 1: the device gave up waiting; 2: a post of no job */
+} strata_mailbox;
+
+_Static_assert(sizeof(strata_mailbox) == 192, "the mailbox's layout is shared with Python");
+
+/* The mailbox's field offsets and size, for the Python side (and so its kernels). */
+void strata_mailbox_layout(int64_t out[5]) {
+    out[0] = (int64_t)offsetof(strata_mailbox, seq);
+    out[1] = (int64_t)offsetof(strata_mailbox, job);
+    out[2] = (int64_t)offsetof(strata_mailbox, done);
+    out[3] = (int64_t)offsetof(strata_mailbox, fault);
+    out[4] = (int64_t)sizeof(strata_mailbox);
+}
+
+static int64_t mb_load(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+static void *server(void *arg) {
+    strata_pool *pool = arg;
+    strata_mailbox *mb = pool->mb;
+    int64_t last = mb_load(&mb->done), recent = now_ns();
+    for (int i = 0;; i++) {
+        if (atomic_load_explicit(&pool->stop, memory_order_relaxed)) return NULL;
+        const int64_t seq = mb_load(&mb->seq);
+        if (seq != last) {
+            const int32_t j = __atomic_load_n(&mb->job, __ATOMIC_ACQUIRE);
+            if (j >= 0 && j < pool->n_served)
+                strata_run_job((void *)pool->served[j]);
+            else
+                __atomic_store_n(&mb->fault, 2, __ATOMIC_RELAXED);
+            last = seq;
+            __atomic_store_n(&mb->done, seq, __ATOMIC_RELEASE);
+            recent = now_ns();
+            continue;
+        }
+        cpu_relax();
+        if (i % 64 != 0) continue;
+        const int64_t t = now_ns(), armed = atomic_load(&pool->armed_until);
+        const int64_t since = t - (armed > recent ? armed : recent);
+        if (since < SERVE_SPIN_NS) continue;
+        /* quiet: poll, then sleep until armed (the armer sees `server_sleeping` and signals) */
+        pthread_mutex_lock(&pool->mu);
+        atomic_store(&pool->server_sleeping, 1); /* seq_cst: pairs with strata_pool_arm */
+        if (atomic_load(&pool->armed_until) == armed && !atomic_load(&pool->stop) &&
+            mb_load(&mb->seq) == last) {
+            if (since < SERVE_QUIET_NS) {
+                struct timespec ts;
+                clock_gettime(CLOCK_REALTIME, &ts);
+                ts.tv_nsec += SERVE_POLL_NS;
+                if (ts.tv_nsec >= 1000000000) {
+                    ts.tv_sec += 1;
+                    ts.tv_nsec -= 1000000000;
+                }
+                pthread_cond_timedwait(&pool->scv, &pool->mu, &ts);
+            } else {
+                pthread_cond_wait(&pool->scv, &pool->mu);
+            }
+        }
+        atomic_store(&pool->server_sleeping, 0);
+        pthread_mutex_unlock(&pool->mu);
+    }
+}
+
+/* Serve `n` jobs of this pool through the mailbox `mb` (page-locked, 64-byte aligned, zeroed or
+ * left as a previous server left it): a server thread answers each post (job index < n) until
+ * the pool is freed. The jobs and the mailbox must outlive the pool. 0 on success; -1: a job
+ * of another pool, a pool already serving, or no memory or thread. */
+int strata_pool_serve(strata_pool *pool, void *mb, const strata_job *const *jobs, int n) {
+    if (pool->serving || n < 1 || !mb || ((uintptr_t)mb & 63)) return -1;
+    for (int j = 0; j < n; j++)
+        if (!jobs[j] || jobs[j]->pool != pool) return -1;
+    pool->served = malloc((size_t)n * sizeof *jobs);
+    if (!pool->served) return -1;
+    memcpy(pool->served, jobs, (size_t)n * sizeof *jobs);
+    pool->n_served = n;
+    pool->mb = mb;
+    atomic_store(&pool->armed_until, now_ns());
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    const int rc = pthread_create(&pool->server_tid, NULL, server, pool);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        free(pool->served);
+        pool->served = NULL;
+        return -1;
+    }
+    pool->serving = 1;
+    return 0;
+}
+
+/* Keep the server spinning for the next `ns` nanoseconds (a decode step is about to post), and
+ * wake it if it sleeps. Any thread, any time. */
+void strata_pool_arm(strata_pool *pool, int64_t ns) {
+    atomic_store(&pool->armed_until, now_ns() + ns); /* seq_cst: pairs with the server's sleep */
+    if (atomic_load(&pool->server_sleeping)) {
+        pthread_mutex_lock(&pool->mu);
+        pthread_cond_broadcast(&pool->scv);
+        pthread_mutex_unlock(&pool->mu);
+    }
 }

@@ -3,9 +3,11 @@
 While the GPU reads the experts that are not in VRAM over PCIe, the CPU can compute a share of
 them from the same host bytes. ``cpu_experts.c`` does that with a pool of threads and no Python:
 a job is a C struct of pointers (the slots' base and per-expert offsets, routing weights, input,
-output, scratch) whose values a GPU copy may refresh before each call, and ``strata_run_job`` is
-a CUDA host function, so a CUDA graph can run it on CUDA's callback thread without the GIL.
-From Python, ``CpuJob.run`` calls it through ctypes, which releases the GIL too.
+output, scratch) whose values are read when it runs. During a GPU decode a server thread of the
+pool runs the jobs a GPU kernel posts into a mailbox in page-locked memory (``CpuExperts.serve``;
+``moe.post_for_cpu`` and ``moe.collect_from_cpu`` are the GPU's side), with no Python and no
+driver call in between. From Python, ``CpuJob.run`` calls a job through ctypes, which releases
+the GIL.
 
 The library is compiled on first use with the system's C compiler (``$CC``, default ``cc``) and
 ``-march=native``, so its loops use this machine's vector width. The result is cached under
@@ -29,6 +31,7 @@ import subprocess
 import tempfile
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -44,7 +47,7 @@ Q = gguf.GGMLQuantizationType
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 FLAGS = ("-std=c11", "-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthread",
          "-shared", "-fPIC")  # fmt: skip
-LIBS = ("-lm", "-ldl")
+LIBS = ("-lm",)
 MAX_PLANES = 5  # STRATA_MAX_PLANES in the C source: Q4_K and Q5_K have five planes
 assert max(len(p) for p in PLANES.values()) <= MAX_PLANES
 
@@ -151,8 +154,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.strata_pool_free.argtypes, lib.strata_pool_free.restype = [vp], None
     lib.strata_run_job.argtypes, lib.strata_run_job.restype = [vp], None
     lib.strata_supported.argtypes, lib.strata_supported.restype = [i32], ctypes.c_int
-    lib.strata_enqueue.argtypes, lib.strata_enqueue.restype = [vp, vp], ctypes.c_int
+    lib.strata_pool_serve.argtypes = [vp, vp, ctypes.POINTER(vp), ctypes.c_int]
+    lib.strata_pool_serve.restype = ctypes.c_int
+    lib.strata_pool_arm.argtypes, lib.strata_pool_arm.restype = [vp, ctypes.c_int64], None
+    lib.strata_mailbox_layout.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.strata_mailbox_layout.restype = None
     lib.strata_job_bytes.argtypes, lib.strata_job_bytes.restype = [], ctypes.c_size_t
+    lib.strata_pool_stats.argtypes = [vp, ctypes.POINTER(ctypes.c_int64)]
+    lib.strata_pool_stats.restype = None
     return lib
 
 
@@ -183,6 +192,17 @@ def library() -> ctypes.CDLL:
 # -- the Python side --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PoolStats:
+    """A pool's jobs so far: how many computed an expert, the seconds from their start to their
+    end on the calling thread, and of those the seconds until every thread ended phase 1 (gate
+    and up)."""
+
+    jobs: int
+    busy_s: float
+    phase1_s: float
+
+
 class CpuExperts:
     """A pool of ``threads`` threads (the caller of a job counts as one) and the jobs on it.
     No two jobs of one pool may run at the same time: the caller serialises them (one CUDA
@@ -197,7 +217,11 @@ class CpuExperts:
         if not pool:
             raise RuntimeError(f"strata_pool_new({threads}) failed: its threads did not start")
         self.pool: int = pool
-        self._free = weakref.finalize(self, self.lib.strata_pool_free, pool)
+        # what the C side points at while the pool lives (a server's jobs and mailbox): freed
+        # after the pool, never before
+        self._keep: list[object] = []
+        self._free = weakref.finalize(self, _free_pool, self.lib, pool, self._keep)
+        self.mailbox: Mailbox | None = None
 
     @property
     def closed(self) -> bool:
@@ -207,6 +231,41 @@ class CpuExperts:
         """Join the threads and free the pool (once; later calls do nothing). Its jobs must not
         run afterwards (``CpuJob.run`` refuses; a CUDA graph holding one must be gone)."""
         self._free()
+
+    def serve(self, jobs: list[CpuJob], pin: bool) -> Mailbox:
+        """Start the pool's server: a thread that runs ``jobs[i]`` whenever a device posts
+        ``i`` to the returned mailbox (page-locked when ``pin``), until the pool closes.
+        ``moe.post_for_cpu`` posts; ``moe.collect_from_cpu`` waits for the answer. Once per
+        pool; arm the pool (``arm``) before each decode step."""
+        if self.closed:
+            raise RuntimeError("this CpuExperts is closed")
+        if self.mailbox is not None:
+            raise RuntimeError("this CpuExperts serves a mailbox already")
+        if not jobs:
+            raise ValueError("a server needs at least one job")
+        for i, job in enumerate(jobs):
+            if job.experts is not self:
+                raise ValueError(f"job {i} belongs to another CpuExperts")
+        mb = Mailbox(pin)
+        ptrs = (ctypes.c_void_p * len(jobs))(*(j.arg_address for j in jobs))
+        self._keep += [mb] + [j.buffers for j in jobs]
+        if self.lib.strata_pool_serve(self.pool, mb.address, ptrs, len(jobs)) != 0:
+            raise RuntimeError("strata_pool_serve failed: its server thread did not start")
+        self.mailbox = mb
+        return mb
+
+    def arm(self, seconds: float) -> None:
+        """Keep the server spinning for the next ``seconds`` (a step is about to post)."""
+        if not self.closed and self.mailbox is not None:
+            self.lib.strata_pool_arm(self.pool, int(seconds * 1e9))
+
+    def stats(self) -> PoolStats:
+        """What the pool's jobs took so far (0 everywhere once closed)."""
+        if self.closed:
+            return PoolStats(0, 0.0, 0.0)
+        out = (ctypes.c_int64 * 3)()
+        self.lib.strata_pool_stats(self.pool, out)
+        return PoolStats(out[0], out[1] / 1e9, out[2] / 1e9)
 
     def supports(self, qtype: Q | int) -> bool:
         return bool(self.lib.strata_supported(int(qtype)))
@@ -233,6 +292,68 @@ class CpuExperts:
                     "(gate and up F x D, down D x F)"
                 )
         return CpuJob(self, layout, kmax, pin)
+
+
+def _free_pool(lib: ctypes.CDLL, pool: int, keep: list[object]) -> None:
+    lib.strata_pool_free(pool)
+    keep.clear()
+
+
+@dataclass(frozen=True)
+class MailboxLayout:
+    """Byte offsets of the mailbox's fields, and its size (from the library)."""
+
+    seq: int
+    job: int
+    done: int
+    fault: int
+    size: int
+
+
+def mailbox_layout() -> MailboxLayout:
+    out = (ctypes.c_int64 * 5)()
+    library().strata_mailbox_layout(out)
+    return MailboxLayout(*out)
+
+
+class Mailbox:
+    """Where a device posts jobs to a pool's server: 64-byte-aligned host memory (page-locked
+    when ``pin``, so a GPU maps it) holding ``seq`` (the last post), ``job`` (which job),
+    ``done`` (the last post answered) and ``fault`` (1: a device's wait gave up; 2: a post named
+    no job). The GPU writes seq and job; the server writes done."""
+
+    def __init__(self, pin: bool) -> None:
+        lay = mailbox_layout()
+        raw = torch.zeros(lay.size + 64, dtype=torch.uint8, pin_memory=pin)
+        at = -raw.data_ptr() % 64
+        self._raw = raw  # owns the memory
+        self.buf = raw[at : at + lay.size]
+        self.address = self.buf.data_ptr()
+        self.layout = lay
+        self._seq = self.buf[lay.seq : lay.seq + 8].view(torch.int64)
+        self._job = self.buf[lay.job : lay.job + 4].view(torch.int32)
+        self._done = self.buf[lay.done : lay.done + 8].view(torch.int64)
+        self._fault = self.buf[lay.fault : lay.fault + 4].view(torch.int32)
+
+    @property
+    def posted(self) -> int:
+        return int(self._seq[0])
+
+    @property
+    def answered(self) -> int:
+        return int(self._done[0])
+
+    @property
+    def fault(self) -> int:
+        return int(self._fault[0])
+
+    def post(self, job: int) -> int:
+        """Post ``job`` from the host (what a device kernel does; for tests and tools):
+        returns the post's seq."""
+        seq = self.posted + 1
+        self._job.fill_(job)
+        self._seq.fill_(seq)
+        return seq
 
 
 def _mat(lay: RepackedLayout, offset: int) -> StrataMat:
@@ -311,13 +432,13 @@ class CpuJob:
         self.struct.base = value
 
     @property
-    def fn_address(self) -> int:
-        """The address of ``strata_run_job`` (a CUhostFn), for a CUDA graph's host node."""
-        return ctypes.cast(self.experts.lib.strata_run_job, ctypes.c_void_p).value or 0
+    def buffers(self) -> tuple[object, ...]:
+        """What the C struct points at (kept alive while a server may run the job)."""
+        return (self.struct, self.request, self.y, self.act)
 
     @property
     def arg_address(self) -> int:
-        """The address of this job's struct: the host node's user data."""
+        """The address of this job's struct (what the library's calls take)."""
         return ctypes.addressof(self.struct)
 
     def run(self) -> None:
@@ -325,13 +446,3 @@ class CpuJob:
         if self.experts.closed:
             raise RuntimeError("the CpuExperts of this job is closed")
         self.experts.lib.strata_run_job(self.arg_address)
-
-    def enqueue(self, stream_handle: int) -> None:
-        """Run the job on a CUDA stream (``cuLaunchHostFunc``), after the work queued there."""
-        if self.experts.closed:
-            raise RuntimeError("the CpuExperts of this job is closed")
-        rc = self.experts.lib.strata_enqueue(stream_handle or None, self.arg_address)
-        if rc == -1:
-            raise RuntimeError("cuLaunchHostFunc is unavailable: libcuda.so.1 could not be loaded")
-        if rc != 0:
-            raise RuntimeError(f"cuLaunchHostFunc(stream {stream_handle:#x}) failed: CUresult {rc}")

@@ -160,9 +160,35 @@ def _down_kernel(
     tl.store(x + rows, tl.load(x + rows, mask=ok, other=0.0) + tl.sum(acc, 1), mask=ok)
 
 
+# -- the CPU's share (kernels.cpu_experts): a post to the CPU pool's server, and its answer ----
+
+# the mailbox's fields (cpu_experts.c's strata_mailbox; a test checks them against the library)
+MB_SEQ, MB_JOB, MB_DONE, MB_FAULT = 0, 8, 64, 128
+_MB_SEQ, _MB_JOB = tl.constexpr(MB_SEQ), tl.constexpr(MB_JOB)  # (what a kernel may read)
+_MB_DONE, _MB_FAULT = tl.constexpr(MB_DONE), tl.constexpr(MB_FAULT)
+
+
 @triton.jit
-def _cpu_split_kernel(ids, wts, eoffs, homes, hosts, n_out, w_out, o_out, done, zero_off, share,
-                      K: tl.constexpr, KP: tl.constexpr):  # fmt: skip
+def _fence_sys(v):
+    # every thread: its memory operations so far are ordered, system-wide, before its later
+    # ones (host memory that the CPU reads and writes); returns ``v`` so a later operation can
+    # depend on it
+    return tl.inline_asm_elementwise(
+        "fence.sc.sys;\n\tmov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _cpu_post_kernel(ids, wts, eoffs, homes, counted, h, base, req, mb, seq, posted, job,
+                     zero_off, share, D, K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr,
+                     POST: tl.constexpr):  # fmt: skip
     kk = tl.arange(0, KP)
     km = kk < K
     i = tl.load(ids + kk, mask=km, other=0)
@@ -171,34 +197,106 @@ def _cpu_split_kernel(ids, wts, eoffs, homes, hosts, n_out, w_out, o_out, done, 
     w = tl.load(wts + kk, mask=km, other=0.0)
     ram = km & (home != -1) & (eo == home)  # read from its RAM home (not from a copy in VRAM)
     r = ram.to(tl.int32)
-    m = tl.floor(tl.sum(r, 0).to(tl.float32) * share + 0.5).to(tl.int32)
+    m = tl.floor(tl.sum(r, 0).to(tl.float32) * tl.load(share) + 0.5).to(tl.int32)
     rank = tl.cumsum(r, 0) - r  # its place among the layer's chosen RAM experts
     take = ram & (rank < m)
-    tl.store(w_out + rank, w, mask=take)
-    tl.store(o_out + rank, tl.load(hosts + i, mask=take, other=0), mask=take)
-    tl.store(n_out, m)
-    tl.store(done, tl.load(done) + m.to(tl.int64))
+    # the request, in the job's host memory at base + req (cpu_experts.request_views' layout)
+    at = base + req
+    tl.store(at.to(tl.pointer_type(tl.int64)) + rank, home, mask=take)  # (from the anchor)
+    tl.store((at + 8 * K).to(tl.pointer_type(tl.float32)) + rank, w, mask=take)
+    tl.store((at + 12 * K).to(tl.pointer_type(tl.int32)), m)
+    dd = tl.arange(0, BD)
+    h_at = (at + 12 * K + 4).to(tl.pointer_type(tl.float32))
+    for d0 in range(0, D, BD):
+        dm = d0 + dd < D
+        tl.store(h_at + d0 + dd, tl.load(h + d0 + dd, mask=dm), mask=dm)
+    tl.store(counted, tl.load(counted) + m.to(tl.int64))
     # the GPU's kernels read zeros for them (a zero expert adds nothing) with weight 0
     tl.store(eoffs + kk, tl.where(take, zero_off, eo), mask=km)
     tl.store(wts + kk, tl.where(take, 0.0, w), mask=km)
+    if POST:
+        tl.store(posted, m)
+        if m > 0:
+            s = tl.load(seq) + 1
+            tl.store(seq, s)
+            tl.store((base + mb + _MB_JOB).to(tl.pointer_type(tl.int32)), job)
+            # every thread's writes of the request reach host memory before the new seq does
+            f = _fence_sys(dd)
+            tl.debug_barrier()
+            s = s + tl.min(f, 0).to(tl.int64)  # (+ 0, after the fences)
+            tl.store((base + mb + _MB_SEQ).to(tl.pointer_type(tl.int64)), s)
 
 
-def split_for_cpu(ids: torch.Tensor, wts: torch.Tensor, eoffs: torch.Tensor, homes: torch.Tensor,
-                  hosts: torch.Tensor, n_out: torch.Tensor, w_out: torch.Tensor,
-                  o_out: torch.Tensor, done: torch.Tensor, zero_off: int,
-                  share: float) -> None:  # fmt: skip
+@triton.jit
+def _cpu_collect_kernel(x, base, y, mb, seq, posted, limit_ns, D, BD: tl.constexpr):
+    if tl.load(posted) > 0:
+        want = tl.load(seq)
+        done = (base + mb + _MB_DONE).to(tl.pointer_type(tl.int64))
+        fault = (base + mb + _MB_FAULT).to(tl.pointer_type(tl.int32))
+        got = tl.load(done, volatile=True)
+        late = (tl.load(fault, volatile=True) != 0).to(tl.int32)  # an earlier wait gave up
+        t0 = _globaltimer()
+        while (got < want) & (late == 0):
+            got = tl.load(done, volatile=True)
+            late = (_globaltimer() - t0 > limit_ns).to(tl.int32)
+        if got >= want:
+            dd = _fence_sys(tl.arange(0, BD))  # y is read after done was seen
+            y_at = (base + y).to(tl.pointer_type(tl.float32))
+            for d0 in range(0, D, BD):
+                dm = d0 + dd < D
+                v = tl.load(y_at + d0 + dd, mask=dm, other=0.0, volatile=True)
+                tl.store(x + d0 + dd, tl.load(x + d0 + dd, mask=dm) + v, mask=dm)
+        else:
+            tl.store(fault, 1)
+
+
+@dataclass(frozen=True)
+class CpuPost:
+    """Where a layer's post to the CPU goes, as offsets from ``base`` (the anchor): its job's
+    request (``cpu_experts.request_views``' layout) and sum ``y``, both in page-locked host
+    memory, and the pool's mailbox (``post=True``: a GPU posts there and a server answers;
+    False: the caller runs the job itself after ``post_for_cpu``, as on the CPU device). ``seq``
+    int64 [1] counts the posts and ``posted`` int32 [1] is the layer's count of experts for the
+    CPU, both on the device."""
+
+    base: torch.Tensor
+    req: int
+    y: int
+    mb: int
+    seq: torch.Tensor
+    posted: torch.Tensor
+    job: int
+    post: bool
+
+
+def post_for_cpu(ids: torch.Tensor, wts: torch.Tensor, eoffs: torch.Tensor, homes: torch.Tensor,
+                 counted: torch.Tensor, h: torch.Tensor, zero_off: int,
+                 share: torch.Tensor, to: CpuPost) -> None:  # fmt: skip
     """After ``route``: of the chosen experts read from their RAM homes (``homes``: the
-    layer's RAM home offsets from the anchor, -1 elsewhere), the first ``round(share * n)`` in
-    top-k order go to the CPU: n_out int32 [1] = their count, w_out / o_out [k] their weights
-    and their homes' host addresses (``hosts``), packed from 0, done int64 [1] += the count.
-    Their entries in ``eoffs`` then point at ``zero_off`` (a slot of zero bytes in VRAM) and
-    their ``wts`` are 0, so the expert kernels add nothing for them and read nothing over
-    PCIe."""
+    layer's RAM home offsets from the anchor, -1 elsewhere), the first ``round(share * n)``
+    (``share``: float32 [1] on the device, read at run time, so a graph follows it) in
+    top-k order go to the CPU: their count, weights and homes (offsets from the anchor, whose host
+    address is the job's base) and
+    the input ``h`` are written to the job's request, counted int64 [1] += the count, and with
+    ``to.post`` the job is posted (when it has an expert). Their entries in ``eoffs`` then
+    point at ``zero_off`` (a slot of zero bytes in VRAM) and their ``wts`` are 0, so the expert
+    kernels add nothing for them and read nothing over PCIe."""
     k = ids.numel()
-    _cpu_split_kernel[(1,)](
-        ids, wts, eoffs, homes, hosts, n_out, w_out, o_out, done, zero_off, share,
-        K=k, KP=triton.next_power_of_2(k), num_warps=1,
+    _cpu_post_kernel[(1,)](
+        ids, wts, eoffs, homes, counted, h, to.base, to.req, to.mb, to.seq, to.posted,
+        to.job, zero_off, share, h.numel(), K=k, KP=triton.next_power_of_2(k), BD=512,
+        POST=to.post, num_warps=4,
     )  # fmt: skip
+
+
+def collect_from_cpu(x: torch.Tensor, to: CpuPost, limit_ns: int) -> None:
+    """x += the CPU's sum for the layer posted to ``to`` once the server has answered (nothing
+    when the layer posted nothing). A wait longer than ``limit_ns`` gives up: nothing is added
+    and the mailbox's fault is set (as it is when an earlier wait gave up: none waits then), so
+    the host learns that the step is wrong. On a GPU only (the device spins on host memory)."""
+    _cpu_collect_kernel[(1,)](
+        x, to.base, to.y, to.mb, to.seq, to.posted, limit_ns, x.numel(), BD=512, num_warps=4
+    )
 
 
 BN_GATE_UP = 128 if INTERPRETED else 4

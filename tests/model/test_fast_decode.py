@@ -222,6 +222,28 @@ def test_the_cpus_share_and_the_copies_ahead_are_one_or_the_other(q8: Path) -> N
         )
 
 
+def test_an_automatic_cpu_share_is_none_off_a_gpu_or_beside_the_copies_ahead(q8: Path) -> None:
+    """``cpu_share`` unset is chosen by timing GPU steps; on the CPU device, and where copies
+    ahead take the RAM experts, it is 0 (no pool, no thread), and no error."""
+    runner = fast_runner(q8, 0.5, host=True)
+    assert EngineOptions().cpu_share is None
+    for options in (
+        EngineOptions(enforce_eager=True),
+        EngineOptions(enforce_eager=True, prefetch_experts=2),
+    ):
+        generate._configure_decoder(runner.decoder, runner.model, options, lambda what: None)
+        assert runner.decoder.cpu is None and runner.decoder.cpu_share == 0
+        assert runner.decoder.mode in ("plain", "ahead")
+
+
+def test_choosing_the_cpu_share_by_timing_needs_a_gpu(q8: Path) -> None:
+    """Off a GPU (nothing to time against the link) the share stays as it was set."""
+    runner = fast_runner(q8, 0.5, host=True, cpu_share=0.5)
+    _cpu_or_skip(runner)
+    assert runner.decoder.tune_cpu_share() == 0.5 and runner.decoder.cpu_tuned == {}
+    assert runner.decoder.mode == "cpu"
+
+
 def test_more_copies_ahead_than_experts_is_refused(q8: Path) -> None:
     runner = fast_runner(q8, 0.5, host=True)
     E = runner.model.args.n_expert

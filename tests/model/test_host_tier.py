@@ -282,6 +282,31 @@ def test_a_partial_page_lock_is_an_error_naming_both_sizes_and_leaves_nothing_lo
     assert whole.registered == {}
 
 
+class ShiftingPinner(FakePinner):
+    """Maps each registered piece at its host address plus ``shift(i)`` for the i-th piece."""
+
+    def __init__(self, shift) -> None:
+        super().__init__()
+        self.shift = shift
+
+    def register(self, address: int, nbytes: int) -> int:
+        return super().register(address, nbytes) + self.shift(self.calls - 1)
+
+
+def test_the_one_offset_from_device_to_host_addresses_or_none() -> None:
+    """What the CPU's share needs to read a home the GPU names by its device address."""
+    same = HostMemory(3 * MiB, FakePinner(), piece_bytes=MiB)
+    assert same.host_minus_device() == 0
+    moved = HostMemory(3 * MiB, ShiftingPinner(lambda i: 1 << 40), piece_bytes=MiB)
+    assert moved.host_minus_device() == -(1 << 40)
+    assert moved.device_address(MiB + 5) + moved.host_minus_device() == moved.address + MiB + 5
+    apart = HostMemory(3 * MiB, ShiftingPinner(lambda i: i << 40), piece_bytes=MiB)
+    assert apart.host_minus_device() is None
+    assert HostMemory(MiB, None).host_minus_device() is None  # not page-locked
+    for mem in (same, moved, apart):
+        mem.close()
+
+
 def test_host_memory_dropped_without_close_is_unregistered_before_it_is_unmapped() -> None:
     import gc
 

@@ -6,6 +6,7 @@ experts between VRAM and RAM instead of dropping them. Resize times are printed,
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -28,7 +29,9 @@ def cuda() -> str:
 
 
 def load(path: Path, cuda: str, **kw) -> Engine:
+    """The GPU reads every RAM expert unless ``cpu_share`` is given (None: chosen at load)."""
     options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=2)
+    options["cpu_share"] = 0.0
     options.update(kw)
     return Engine.load(path, EngineOptions(**options))  # type: ignore[arg-type]
 
@@ -86,8 +89,9 @@ def test_the_decode_graph_reads_misses_from_page_locked_homes(tiny_models, cuda,
 
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
 def test_the_cpus_share_inside_the_decode_graph_keeps_the_logits(tiny_models, cuda, kind):
-    """The CPU's share of the RAM experts runs as host functions captured in the graph: the
-    same logits to float rounding, at half a cache and none, and counted."""
+    """The CPU's share of the RAM experts, posted from inside the graph to the CPU pool's server
+    and waited for there: the same logits to float rounding, at half a cache and none, and
+    counted; no wait gave up."""
     path = tiny_models.path("qwen3moe", kind)
     want, full = every_expert_in_vram(path, cuda)
     for mib in (full // 2, 0):
@@ -103,7 +107,53 @@ def test_the_cpus_share_inside_the_decode_graph_keeps_the_logits(tiny_models, cu
         st = e.provider.stats
         print(f"\n{kind} cache {mib} MiB: {st.cpu_computed} of {st.misses} RAM experts on the CPU")
         assert 0 < st.cpu_computed < st.misses
+        mb = dec.cpu.mailbox
+        assert mb is not None and mb.fault == 0 and mb.answered == mb.posted > 0
         e.close()
+
+
+def test_an_automatic_cpu_share_is_chosen_by_timing_and_keeps_the_logits(
+    tiny_models, cuda, caplog
+) -> None:
+    """``cpu_share`` unset: at load, a few steps at each candidate share are timed and the
+    fastest is kept (and said in the log); the logits stay those of every expert in VRAM."""
+    from strata.engine.fast_decode import CPU_SHARE_CANDIDATES
+
+    path = tiny_models.path("qwen3moe", "Q8_0")
+    want, full = every_expert_in_vram(path, cuda)
+    with caplog.at_level(logging.INFO, logger="strata.engine.fast_decode"):
+        e = load(path, cuda, cache_mib=full // 2, host_budget_mib=256, threads=2, cpu_share=None)
+    dec = e.runner.decoder
+    assert dec is not None and set(dec.cpu_tuned) == set(CPU_SHARE_CANDIDATES)
+    assert dec.cpu_share in CPU_SHARE_CANDIDATES and "chosen by timing" in caplog.text
+    assert (dec.cpu is None) == (dec.cpu_share == 0)
+    print(f"\nautomatic cpu_share {dec.cpu_share}: ms per step {dec.cpu_tuned}")
+    got = run(e)
+    for i, (a, b) in enumerate(zip(want[1], got[1], strict=True)):
+        err = float((a - b).abs().max() / a.abs().max())
+        assert err < 1e-4, f"step {i}: logits differ by {err:.2e}"
+    e.close()
+
+
+def test_a_step_whose_wait_for_the_cpu_gave_up_stops_the_request(tiny_models, cuda) -> None:
+    """A wait that gave up (its fault set, as a timed-out wait sets it) makes the step's
+    output wrong: the request stops with an error saying why, the CPU share goes off, and the
+    next request reads every RAM expert over PCIe, with the right tokens."""
+    from strata.engine.fast_decode import CpuShareFault
+
+    path = tiny_models.path("qwen3moe", "Q8_0")
+    want, full = every_expert_in_vram(path, cuda)
+    e = load(path, cuda, cache_mib=full // 2, host_budget_mib=256, cpu_share=0.5, threads=2)
+    dec = e.runner.decoder
+    assert dec is not None and dec.mode == "cpu"
+    mb = dec.cpu.mailbox
+    mb.buf[mb.layout.fault] = 1
+    with pytest.raises(CpuShareFault, match="waited more than 2 s"):
+        e.generate([1, 2, 3, 4, 5], GREEDY)
+    assert dec.cpu is None and dec.mode == "plain"
+    e.runner.rewind(0)
+    assert run(e)[0] == want[0]
+    e.close()
 
 
 def test_resizes_move_experts_between_vram_and_ram_and_change_no_token(tiny_models, cuda):

@@ -50,6 +50,17 @@ def test_roofline_is_the_time_the_bytes_need_over_the_time_taken() -> None:
     assert r["bound_s_per_token"] == pytest.approx((100 + 100) / 200 + 50 / 25)
     assert r["measured_s_per_token"] == pytest.approx(0.2)
     assert r["fraction"] == pytest.approx(3.0 / 0.2)
+    assert r["link_bound_s_per_token"] == r["bound_s_per_token"] and r["cpu_bytes_per_token"] == 0
+
+
+def test_the_misses_the_cpu_computed_leave_the_links_bound() -> None:
+    """With ``cpu_share`` the CPU reads some misses from RAM beside the link: the bound counts
+    only the rest over PCIe; the link-only bound, every miss."""
+    runs = [{"steps": 10, "decode_s": 1.0, "hit_bytes": 1000, "miss_bytes": 500, "cpu_bytes": 200}]
+    r = stats.roofline(runs, dense_bytes=100, device_bytes_per_s=200.0, pcie_bytes_per_s=25.0)
+    assert r is not None and r["cpu_bytes_per_token"] == 20
+    assert r["bound_s_per_token"] == pytest.approx((100 + 100) / 200 + 30 / 25)
+    assert r["link_bound_s_per_token"] == pytest.approx((100 + 100) / 200 + 50 / 25)
 
 
 LLAMA_JSON = json.dumps(

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,33 +224,93 @@ def test_a_job_runs_from_other_threads_one_after_another(q4) -> None:
         assert rel_err(job.y, q4.reference([1, 3], job.wts, job.h)) < TOL
 
 
-def test_the_function_and_struct_addresses_make_a_host_call(q4) -> None:
-    """What a CUDA host node does with them: call the function with the struct's address."""
-    job = CpuExperts(2).job(q4.layout, kmax=2, pin=False)
-    fill(job, q4, [0, 2], base=0, seed=10)
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(job.fn_address)(job.arg_address)
+def answer(mb: cpu_experts.Mailbox, seq: int) -> None:
+    """Wait until the server has answered post ``seq`` (a hang guard, not a timing: a minute)."""
+    deadline = time.monotonic() + 60
+    while mb.answered < seq:
+        assert time.monotonic() < deadline, f"post {seq} was not answered"
+        time.sleep(0.001)
+
+
+def test_a_server_answers_each_post_with_that_job_s_sum(q4) -> None:
+    """What a GPU kernel does, from the host: write a job's request in place, post its index;
+    the server runs that job and publishes ``done`` after ``y``."""
+    pool = CpuExperts(3)
+    jobs = [pool.job(q4.layout, kmax=3, pin=False) for _ in range(2)]
+    mb = pool.serve(jobs, pin=False)
+    assert mb.address % 64 == 0 and (mb.posted, mb.answered, mb.fault) == (0, 0, 0)
+    for seq, (j, ids) in enumerate([(0, [3, 1]), (1, [2, 0, 1]), (0, [1])], start=1):
+        fill(jobs[j], q4, ids, base=0, seed=20 + seq)
+        pool.arm(1.0)
+        assert mb.post(j) == seq
+        answer(mb, seq)
+        assert rel_err(jobs[j].y, q4.reference(ids, jobs[j].wts, jobs[j].h)) < TOL
+    assert pool.stats().jobs == 3 and mb.fault == 0
+    pool.close()
+
+
+def test_a_post_is_answered_once_the_pool_is_armed(q4) -> None:
+    """A server left unarmed sleeps after its quiet time; a post made then (here, or as soon
+    as it starts) waits for the next arm (the decoder arms before every step) at the latest."""
+    pool = CpuExperts(2)
+    job = pool.job(q4.layout, kmax=2, pin=False)
+    mb = pool.serve([job], pin=False)
+    fill(job, q4, [0, 2], base=0, seed=30)
+    seq = mb.post(0)
+    pool.arm(0.5)
+    answer(mb, seq)
     assert rel_err(job.y, q4.reference([0, 2], job.wts, job.h)) < TOL
+    pool.close()
 
 
-def test_enqueue_runs_on_a_stream_or_says_why_not(q4) -> None:
-    """Without a driver: an error naming libcuda; with one but no CUDA torch (no context): an
-    error naming the CUresult; with CUDA: the job runs on a stream."""
-    job = CpuExperts(2).job(q4.layout, kmax=2, pin=False)
-    fill(job, q4, [3, 0], base=0, seed=11)
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        with pytest.raises(RuntimeError, match="libcuda"):
-            job.enqueue(0)
-        return
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="CUresult"):
-            job.enqueue(0)
-        return
-    stream = torch.cuda.Stream()
-    job.enqueue(stream.cuda_stream)
-    stream.synchronize()
-    assert rel_err(job.y, q4.reference([3, 0], job.wts, job.h)) < TOL
+def test_a_post_naming_no_job_is_answered_with_a_fault(q4) -> None:
+    """So a device waiting for it never hangs, and the host learns of it."""
+    pool = CpuExperts(2)
+    job = pool.job(q4.layout, kmax=1, pin=False)
+    mb = pool.serve([job], pin=False)
+    pool.arm(1.0)
+    answer(mb, mb.post(5))
+    assert mb.fault == 2 and pool.stats().jobs == 0
+    pool.close()
+
+
+def test_serve_refuses_what_it_cannot_serve(q4) -> None:
+    pool, other = CpuExperts(2), CpuExperts(1)
+    with pytest.raises(ValueError, match="at least one job"):
+        pool.serve([], pin=False)
+    with pytest.raises(ValueError, match="job 1 belongs to another"):
+        pool.serve([pool.job(q4.layout, 1, False), other.job(q4.layout, 1, False)], pin=False)
+    pool.serve([pool.job(q4.layout, 1, False)], pin=False)
+    with pytest.raises(RuntimeError, match="serves a mailbox already"):
+        pool.serve([pool.job(q4.layout, 1, False)], pin=False)
+    pool.close()
+    other.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.serve([], pin=False)
+    pool.arm(1.0)  # a closed pool: nothing to arm, no error
+
+
+def test_a_serving_pool_left_alone_is_freed(q4) -> None:
+    """The server's jobs point back at their pool; the pool still goes when nothing else
+    holds it, and its server thread with it."""
+    pool = CpuExperts(2)
+    pool.serve([pool.job(q4.layout, 1, False)], pin=False)
+    free = pool._free
+    del pool
+    import gc
+
+    gc.collect()
+    assert not free.alive
+
+
+def test_the_mailbox_layout_is_the_kernels(lib) -> None:
+    from strata.engine.kernels import moe
+
+    lay = cpu_experts.mailbox_layout()
+    assert (lay.seq, lay.job, lay.done, lay.fault) == (
+        moe.MB_SEQ, moe.MB_JOB, moe.MB_DONE, moe.MB_FAULT
+    )  # fmt: skip
+    assert lay.size % 64 == 0
 
 
 # -- errors and the pool's life ---------------------------------------------------------------
