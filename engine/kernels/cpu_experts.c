@@ -670,8 +670,11 @@ static void *worker(void *arg) {
                 pthread_mutex_unlock(&pool->mu);
             }
         }
-        if (atomic_load(&pool->stop)) return NULL;
-        seen = atomic_load_explicit(&pool->gen, memory_order_acquire);
+        /* a job that started before the stop still gets this thread's share: its caller (a
+         * server being stopped) waits for every thread at the barriers */
+        const uint_fast64_t gen = atomic_load_explicit(&pool->gen, memory_order_acquire);
+        if (gen == seen) return NULL; /* stopped, no job */
+        seen = gen;
         run_share(pool, t);
     }
 }

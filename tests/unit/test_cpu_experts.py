@@ -303,6 +303,22 @@ def test_a_serving_pool_left_alone_is_freed(q4) -> None:
     assert not free.alive
 
 
+def test_closing_a_pool_while_its_server_runs_jobs_ends(q4) -> None:
+    """The pool's threads finish a job begun before the stop (the server waits for each of
+    them at its barriers), so ``close`` returns whenever it comes."""
+    for _ in range(5):
+        pool = CpuExperts(4)
+        job = pool.job(q4.layout, kmax=3, pin=False)
+        mb = pool.serve([job], pin=False)
+        fill(job, q4, [0, 1, 2], base=0, seed=40)
+        pool.arm(1.0)
+        mb.post(0)
+        closing = threading.Thread(target=pool.close)
+        closing.start()
+        closing.join(60)  # a hang guard, not a timing
+        assert not closing.is_alive(), "close did not return"
+
+
 def test_the_mailbox_layout_is_the_kernels(lib) -> None:
     from strata.engine.kernels import moe
 
