@@ -29,7 +29,6 @@ from strata.engine.bench.settings import (
 )
 from strata.engine.experts.host import drive_read_bytes
 from strata.engine.experts.provider import ProviderStats
-from strata.engine.fast_decode import FastDecoder
 from strata.engine.generate import Engine
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.grammar import GrammarSpec, json_schema_lark
@@ -322,8 +321,8 @@ class StrataBench:
             "prefetch": stats.prefetch(runs),
             "cpu": stats.cpu_share(runs),
         }
-        dec = self.engine.runner.decoder
-        if out["cpu"] is not None and isinstance(dec, FastDecoder):
+        dec = self.engine.runner.decoder  # (one stage: a FastDecoder; stages tune their own)
+        if out["cpu"] is not None and hasattr(dec, "cpu_tuned"):
             # the share the CPU was given, and the timings that chose it (automatic cpu_share)
             out["cpu"]["share"] = dec.cpu_share
             out["cpu"]["tuned_ms_per_step"] = {f"{k:g}": v for k, v in dec.cpu_tuned.items()}
