@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -746,40 +747,36 @@ class FastDecoder:
         if not self.cpu_sharing or self.device.type != "cuda":
             return self.cpu_share
         steps = max(1, min(steps, self.kv.page - 3))  # every row written in the first page
-        stats = self.provider.stats
-        before = (stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file)
         times: dict[float, float] = {}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for share in candidates:
             if not 0 <= share <= 1:
                 raise ValueError(f"cpu_share candidate {share}: must be between 0 and 1")
-            mode = "plain" if share == 0 else "cpu"
-            self.cpu_share_now.fill_(share)
-            graph = self.graphs.get(mode)
-            self.begin(1, 1)
-            for i in range(steps + 2):
-                if i == 2:
-                    start.record()
-                if mode == "cpu":
-                    self.cpu.arm(CPU_ARM_S)  # type: ignore[union-attr]
-                if graph is not None:
-                    graph.replay()
-                else:
-                    self._forward(None, mode=mode)
-            end.record()
-            end.synchronize()
-            times[share] = start.elapsed_time(end) / steps
-        stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file = before
-        self.counts.zero_()
-        self.cpu_done.zero_()
+        with self._uncounted():
+            for share in candidates:
+                mode = "plain" if share == 0 else "cpu"
+                self.cpu_share_now.fill_(share)
+                graph = self.graphs.get(mode)
+                self.begin(1, 1)
+                for i in range(steps + 2):
+                    if i == 2:
+                        start.record()
+                    if mode == "cpu":
+                        self.cpu.arm(CPU_ARM_S)  # type: ignore[union-attr]
+                    if graph is not None:
+                        graph.replay()
+                    else:
+                        self._forward(None, mode=mode)
+                end.record()
+                end.synchronize()
+                times[share] = start.elapsed_time(end) / steps
         try:
             self._check_cpu()
         except CpuShareFault:  # said in the log; the share is off
             return 0.0
         best = min(times, key=lambda s: (times[s], s))
         if best == 0:
-            threads = self.cpu.threads  # type: ignore[union-attr]
-            self.set_cpu_share(0, threads)
+            self.set_cpu_share(0, 1)  # (no pool: the thread count is not used)
         else:
             self.cpu_share = best
             self.cpu_share_now.fill_(best)
@@ -925,9 +922,16 @@ class FastDecoder:
         kernel compiles now, not in the first request. ``mode`` as ``_forward``'s."""
         self.tok.zero_()
         self.pos.zero_()
+        with self._uncounted():
+            self._forward(None if self.plan.complete else self._stage_misses, on_layer, mode)
+
+    @contextmanager
+    def _uncounted(self) -> Iterator[None]:
+        """Steps run inside count nothing: no hit, miss, use, copy ahead or CPU expert (they
+        warm up or time the kernels, not serve a request). Waits for them at the end."""
         stats = self.provider.stats
         before = (stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file)
-        self._forward(None if self.plan.complete else self._stage_misses, on_layer, mode)
+        yield
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stats.hits, stats.misses, stats.bytes_from_cache, stats.bytes_from_file = before

@@ -205,8 +205,8 @@ class PoolStats:
 
 class CpuExperts:
     """A pool of ``threads`` threads (the caller of a job counts as one) and the jobs on it.
-    No two jobs of one pool may run at the same time: the caller serialises them (one CUDA
-    stream, or one Python caller)."""
+    No two jobs of one pool may run at the same time: the caller serialises them (the pool's
+    server, or one Python caller)."""
 
     def __init__(self, threads: int) -> None:
         if threads < 1:
@@ -330,29 +330,32 @@ class Mailbox:
         self.buf = raw[at : at + lay.size]
         self.address = self.buf.data_ptr()
         self.layout = lay
-        self._seq = self.buf[lay.seq : lay.seq + 8].view(torch.int64)
-        self._job = self.buf[lay.job : lay.job + 4].view(torch.int32)
-        self._done = self.buf[lay.done : lay.done + 8].view(torch.int64)
-        self._fault = self.buf[lay.fault : lay.fault + 4].view(torch.int32)
+        # the fields as C values over that memory: a read costs what a load costs (the decoder
+        # reads the fault whenever it takes a step's result)
+        at = self.address
+        self._seq = ctypes.c_int64.from_address(at + lay.seq)
+        self._job = ctypes.c_int32.from_address(at + lay.job)
+        self._done = ctypes.c_int64.from_address(at + lay.done)
+        self._fault = ctypes.c_int32.from_address(at + lay.fault)
 
     @property
     def posted(self) -> int:
-        return int(self._seq[0])
+        return self._seq.value
 
     @property
     def answered(self) -> int:
-        return int(self._done[0])
+        return self._done.value
 
     @property
     def fault(self) -> int:
-        return int(self._fault[0])
+        return self._fault.value
 
     def post(self, job: int) -> int:
         """Post ``job`` from the host (what a device kernel does; for tests and tools):
         returns the post's seq."""
         seq = self.posted + 1
-        self._job.fill_(job)
-        self._seq.fill_(seq)
+        self._job.value = job
+        self._seq.value = seq
         return seq
 
 
@@ -361,28 +364,35 @@ def _mat(lay: RepackedLayout, offset: int) -> StrataMat:
     return StrataMat(int(lay.qtype), lay.rows, lay.cols, offset, planes)
 
 
+def request_offsets(D: int, kmax: int) -> tuple[int, int, int, int]:
+    """Byte offsets in a job's request of its offs (int64 [kmax]), wts (float32 [kmax]), n
+    (int32 [1]) and h (float32 [D]): the one description of the layout, which ``request_views``
+    and the GPU's ``moe.post_for_cpu`` both follow."""
+    return 0, 8 * kmax, 12 * kmax, 12 * kmax + 4
+
+
 def request_bytes(D: int, kmax: int) -> int:
     """Bytes of a job's request (``request_views``), a multiple of 16."""
-    return -(-(12 * kmax + 4 + 4 * D) // 16) * 16
+    return -(-(request_offsets(D, kmax)[3] + 4 * D) // 16) * 16
 
 
 def request_views(
     buf: torch.Tensor, D: int, kmax: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A job's inputs as views of one 16-byte-aligned uint8 buffer of ``request_bytes``, so one
-    copy moves them all: (offs int64 [kmax], wts float32 [kmax], n int32 [1], h float32 [D]),
-    in that order, each aligned for its type."""
+    write fills them all: (offs int64 [kmax], wts float32 [kmax], n int32 [1], h float32 [D]),
+    at ``request_offsets``, each aligned for its type."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < request_bytes(D, kmax):
         raise ValueError(
             f"a request of D={D}, kmax={kmax} needs a 1-D uint8 buffer of "
             f"{request_bytes(D, kmax)} bytes, got {buf.dtype} {tuple(buf.shape)}"
         )
-    w, n = 8 * kmax, 12 * kmax
+    o, w, n, h = request_offsets(D, kmax)
     return (
-        buf[:w].view(torch.int64),
+        buf[o:w].view(torch.int64),
         buf[w:n].view(torch.float32),
         buf[n : n + 4].view(torch.int32),
-        buf[n + 4 : n + 4 + 4 * D].view(torch.float32),
+        buf[h : h + 4 * D].view(torch.float32),
     )
 
 

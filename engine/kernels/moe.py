@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.engine.kernels.cpu_experts import request_offsets
 from strata.engine.kernels.dot import (
     INTERPRETED,
     IQ4_XS,
@@ -187,8 +188,9 @@ def _globaltimer():
 
 @triton.jit
 def _cpu_post_kernel(ids, wts, eoffs, homes, counted, h, base, req, mb, seq, posted, job,
-                     zero_off, share, D, K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr,
-                     POST: tl.constexpr):  # fmt: skip
+                     zero_off, share, D, K: tl.constexpr, KP: tl.constexpr, AT_O: tl.constexpr,
+                     AT_W: tl.constexpr, AT_N: tl.constexpr, AT_H: tl.constexpr,
+                     BD: tl.constexpr, POST: tl.constexpr):  # fmt: skip
     kk = tl.arange(0, KP)
     km = kk < K
     i = tl.load(ids + kk, mask=km, other=0)
@@ -200,13 +202,13 @@ def _cpu_post_kernel(ids, wts, eoffs, homes, counted, h, base, req, mb, seq, pos
     m = tl.floor(tl.sum(r, 0).to(tl.float32) * tl.load(share) + 0.5).to(tl.int32)
     rank = tl.cumsum(r, 0) - r  # its place among the layer's chosen RAM experts
     take = ram & (rank < m)
-    # the request, in the job's host memory at base + req (cpu_experts.request_views' layout)
+    # the request, in the job's host memory at base + req (AT_*: cpu_experts.request_offsets)
     at = base + req
-    tl.store(at.to(tl.pointer_type(tl.int64)) + rank, home, mask=take)  # (from the anchor)
-    tl.store((at + 8 * K).to(tl.pointer_type(tl.float32)) + rank, w, mask=take)
-    tl.store((at + 12 * K).to(tl.pointer_type(tl.int32)), m)
+    tl.store((at + AT_O).to(tl.pointer_type(tl.int64)) + rank, home, mask=take)  # (anchor's)
+    tl.store((at + AT_W).to(tl.pointer_type(tl.float32)) + rank, w, mask=take)
+    tl.store((at + AT_N).to(tl.pointer_type(tl.int32)), m)
     dd = tl.arange(0, BD)
-    h_at = (at + 12 * K + 4).to(tl.pointer_type(tl.float32))
+    h_at = (at + AT_H).to(tl.pointer_type(tl.float32))
     for d0 in range(0, D, BD):
         dm = d0 + dd < D
         tl.store(h_at + d0 + dd, tl.load(h + d0 + dd, mask=dm), mask=dm)
@@ -273,19 +275,20 @@ def post_for_cpu(ids: torch.Tensor, wts: torch.Tensor, eoffs: torch.Tensor, home
                  counted: torch.Tensor, h: torch.Tensor, zero_off: int,
                  share: torch.Tensor, to: CpuPost) -> None:  # fmt: skip
     """After ``route``: of the chosen experts read from their RAM homes (``homes``: the
-    layer's RAM home offsets from the anchor, -1 elsewhere), the first ``round(share * n)``
-    (``share``: float32 [1] on the device, read at run time, so a graph follows it) in
-    top-k order go to the CPU: their count, weights and homes (offsets from the anchor, whose host
-    address is the job's base) and
-    the input ``h`` are written to the job's request, counted int64 [1] += the count, and with
-    ``to.post`` the job is posted (when it has an expert). Their entries in ``eoffs`` then
-    point at ``zero_off`` (a slot of zero bytes in VRAM) and their ``wts`` are 0, so the expert
-    kernels add nothing for them and read nothing over PCIe."""
+    layer's RAM home offsets from the anchor, -1 elsewhere), the first ``round(share * n)`` in
+    top-k order go to the CPU (``share``: float32 [1] on the device, read at run time, so a
+    graph follows it). Their count, weights and homes (offsets from the anchor: the job's base
+    is the anchor's host address) and the input ``h`` are written into the job's request,
+    counted int64 [1] += the count, and with ``to.post`` the job is posted when it has an
+    expert. Their entries in ``eoffs`` then point at ``zero_off`` (a slot of zero bytes in VRAM)
+    and their ``wts`` are 0, so the expert kernels add nothing for them and read nothing over
+    PCIe."""
     k = ids.numel()
+    o, w, n, at_h = request_offsets(h.numel(), k)
     _cpu_post_kernel[(1,)](
         ids, wts, eoffs, homes, counted, h, to.base, to.req, to.mb, to.seq, to.posted,
-        to.job, zero_off, share, h.numel(), K=k, KP=triton.next_power_of_2(k), BD=512,
-        POST=to.post, num_warps=4,
+        to.job, zero_off, share, h.numel(), K=k, KP=triton.next_power_of_2(k), AT_O=o, AT_W=w,
+        AT_N=n, AT_H=at_h, BD=512, POST=to.post, num_warps=4,
     )  # fmt: skip
 
 
