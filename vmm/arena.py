@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from strata.vmm.errors import ArenaRequestError
@@ -48,7 +49,7 @@ class ElasticArena(Protocol):
     device: str
 
     def grow(self, nbytes: int) -> int: ...
-    def shrink(self, nbytes: int) -> int: ...
+    def shrink(self, nbytes: int, ready: Callable[[int], None] | None = None) -> int: ...
     def resize(self, target_bytes: int) -> int: ...
     def view(self, offset: int, nbytes: int, dtype: torch.dtype | None = None) -> torch.Tensor: ...
     def address(self, offset: int) -> int: ...
@@ -145,11 +146,14 @@ class ArenaBase(ABC):
                 )
             return self._map_top(nbytes // self.chunk_bytes)
 
-    def shrink(self, nbytes: int) -> int:
+    def shrink(self, nbytes: int, ready: Callable[[int], None] | None = None) -> int:
         """Unmap ``nbytes`` from the top and return the memory to the system; return ``nbytes``.
 
         The backend's ``_before_unmap`` runs first (CUDA: the device is synchronised), so no
-        queued kernel still reads a chunk when it goes away."""
+        queued kernel still reads a chunk when it goes away. With ``ready``, the caller vouches
+        instead, chunk by chunk: ``ready(offset)`` runs before the chunk at ``offset`` is
+        unmapped (the top chunk first) and returns once no queued work touches that chunk, so
+        the lower chunks' copies can still run while the top ones go."""
         with self._lock:
             self._check_open("shrink")
             self._check_amount("shrink", nbytes)
@@ -157,7 +161,7 @@ class ArenaBase(ABC):
                 raise ArenaRequestError(
                     f"shrink of {nbytes} bytes is more than mapped_bytes {self.mapped_bytes}"
                 )
-            self._unmap_top(nbytes // self.chunk_bytes)
+            self._unmap_top(nbytes // self.chunk_bytes, ready)
             return nbytes
 
     def resize(self, target_bytes: int) -> int:
@@ -267,12 +271,16 @@ class ArenaBase(ABC):
                 return
             self.mapped_bytes += self.chunk_bytes
 
-    def _unmap_top(self, chunks: int) -> None:
+    def _unmap_top(self, chunks: int, ready: Callable[[int], None] | None = None) -> None:
         if chunks == 0:
             return
-        self._before_unmap()
+        if ready is None:
+            self._before_unmap()
         for _ in range(chunks):
-            self._unmap_chunk(self.mapped_bytes - self.chunk_bytes)
+            offset = self.mapped_bytes - self.chunk_bytes
+            if ready is not None:
+                ready(offset)
+            self._unmap_chunk(offset)
             self.mapped_bytes -= self.chunk_bytes
 
     def _check_open(self, what: str) -> None:

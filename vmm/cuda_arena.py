@@ -20,7 +20,7 @@ without it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -151,9 +151,9 @@ class CudaArena(ArenaBase):
         with self._lock, self._current():
             return super().grow(nbytes)
 
-    def shrink(self, nbytes: int) -> int:
+    def shrink(self, nbytes: int, ready: Callable[[int], None] | None = None) -> int:
         with self._lock, self._current():
-            return super().shrink(nbytes)
+            return super().shrink(nbytes, ready)
 
     def close(self) -> None:
         with self._lock:

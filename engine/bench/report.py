@@ -162,6 +162,9 @@ def resize_lines(resize: Mapping[str, Any] | None) -> list[str]:
         f"grow back -> refilled {ms(resize.get('grow_to_refilled_s'))}"
     )
     lines = [line]
+    if resize.get("shrink_phases_s"):
+        parts = ", ".join(f"{k} {v * 1e3:,.1f}" for k, v in resize["shrink_phases_s"].items())
+        lines.append(f"shrink call by phase (ms): {parts}")
     if d:
         lines.append(
             f"shrink during a {d['tokens']}-token decode (after step {d['shrink_after_step']}, "

@@ -412,6 +412,7 @@ class StrataBench:
         down = cache.resize(target)
         out["shrink_call_s"] = time.perf_counter() - t0
         out["shrink_to_host"], out["shrink_to_file"] = down.to_host, down.to_file
+        out["shrink_phases_s"] = down.phases
         out["shrink_bytes"] = freed = mapped0 - cache.arena.mapped_bytes
         out["shrink_to_nvml_free_s"] = self._wait_free(
             lambda f: f + NVML_SLACK >= free0 + freed, t0, free0

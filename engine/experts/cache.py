@@ -29,7 +29,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -99,6 +99,37 @@ class ResizeResult:
     to_host: int = 0  # experts a shrink moved into host homes
     to_file: int = 0  # experts a shrink left with no home but the file (the host tier was full)
     from_host: int = 0  # experts a grow filled from their host homes
+    # a shrink's seconds by phase: plan, copy_out (queued), tables, unmap (waiting for each
+    # chunk's copies), wait (the last table copies)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def chunk_groups(
+    pairs: Sequence[tuple[int, int]], slot_bytes: int, chunk_bytes: int
+) -> tuple[dict[int, list[tuple[int, int]]], dict[int, int]]:
+    """Group (slot, home) copies by the arena chunk each slot starts in; with each chunk that
+    any of those slots covers, the lowest group reading it (copies queued top group first, so
+    that group's copies are the chunk's last)."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    last: dict[int, int] = {}
+    for slot, home in pairs:
+        first = slot * slot_bytes // chunk_bytes
+        groups.setdefault(first, []).append((slot, home))
+        for c in range(first, ((slot + 1) * slot_bytes - 1) // chunk_bytes + 1):
+            last[c] = min(last.get(c, first), first)
+    return groups, last
+
+
+class _Clock:
+    """Seconds since the previous mark, by phase name."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.into[phase] = self.into.get(phase, 0.0) + now - self.t
+        self.t = now
 
 
 class ExpertCache:
@@ -526,14 +557,15 @@ class ExpertCache:
         if max_shrink is not None:
             n_slots = max(n_slots, before - max_shrink)
         to_host = to_file = from_host = 0
+        phases: dict[str, float] = {}
         if n_slots > before or (n_slots == before and self.table.free_slots()):
             # (at creation with no elastic tail the core is the whole size: it fills here)
             copied, from_host = self._grow(n_slots)
         else:
-            copied, to_host, to_file = self._shrink(n_slots)
+            copied, to_host, to_file = self._shrink(n_slots, phases)
         result = ResizeResult(
             before, self.table.n_slots, copied, time.perf_counter() - t0, to_host, to_file,
-            from_host,
+            from_host, phases,
         )  # fmt: skip
         if result.from_slots != result.to_slots:
             self.resizes += 1
@@ -588,30 +620,56 @@ class ExpertCache:
             self._release([f.key for f in group])  # read already: staging copies synchronously
         return len(fills), len(homed)
 
-    def _shrink(self, n_slots: int) -> tuple[int, int, int]:
-        """Returns (moves within VRAM, experts moved into host homes, experts left to the file)."""
+    def _shrink(self, n_slots: int, phases: dict[str, float]) -> tuple[int, int, int]:
+        """Returns (moves within VRAM, experts moved into host homes, experts left to the file).
+
+        Stream order: the survivors' evicted experts are copied out first (the moves overwrite
+        them), then the moves, then the removed slots' experts, the top chunk's first with an
+        event behind each chunk's copies; the device tables are planned while those copies run,
+        and each chunk is unmapped as soon as its own copies are done, so the top of the arena
+        goes back to the system while the rest is still on its way over PCIe."""
+        clock = _Clock(phases)
+        self._sync()  # from here only this stream's copies touch the arena (see _copy_out_top_down)
         before = {t.key: s for s, t in self.table}
         moves = self.table.plan_shrink(n_slots, self.usage.hotness)
-        # evicted: the removed slots' experts that did not move, and the survivors' experts
-        # that moves overwrite; copied out first (in stream order, before any move writes)
         kept = self.table.cached_keys()
         leaving = {k: s for k, s in before.items() if k not in kept}
-        to_host = self._evict_to_tier(leaving)
+        homes = self._homes_for(leaving)
+        clock.mark("plan")
+        low = [(leaving[k], h) for k, h in homes.items() if leaving[k] < n_slots]
+        high = [(leaving[k], h) for k, h in homes.items() if leaving[k] >= n_slots]
+        error = self._copy_out(low)
         for move in moves:
             blob = self.index.expert(*move.key)
             n = self._expert_bytes(blob)
             src = self.arena.view(move.src * self.slot_bytes, n)
             self.arena.view(move.dst * self.slot_bytes, n).copy_(src)
+        ready = None
+        if error is None:
+            ready, error = self._copy_out_top_down(high)
+        if error is not None:  # a copy the driver refused: they all stay with the file
+            self._sync()
+            log.warning("could not copy %d evicted experts into the host tier (%s): they are "
+                        "read from the file", len(homes), error)  # fmt: skip
+            homes = {}
+        to_host = len(homes)
+        tier = self.tier
+        for key, home in homes.items():
+            assert tier is not None
+            tier.assign(home, key)
+        clock.mark("copy_out")
         checked = [(m.key, "slot", m.dst) for m in moves]
-        if self.tier is not None:
-            checked += [(k, "home", h) for k in leaving if (h := self.tier.slot_of(k)) is not None]
+        checked += [(k, "home", h) for k, h in homes.items()]
         self._verify(checked)
         # The device-side tables are rewritten in stream order behind the copies (the host
-        # plans them while the copies run), then every copy and rewrite lands before a chunk
-        # goes away.
+        # plans them while the copies run); nothing reads them before the next step.
         self._changed()
-        self._sync()
-        self.arena.resize(self.mapped_bytes_for(n_slots))
+        clock.mark("tables")
+        target = self.mapped_bytes_for(n_slots)
+        self.arena.shrink(self.arena.mapped_bytes - target, ready)
+        clock.mark("unmap")
+        self._sync()  # the table copies have landed when the call returns
+        clock.mark("wait")
         to_file = len(leaving) - to_host
         if to_file:
             log.info(
@@ -620,30 +678,60 @@ class ExpertCache:
             )
         return len(moves), to_host, to_file
 
-    def _evict_to_tier(self, leaving: dict[ExpertKey, int]) -> int:
-        """Copy the evicted experts (key -> the removed slot that holds it) into free host
-        slots, the hottest first where there is not room for all; their tags are set (the
-        caller synchronises before anything reads them). Returns how many found a home."""
+    def _homes_for(self, leaving: dict[ExpertKey, int]) -> dict[ExpertKey, int]:
+        """Free host slots for the evicted experts (key -> the removed slot that holds it), the
+        hottest first where there is not room for all: key -> home, in slot order."""
         tier = self.tier
         if tier is None or not leaving:
-            return 0
+            return {}
         free = tier.take(len(leaving))
         keys = list(leaving)
         if len(free) < len(keys):
             heat = self.usage.hotness
             keys.sort(key=lambda k: -float(heat.get(k, 0.0)))
         keys = sorted(keys[: len(free)], key=lambda k: leaving[k])  # slot order: runs coalesce
-        pairs = [(leaving[k], h) for k, h in zip(keys, free, strict=True)]
+        return dict(zip(keys, free, strict=True))
+
+    def _copy_out(self, pairs: Sequence[tuple[int, int]]) -> str | None:
+        """Queue the copies of (VRAM slot, host home) pairs; the driver's error when it refused
+        one (the caller then leaves every evicted expert to the file)."""
+        if not pairs:
+            return None
+        tier = self.tier
+        assert tier is not None
         try:
             self._copy_slots(pairs, self._slot_view, tier.view, dst_piece=tier.piece_slots)
-        except RuntimeError as e:  # a copy the driver refused: they go back to the file
-            self._sync()
-            log.warning("could not copy %d evicted experts into the host tier (%s): they are "
-                        "read from the file", len(keys), str(e).splitlines()[0])  # fmt: skip
-            return 0
-        for key, home in zip(keys, free, strict=True):
-            tier.assign(home, key)
-        return len(keys)
+        except RuntimeError as e:
+            return str(e).splitlines()[0]
+        return None
+
+    def _copy_out_top_down(
+        self, pairs: Sequence[tuple[int, int]]
+    ) -> tuple[Callable[[int], None] | None, str | None]:
+        """Queue the copies of the removed slots' (slot, home) pairs, grouped by the chunk each
+        slot starts in, the top group first, an event behind each group. Returns the arena's
+        ``ready`` for the unmap (on a GPU: it waits for the event behind the last copy that
+        reads the chunk, or behind the moves for a chunk no copy reads) and the driver's error
+        when it refused a copy (then no ``ready``: the arena synchronises the device)."""
+        if self.device.type != "cuda":
+            return None, self._copy_out(pairs)  # (copies on the CPU are done when queued)
+        C = self.arena.chunk_bytes
+        groups, last = chunk_groups(pairs, self.slot_bytes, C)
+        moved = torch.cuda.Event()
+        moved.record()  # behind the survivors' copies and the moves
+        events: dict[int, torch.cuda.Event] = {}
+        for first in sorted(groups, reverse=True):
+            error = self._copy_out(groups[first])
+            if error is not None:
+                return None, error
+            events[first] = torch.cuda.Event()
+            events[first].record()
+
+        def ready(offset: int) -> None:
+            group = last.get(offset // C)
+            (moved if group is None else events[group]).synchronize()
+
+        return ready, None
 
     def _slot_view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         n = self.slot_bytes if nbytes is None else nbytes

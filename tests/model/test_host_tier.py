@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from strata.engine import synth
-from strata.engine.experts.cache import ExpertCache
+from strata.engine.experts.cache import ExpertCache, chunk_groups
 from strata.engine.experts.host import HostTier, default_budget_bytes, tier_slots
 from strata.engine.experts.layout import packed_bytes
 from strata.engine.experts.slots import SlotTagMismatch, Tag
@@ -449,6 +449,31 @@ def test_a_copy_never_crosses_from_one_page_locked_piece_into_the_next(q8: Path)
         seen.clear()
         cache._copy_slots([(s, s + 1) for s in range(6)], src, dst, dst_piece=3)
         assert seen == [(0, 2), (2, 3), (5, 1)]  # dst 3 starts a piece
+    finally:
+        cache.close()
+
+
+def test_each_chunk_waits_for_the_last_copy_that_reads_it() -> None:
+    # slots of 3 bytes in chunks of 4: slot 1 covers bytes 3-5 (chunks 0 and 1), slot 2 bytes
+    # 6-8 (chunks 1 and 2), slot 5 bytes 15-17 (chunks 3 and 4)
+    pairs = [(1, 10), (2, 11), (5, 12), (6, 13)]
+    groups, last = chunk_groups(pairs, slot_bytes=3, chunk_bytes=4)
+    assert groups == {0: [(1, 10)], 1: [(2, 11)], 3: [(5, 12)], 4: [(6, 13)]}
+    # chunk 1 is read by slot 1 (group 0, queued after group 1) and slot 2: it waits for 0
+    assert last == {0: 0, 1: 0, 2: 1, 3: 3, 4: 3, 5: 4}
+    # slots larger than a chunk: slot 1 of 10 bytes covers chunks 2-4 of 4 bytes
+    assert chunk_groups([(1, 0)], 10, 4)[1] == {2: 2, 3: 2, 4: 2}
+
+
+def test_a_shrink_reports_its_phases(q8: Path) -> None:
+    cache = create(q8, 1.0, GiB, tail=None)
+    try:
+        down = cache.resize(cache.sizes.core_slots)
+        assert down.to_host > 0
+        assert set(down.phases) == {"plan", "copy_out", "tables", "unmap", "wait"}
+        assert all(v >= 0 for v in down.phases.values())
+        assert cache.resize(cache.max_slots).phases == {}  # a grow has none
+        check_one_home(cache)
     finally:
         cache.close()
 

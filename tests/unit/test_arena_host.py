@@ -90,6 +90,34 @@ class ArenaContract:
         assert a.resize(0) == 0
         assert a.grow(CHUNKS * CHUNK) == CHUNKS * CHUNK
 
+    def test_shrink_with_ready_vouches_chunk_by_chunk_from_the_top(
+        self, make_arena: MakeArena
+    ) -> None:
+        a = make_arena()
+        a.grow(6 * CHUNK)
+        write(a, 0, data := pattern(6 * CHUNK, seed=3))
+        seen: list[tuple[int, int]] = []
+        # each call comes while its chunk (and every one below it) is still mapped
+        ready = lambda off: seen.append((off, a.mapped_bytes))  # noqa: E731
+        assert a.shrink(4 * CHUNK, ready=ready) == 4 * CHUNK
+        assert seen == [(5 * CHUNK, 6 * CHUNK), (4 * CHUNK, 5 * CHUNK),
+                        (3 * CHUNK, 4 * CHUNK), (2 * CHUNK, 3 * CHUNK)]  # fmt: skip
+        assert a.mapped_bytes == 2 * CHUNK
+        assert torch.equal(read(a, 0, 2 * CHUNK), data[: 2 * CHUNK])
+
+    def test_a_failing_ready_keeps_the_chunk_mapped(self, make_arena: MakeArena) -> None:
+        a = make_arena()
+        a.grow(4 * CHUNK)
+
+        def ready(offset: int) -> None:
+            if offset < 3 * CHUNK:
+                raise RuntimeError(f"chunk at {offset} still busy")
+
+        with pytest.raises(RuntimeError, match=str(2 * CHUNK)):
+            a.shrink(3 * CHUNK, ready=ready)
+        assert a.mapped_bytes == 3 * CHUNK  # the top went; the one still busy stayed
+        assert a.view(0, 3 * CHUNK).numel() == 3 * CHUNK
+
     def test_base_and_addresses_never_move(self, make_arena: MakeArena) -> None:
         a = make_arena()
         base = a.base
