@@ -41,7 +41,15 @@ from strata.engine.experts.host import HostTier
 from strata.engine.experts.layout import RUN_ALIGN, align, kernel_layout
 from strata.engine.experts.provider import ExpertProvider, FileExpertProvider
 from strata.engine.experts.slots import ExpertKey
-from strata.engine.experts.table import FILE, HOST, MISSING, VRAM, ExpertTablePlan, plan_table
+from strata.engine.experts.table import (
+    FILE,
+    HOST,
+    MISSING,
+    VRAM,
+    ExpertTablePlan,
+    plan_table,
+    replan_entries,
+)
 from strata.engine.fast_prefill import FastPrefill
 from strata.engine.kernels import moe, prefetch
 from strata.engine.kernels.attention import DecodeAttention
@@ -387,11 +395,63 @@ class FastDecoder:
                 )
             if not provider.kernel:
                 raise FastPathError("the expert cache holds the file's layout, not the kernels'")
-            provider.listeners.append(self.rebuild_table)
+            provider.listeners.append(self.on_cache_change)
             provider.before_plan = self.flush_usage
         self.provider = provider
         self.file = _file_of(provider)
         self.rebuild_table()
+
+    def on_cache_change(self, keys: Sequence[ExpertKey] | None) -> None:
+        """The cache changed at a safe point; ``keys``: the only experts whose homes changed (an
+        exchange), None: anything may have. The tables follow: only those entries where that
+        keeps every expert as readable as before, else all of them."""
+        if keys is None or not self._replan(keys):
+            self.rebuild_table()
+
+    def _replan(self, keys: Sequence[ExpertKey]) -> bool:
+        """Plan and write the entries of ``keys`` alone (uses counted so far classified first);
+        False, with nothing changed, where the plan's completeness would change (then the whole
+        rebuild says so in the log)."""
+        cache = self.provider
+        if not isinstance(cache, ExpertCache):
+            return False
+        tier = cache.tier
+        anchor = self.anchor.data_ptr()
+        plan, changed = replan_entries(
+            self.plan, keys, cache.table, lambda s: cache.slot_address(s) - anchor,
+            None if tier is None else tier.table,
+            None if tier is None else (lambda s: tier.address(s) - anchor), self.first,
+        )  # fmt: skip
+        if plan.complete != self.plan.complete:
+            return False
+        self.flush_usage()
+        self.plan = plan
+        idx = sorted(changed)
+        rows = [
+            idx,
+            [changed[i][0] for i in idx],
+            [o if w == VRAM else MISSING for o, w in (changed[i] for i in idx)],
+            [o if w == HOST else MISSING for o, w in (changed[i] for i in idx)],
+        ]
+        src = torch.tensor(rows, dtype=torch.int64)
+        if self.device.type == "cuda":  # page-locked: queued in stream order, no wait
+            src = src.pin_memory()
+        dev = src.to(self.device, non_blocking=True)
+        for dst, row in ((self.table, dev[1]), (self.vram_table, dev[2]), (self.homes, dev[3])):
+            dst.index_copy_(0, dev[0], row)
+        E = self.args.n_expert
+        for layer in {i // E for i in idx}:
+            gone = {i % E for i in idx if i // E == layer}
+            homes = [(e, h) for e, h in self.host_homes[layer] if e not in gone]
+            for i in idx:
+                if i // E == layer and changed[i][1] == HOST:
+                    assert tier is not None
+                    home = tier.table.slot_of((self.first + layer, i % E))
+                    assert home is not None
+                    homes.append((i % E, home))
+            self.host_homes[layer] = sorted(homes, key=lambda es: es[1])
+        self.host_count = plan.count(HOST)
+        return True
 
     def rebuild_table(self) -> None:
         """Plan the tables from the cache's slot table and its host tier's (tags checked) and
@@ -850,12 +910,20 @@ class FastDecoder:
             self._forward(self._stage_misses)
 
     def after_step(self) -> None:
-        """A step ran: count it, and every USAGE_FLUSH_STEPS steps hand the uses over and let
-        the cache adapt (a safe point)."""
+        """A step ran (a safe point): count it, land the exchanges that ran beside it, and
+        every USAGE_FLUSH_STEPS steps hand the uses over and let the cache adapt."""
         self.steps += 1
         self.provider.step()
+        self.land_exchanges()
         if self.steps % USAGE_FLUSH_STEPS == 0:
             self.adapt()
+
+    def land_exchanges(self) -> None:
+        """At a safe point: exchanges whose copies ran on the cache's side stream beside the
+        steps since the last one land (the tables follow them)."""
+        cache = self.provider
+        if isinstance(cache, ExpertCache) and cache.exchanging:
+            cache.land_exchanges()
 
     # -- greedy steps, one ahead of the host ------------------------------------------------------
 
@@ -868,6 +936,7 @@ class FastDecoder:
     def begin(self, token: int, pos: int) -> None:
         """The first step of a greedy run reads ``token`` at ``pos``; later ones their
         predecessor's argmax at the next position (``advance``)."""
+        self.land_exchanges()
         self.tok.fill_(token)
         self.pos.fill_(pos)
         self.step_no.zero_()
@@ -909,9 +978,11 @@ class FastDecoder:
         return int(self._ring_host[slot])
 
     def accept(self) -> None:
-        """A step of a greedy run whose token the host took: count it as ``step`` does."""
+        """A step of a greedy run whose token the host took (a safe point): count it as
+        ``step`` does, and land the exchanges that ran beside it."""
         self.steps += 1
         self.provider.step()
+        self.land_exchanges()
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -986,8 +1057,8 @@ class FastDecoder:
         self.graphs = {}
         self._close_cpu()
         if isinstance(self.provider, ExpertCache):
-            if self.rebuild_table in self.provider.listeners:
-                self.provider.listeners.remove(self.rebuild_table)
+            if self.on_cache_change in self.provider.listeners:
+                self.provider.listeners.remove(self.on_cache_change)
             self.provider.before_plan = None
 
 

@@ -29,7 +29,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -120,6 +120,26 @@ def chunk_groups(
     return groups, last
 
 
+@dataclass(frozen=True)
+class _Swap:
+    """One exchange: ``key`` leaves its RAM ``home`` for ``slot``, whose expert ``victim`` (None:
+    the slot was empty) goes to ``new_home``."""
+
+    key: ExpertKey
+    home: int
+    slot: int
+    victim: ExpertKey | None
+    new_home: int | None = None
+
+
+@dataclass
+class _InFlight:
+    """Exchanges whose copies were queued on the side stream; ``done`` follows them."""
+
+    swaps: list[_Swap]
+    done: torch.cuda.Event
+
+
 class _Clock:
     """Seconds since the previous mark, by phase name."""
 
@@ -175,9 +195,13 @@ class ExpertCache:
         self.sums: dict[ExpertKey, int] = {}
         self.corrupt = 0
         self._exchange: torch.Tensor | None = None  # device slots the exchanges pass through
+        self._side: torch.cuda.Stream | None = None  # where exchanges copy while steps compute
+        self._in_flight: _InFlight | None = None  # exchanges whose copies run there
         self.version = 0  # bumped at every change of which slot holds what
         # run after each change (before a shrink unmaps): device-side tables rewrite themselves
-        self.listeners: list[Callable[[], None]] = []
+        # told after every change of the tables, with the experts whose homes changed (None:
+        # any may have)
+        self.listeners: list[Callable[[Sequence[ExpertKey] | None], None]] = []
         # run before each plan: lets the decoder hand over the expert use counted on the device
         self.before_plan: Callable[[], None] | None = None
         self.tier: HostTier | None = None  # RAM homes of the experts no slot holds
@@ -419,16 +443,38 @@ class ExpertCache:
         with on_device(self.device):  # (a later stage's cache: its own GPU)
             return self._exchange_homes(max_swaps)
 
+    @property
+    def exchanging(self) -> bool:
+        """Exchanges are on their way (their copies on the side stream): ``land_exchanges``
+        at the next safe point puts them into the tables."""
+        return self._in_flight is not None
+
+    def land_exchanges(self) -> int:
+        """At a safe point: finish the exchanges whose copies ran on the side stream since the
+        last one (the compute stream waits for them, nothing on the host does), retag, and let
+        the tables follow. Returns the exchanges that landed."""
+        if self._in_flight is None:
+            return 0
+        with on_device(self.device):
+            return self._land()
+
     def _exchange_homes(self, max_swaps: int) -> int:
         """Swap up to ``max_swaps`` experts whose home is in RAM, hottest first, with the
         coldest experts of the elastic tail (call at a safe point only): each promoted expert
-        takes the victim's slot, and the victim takes the home the promoted one left, so every
-        expert keeps exactly one home. A pair swaps only when the promoted expert's decayed use
-        is more than ``SWAP_MARGIN`` times the victim's (no churn between equals). The copies
-        queue on the compute stream (through ``max_swaps`` device slots), in the order that
-        keeps every byte until it is copied; the device tables follow. Returns the swaps made."""
+        takes the victim's slot, and the victim a home in RAM, so every expert keeps exactly
+        one home. A pair swaps only when the promoted expert's decayed use is more than
+        ``SWAP_MARGIN`` times the victim's (no churn between equals). Exchanges started at an
+        earlier safe point land first.
+
+        On a GPU with free room in the tier, the copies run on a side stream while the next
+        steps compute, through ``max_swaps`` device slots (the promoted experts up, the victims
+        down into free homes), and land at the next safe point: until then every table still
+        names the old homes, whose bytes stay as they are. Elsewhere (or with no room for the
+        victims) they queue on the compute stream now, each victim into the home its promoted
+        expert left, and the tables follow at once. Returns the exchanges started."""
         if max_swaps < 0:
             raise ValueError(f"max_swaps={max_swaps} is negative")
+        self._land()
         tier = self.tier
         if tier is None or max_swaps == 0 or not len(tier.table):
             return 0
@@ -443,32 +489,84 @@ class ExpertCache:
         for (h_heat, home, key), (v_heat, slot) in zip(hot, cold, strict=False):
             if h_heat <= 0 or h_heat <= SWAP_MARGIN * max(v_heat, 0.0):
                 break  # hotness only falls along `hot` and rises along `cold`
-            pairs.append((home, key, slot))
+            tier.table.check(home, key)
+            tag = self.table.tag(slot)
+            pairs.append(_Swap(key, home, slot, None if tag is None else tag.key))
         if not pairs:
             return 0
         if self.before_plan is not None:
             self.before_plan()  # uses so far are classified by the homes they ran under
         buf = self._exchange_slots(max_swaps)
         n = self.slot_bytes
-        for j, (home, key, slot) in enumerate(pairs):
+        if self.device.type == "cuda" and tier.pinned:
+            free = tier.take(sum(p.victim is not None for p in pairs))
+            if len(free) == sum(p.victim is not None for p in pairs):
+                self._start(pairs, free, buf)
+                return len(pairs)
+            log.debug("no free room in the host tier for %d victims: exchanges in stream order",
+                      len(pairs))  # fmt: skip
+        for j, p in enumerate(pairs):
             x = buf[j * n : (j + 1) * n]
-            victim = self.table.tag(slot)
-            tier.table.check(home, key)
-            x.copy_(tier.view(home), non_blocking=True)  # the promoted expert, up
-            if victim is not None:
-                tier.view(home).copy_(self._slot_view(slot), non_blocking=True)  # victim, down
-            self._slot_view(slot).copy_(x, non_blocking=True)
-            self.table.assign(slot, key)
-            if victim is not None:
-                tier.assign(home, victim.key)
+            x.copy_(tier.view(p.home), non_blocking=True)  # the promoted expert, up
+            if p.victim is not None:
+                tier.view(p.home).copy_(self._slot_view(p.slot), non_blocking=True)  # down
+            self._slot_view(p.slot).copy_(x, non_blocking=True)
+            self.table.assign(p.slot, p.key)
+            if p.victim is not None:
+                tier.assign(p.home, p.victim)
             else:
-                tier.drop(key)  # into an empty tail slot: the home becomes room
-        self.swaps += len(pairs)
-        moved = [(key, "slot", slot) for _, key, slot in pairs]
-        moved += [(k, "home", h) for h, _, _ in pairs if (t := tier.table.tag(h)) and (k := t.key)]
-        self._verify(moved)
-        self._changed()
+                tier.drop(p.key)  # into an empty tail slot: the home becomes room
+        self._landed([replace(p, new_home=p.home) for p in pairs])
         return len(pairs)
+
+    def _start(self, pairs: list[_Swap], free: list[int], buf: torch.Tensor) -> None:
+        """Queue the exchanges' copies on the side stream, behind everything queued so far:
+        each promoted expert up into its device slot of ``buf``, each victim down into a free
+        home (``free``, one per victim). Nothing is retagged until they land."""
+        tier = self.tier
+        assert tier is not None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side, n, rooms = self._side, self.slot_bytes, iter(free)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        swaps = []
+        with torch.cuda.stream(side):
+            for j, p in enumerate(pairs):
+                buf[j * n : (j + 1) * n].copy_(tier.view(p.home), non_blocking=True)
+                if p.victim is not None:
+                    p = replace(p, new_home=next(rooms))
+                    tier.view(p.new_home).copy_(self._slot_view(p.slot), non_blocking=True)
+                swaps.append(p)
+            done = torch.cuda.Event()
+            done.record(side)
+        self._in_flight = _InFlight(swaps, done)
+
+    def _land(self) -> int:
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return 0
+        tier, buf, n = self.tier, self._exchange, self.slot_bytes
+        assert tier is not None and buf is not None
+        torch.cuda.current_stream(self.device).wait_event(flight.done)
+        for j, p in enumerate(flight.swaps):
+            # in stream order behind the steps that still read the victim where it was
+            self._slot_view(p.slot).copy_(buf[j * n : (j + 1) * n], non_blocking=True)
+            self.table.assign(p.slot, p.key)
+            tier.drop(p.key)  # the promoted expert's home becomes room
+            if p.victim is not None:
+                assert p.new_home is not None
+                tier.assign(p.new_home, p.victim)
+        self._landed(flight.swaps)
+        return len(flight.swaps)
+
+    def _landed(self, swaps: Sequence[_Swap]) -> None:
+        """Count, check (with ``verify``) and announce exchanges whose bytes are in place."""
+        self.swaps += len(swaps)
+        moved = [(p.key, "slot", p.slot) for p in swaps]
+        moved += [(p.victim, "home", p.new_home) for p in swaps if p.victim is not None]
+        self._verify(moved)  # type: ignore[arg-type]
+        keys = [p.key for p in swaps] + [p.victim for p in swaps if p.victim is not None]
+        self._changed(keys)
 
     # -- verify_experts -------------------------------------------------------------------------
 
@@ -551,6 +649,7 @@ class ExpertCache:
         if max_shrink is not None and max_shrink < 1:
             raise ValueError(f"max_shrink of {max_shrink} slots must be at least 1")
         t0 = time.perf_counter()
+        self._land()  # exchanges on their way land first: a resize plans from settled homes
         if self.before_plan is not None:
             self.before_plan()
         before = self.table.n_slots
@@ -585,10 +684,11 @@ class ExpertCache:
         self._changed()
         return copied + more, from_host + more_host
 
-    def _changed(self) -> None:
+    def _changed(self, keys: Sequence[ExpertKey] | None = None) -> None:
+        """Tell the listeners; ``keys``: the only experts whose homes changed (None: any)."""
         self.version += 1
         for listener in self.listeners:
-            listener()
+            listener(keys)
 
     def _fill(self, fills: Sequence[Fill]) -> tuple[int, int]:
         """Copy each fill's expert into its slot: from its host home (one copy over PCIe, then
@@ -834,6 +934,7 @@ class ExpertCache:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
+        self.land_exchanges()
         self._sync()
         self.file.close()
         self.arena.close()

@@ -10,7 +10,7 @@ the expert that maps to it, and rewritten (one copy) only at safe points.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from strata.engine.experts.slots import SlotTable
@@ -76,26 +76,69 @@ def plan_table(
     ``first_layer .. first_layer + n_layer - 1``, entry ``(layer - first_layer) * n_expert``)."""
     if n_layer < 1 or n_expert < 1:
         raise ValueError(f"an expert table of {n_layer} layers x {n_expert} experts is empty")
-    offsets = [MISSING] * (n_layer * n_expert)
-    where = [FILE] * (n_layer * n_expert)
-    tiers = [(slots, slot_offset, VRAM, "slot"), (host, host_offset, HOST, "host slot")]
-    for table, offset_of, kind, name in tiers:
-        if table is None:
-            continue
-        assert offset_of is not None
-        for i in range(n_layer * n_expert):
-            key = (first_layer + i // n_expert, i % n_expert)
+    homes = _Homes(slots, slot_offset, host, host_offset)
+    offsets, where = [MISSING] * (n_layer * n_expert), [FILE] * (n_layer * n_expert)
+    for i in range(n_layer * n_expert):
+        offsets[i], where[i] = homes.entry((first_layer + i // n_expert, i % n_expert))
+    return ExpertTablePlan(n_layer, n_expert, tuple(offsets), tuple(where))
+
+
+def replan_entries(
+    plan: ExpertTablePlan,
+    keys: Iterable[tuple[int, int]],
+    slots: SlotTable | None,
+    slot_offset: Callable[[int], int],
+    host: SlotTable | None = None,
+    host_offset: Callable[[int], int] | None = None,
+    first_layer: int = 0,
+) -> tuple[ExpertTablePlan, dict[int, tuple[int, int]]]:
+    """``plan`` with the entries of ``keys`` (layer, expert) planned again from the slot tables,
+    with ``plan_table``'s checks, the rest kept: for a change that touched only those experts
+    (an exchange). Returns the new plan and the changed entries (index -> (offset, where))."""
+    homes = _Homes(slots, slot_offset, host, host_offset)
+    offsets, where = list(plan.offsets), list(plan.where)
+    changed = {}
+    for key in keys:
+        layer = key[0] - first_layer
+        if not (0 <= layer < plan.n_layer and 0 <= key[1] < plan.n_expert):
+            raise ValueError(f"(layer {key[0]}, expert {key[1]}) is not in this table")
+        i = layer * plan.n_expert + key[1]
+        offsets[i], where[i] = entry = homes.entry(key)
+        changed[i] = entry
+    return ExpertTablePlan(plan.n_layer, plan.n_expert, tuple(offsets), tuple(where)), changed
+
+
+class _Homes:
+    """Where one expert is read from, by the slot tables: the offset and VRAM, HOST or FILE."""
+
+    def __init__(
+        self,
+        slots: SlotTable | None,
+        slot_offset: Callable[[int], int],
+        host: SlotTable | None,
+        host_offset: Callable[[int], int] | None,
+    ) -> None:
+        self.tiers = [(slots, slot_offset, VRAM, "slot"), (host, host_offset, HOST, "host slot")]
+
+    def entry(self, key: tuple[int, int]) -> tuple[int, int]:
+        """Raises ``SlotTagMismatch`` naming (layer, expert) if a slot's tag disagrees with the
+        expert mapped to it, and ValueError if the expert has two homes."""
+        found = (MISSING, FILE)
+        for table, offset_of, kind, name in self.tiers:
+            if table is None:
+                continue
             slot = table.slot_of(key)
             if slot is None:
                 continue
             table.check(slot, key)
-            if where[i] != FILE:
+            if found[1] != FILE:
                 raise ValueError(
                     f"(layer {key[0]}, expert {key[1]}) has two homes: a VRAM slot and {name} "
                     f"{slot}"
                 )
+            assert offset_of is not None
             offset = offset_of(slot)
             if offset == MISSING:
                 raise ValueError(f"{name} {slot} maps to the reserved offset {MISSING}")
-            offsets[i], where[i] = offset, kind
-    return ExpertTablePlan(n_layer, n_expert, tuple(offsets), tuple(where))
+            found = (offset, kind)
+        return found

@@ -98,7 +98,8 @@ def test_exchanges_with_ram_homes_mid_generation_keep_the_numbers(q8: Path) -> N
             hot = sorted(cache.tier.table.cached_keys())[:3]
             cache.usage.record_counts(dict.fromkeys(hot, 1000))
             assert 3 <= dec.adapt() <= 4  # and used ones beat never-used tail experts
-            assert set(hot) <= cache.table.cached_keys()
+        if i == 1:  # landed by the step after (on a GPU their copies ran beside it)
+            assert not cache.exchanging and set(hot) <= cache.table.cached_keys()
             assert dec.plan.complete
     for a, b in zip(steady[1:], got[1:], strict=True):
         assert torch.equal(a, b)

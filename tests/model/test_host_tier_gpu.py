@@ -194,6 +194,40 @@ def test_resizes_move_experts_between_vram_and_ram_and_change_no_token(tiny_mode
     e.close()
 
 
+def test_exchanges_copy_beside_the_steps_and_land_at_the_next_safe_point(tiny_models, cuda):
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    want, full = every_expert_in_vram(path, cuda)
+    e = load(path, cuda, cache_mib=full // 2, host_budget_mib=256, verify_experts=True)
+    cache, dec = e.cache, e.runner.decoder
+    assert cache is not None and cache.tier is not None and dec is not None and dec.plan.complete
+    graph, started, landed = dec.graph, [], []
+
+    def safe_point() -> None:
+        if started and not landed:  # the step after the exchange began landed them
+            assert not cache.exchanging and set(started[-1]) <= cache.table.cached_keys()
+            landed.append(len(started))
+        elif len(started) < 2:
+            hot = sorted(cache.tier.table.cached_keys())[:4]
+            cache.usage.record_counts(dict.fromkeys(hot, 1000))
+            before, version = cache.table.cached_keys(), cache.version
+            assert cache.exchange(4) == 4 and cache.exchanging
+            # until the next safe point every table names the old homes
+            assert cache.table.cached_keys() == before and cache.version == version
+            assert all(cache.tier.slot_of(k) is not None for k in hot)
+            started.append(hot)
+            landed.clear()
+
+    text = e.generate([1, 2, 3, 4, 5], GREEDY, safe_point=safe_point).tokens
+    assert text == want[0] and len(started) == 2 and landed == [2]
+    assert cache.swaps == 8 and cache.corrupt == 0  # every landed copy checksummed against load
+    assert dec.graph is graph and dec.plan.complete
+    got = run(e)
+    assert same(got, want)
+    vram, host = cache.table.cached_keys(), cache.tier.table.cached_keys()
+    assert not vram & host and len(vram) + len(host) == cache.max_slots
+    e.close()
+
+
 def test_without_room_evicted_experts_go_back_to_the_file(tiny_models, cuda) -> None:
     path = tiny_models.path("qwen3moe", "Q4_K_M")
     probe = load(path, cuda, cache_mib=1 << 20, host_budget_mib=0)

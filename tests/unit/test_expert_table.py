@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from strata.engine.experts.slots import SlotTable, SlotTagMismatch, Tag
-from strata.engine.experts.table import MISSING, plan_table
+from strata.engine.experts.table import HOST, MISSING, VRAM, plan_table, replan_entries
 
 SLOT = 4096
 
@@ -56,3 +56,24 @@ def test_the_reserved_offset_and_an_empty_shape_are_rejected() -> None:
         plan_table(1, 1, t, lambda s: MISSING)
     with pytest.raises(ValueError, match="0 layers x 4 experts"):
         plan_table(0, 4, None, lambda s: 0)
+
+
+def test_replanned_entries_follow_an_exchange_and_keep_the_rest() -> None:
+    vram = table_with([(0, 0), (0, 1), (1, 0)], core=3)
+    ram = table_with([(0, 2), (1, 1), (1, 2)], core=4)  # home 3 is room
+    slot_at, home_at = (lambda s: 1000 + s * SLOT), (lambda s: -(s + 1) * SLOT)
+    plan = plan_table(2, 3, vram, slot_at, ram, home_at)
+    assert plan.complete and plan.count(HOST) == 3
+    # (1, 1) takes (0, 1)'s slot, (0, 1) the free home 3; (1, 1)'s home 1 becomes room
+    vram.assign(1, (1, 1))
+    ram.clear(1)
+    ram.assign(3, (0, 1))
+    new, changed = replan_entries(plan, [(1, 1), (0, 1)], vram, slot_at, ram, home_at)
+    assert changed == {4: (1000 + SLOT, VRAM), 1: (-4 * SLOT, HOST)}
+    assert new == plan_table(2, 3, vram, slot_at, ram, home_at)  # the same as planning it all
+    assert [new.where[i] for i in range(6)] == [VRAM, HOST, HOST, VRAM, VRAM, HOST]
+    ram.assign(1, (1, 1))  # now (1, 1) would have two homes
+    with pytest.raises(ValueError, match=r"\(layer 1, expert 1\) has two homes"):
+        replan_entries(plan, [(1, 1)], vram, slot_at, ram, home_at)
+    with pytest.raises(ValueError, match=r"\(layer 2, expert 0\) is not in this table"):
+        replan_entries(plan, [(2, 0)], vram, slot_at, ram, home_at)
