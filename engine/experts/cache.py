@@ -630,7 +630,12 @@ class ExpertCache:
 
     def _exchange_slots(self, n: int) -> torch.Tensor:
         if self._exchange is None or self._exchange.numel() < n * self.slot_bytes:
-            self._exchange = torch.empty(n * self.slot_bytes, dtype=torch.uint8, device=self.device)
+            # a plain tensor even when made inside a request's inference mode: adaptation points
+            # come in and outside it
+            with torch.inference_mode(False):
+                self._exchange = torch.empty(
+                    n * self.slot_bytes, dtype=torch.uint8, device=self.device
+                )
         return self._exchange
 
     def resize(self, n_slots: int, max_shrink: int | None = None) -> ResizeResult:
@@ -896,11 +901,12 @@ class ExpertCache:
         """One of a ring of device slots the tier's fill repacks into; waits for the copy that
         last read it."""
         if not self._scratch:
-            self._scratch = [
-                (torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device),
-                 torch.cuda.Event())
-                for _ in range(SCRATCH_SLOTS)
-            ]  # fmt: skip
+            with torch.inference_mode(False):  # (as _exchange_slots)
+                self._scratch = [
+                    (torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device),
+                     torch.cuda.Event())
+                    for _ in range(SCRATCH_SLOTS)
+                ]  # fmt: skip
         slot, done = self._scratch[self._next_scratch]
         self._next_scratch = (self._next_scratch + 1) % len(self._scratch)
         if done is not None:
