@@ -223,6 +223,11 @@ def test_the_cpus_share_and_the_copies_ahead_are_one_or_the_other(q8: Path) -> N
         )
 
 
+# what the CPU device does (tests/model/test_fast_decode_gpu.py times the share on a GPU)
+OFF_A_GPU = pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU device's behaviour")
+
+
+@OFF_A_GPU
 def test_an_automatic_cpu_share_is_none_off_a_gpu_or_beside_the_copies_ahead(q8: Path) -> None:
     """``cpu_share`` unset is chosen by timing GPU steps; on the CPU device, and where copies
     ahead take the RAM experts, it is 0 (no pool, no thread), and no error."""
@@ -237,6 +242,7 @@ def test_an_automatic_cpu_share_is_none_off_a_gpu_or_beside_the_copies_ahead(q8:
         assert runner.decoder.mode in ("plain", "ahead")
 
 
+@OFF_A_GPU
 def test_choosing_the_cpu_share_by_timing_needs_a_gpu(q8: Path) -> None:
     """Off a GPU (nothing to time against the link) the share stays as it was set."""
     runner = fast_runner(q8, 0.5, host=True, cpu_share=0.5)
