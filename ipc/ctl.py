@@ -333,21 +333,19 @@ async def cmd_borrow(args: argparse.Namespace, client: Client) -> int:
 
 async def run_command(command: list[str]) -> int:
     """Run ``command``, forwarding SIGINT and SIGTERM to it; its exit code (128 + N after
-    signal N, as a shell reports it)."""
-    try:
-        proc = await asyncio.create_subprocess_exec(*command)
-    except FileNotFoundError:
-        print(f"strata-ctl: command not found: {command[0]}", file=sys.stderr)
-        return EXIT_NOT_FOUND
-    except PermissionError:
-        print(f"strata-ctl: cannot run {command[0]}: permission denied", file=sys.stderr)
-        return 126
+    signal N, as a shell reports it). The forwarding is in place before the command starts: a
+    signal that comes while it is being started is passed on once it runs."""
     loop = asyncio.get_running_loop()
+    proc: asyncio.subprocess.Process | None = None
+    early: list[int] = []
 
     def forward(sig: int) -> None:
         # A Ctrl-C at a terminal already reached the command (same process group): don't
         # deliver it twice. Any other SIGINT and every SIGTERM is passed on.
         if sig == signal.SIGINT and _terminal_foreground():
+            return
+        if proc is None:
+            early.append(sig)
             return
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(sig)
@@ -355,6 +353,16 @@ async def run_command(command: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, forward, sig)
     try:
+        try:
+            proc = await asyncio.create_subprocess_exec(*command)
+        except FileNotFoundError:
+            print(f"strata-ctl: command not found: {command[0]}", file=sys.stderr)
+            return EXIT_NOT_FOUND
+        except PermissionError:
+            print(f"strata-ctl: cannot run {command[0]}: permission denied", file=sys.stderr)
+            return 126
+        for sig in early:
+            forward(sig)
         code = await proc.wait()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
