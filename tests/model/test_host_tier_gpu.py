@@ -105,10 +105,14 @@ def test_the_cpus_share_inside_the_decode_graph_keeps_the_logits(tiny_models, cu
             assert err < 1e-4, f"cache {mib} MiB, step {i}: logits differ by {err:.2e}"
         e.runner.flush_usage()
         st = e.provider.stats
-        print(f"\n{kind} cache {mib} MiB: {st.cpu_computed} of {st.misses} RAM experts on the CPU")
-        assert 0 < st.cpu_computed < st.misses
+        swaps = e.cache.swaps if e.cache is not None else 0
+        print(f"\n{kind} cache {mib} MiB: {st.cpu_computed} of {st.misses} RAM experts on the CPU"
+              f", {swaps} exchanges")  # fmt: skip
+        assert 0 < st.cpu_computed < st.misses, f"cache {mib} MiB, {swaps} exchanges"
         mb = dec.cpu.mailbox
-        assert mb is not None and mb.fault == 0 and mb.answered == mb.posted > 0
+        assert mb is not None
+        told = f"fault {mb.fault}, posted {mb.posted}, answered {mb.answered}, {dec.cpu.stats()}"
+        assert mb.fault == 0 and mb.answered == mb.posted > 0, told
         e.close()
 
 
