@@ -535,7 +535,7 @@ struct strata_pool {
     /* each counter on its own cache line: the threads hammer them */
     _Alignas(64) atomic_uint_fast64_t gen; /* bumped once per job; workers run on a change */
     _Alignas(64) atomic_int sleepers;      /* workers waiting on cv */
-    atomic_int stop;
+    atomic_int stop;                       /* the workers: end (after the server has ended) */
     _Alignas(64) atomic_int arrived1; /* threads done with phase 1 (the barrier) */
     _Alignas(64) atomic_int arrived2; /* threads done with phase 2 */
     /* what the pool's jobs took (strata_pool_stats): written by the job's caller, one at a time */
@@ -549,6 +549,7 @@ struct strata_pool {
     int n_served;
     _Alignas(64) atomic_int_fast64_t armed_until; /* now_ns() clock */
     atomic_int server_sleeping;
+    atomic_int halt; /* the server: end */
 };
 
 INLINE float silu(float g) { return g / (1.0f + expf(-g)); }
@@ -670,8 +671,8 @@ static void *worker(void *arg) {
                 pthread_mutex_unlock(&pool->mu);
             }
         }
-        /* a job that started before the stop still gets this thread's share: its caller (a
-         * server being stopped) waits for every thread at the barriers */
+        /* a stopped pool's server has ended (pool_stop joins it first), so no job starts now;
+         * one that started before the stop has been seen here */
         const uint_fast64_t gen = atomic_load_explicit(&pool->gen, memory_order_acquire);
         if (gen == seen) return NULL; /* stopped, no job */
         seen = gen;
@@ -679,13 +680,21 @@ static void *worker(void *arg) {
     }
 }
 
+/* Ends the server, then the workers. In that order: a job the server starts waits for every
+ * worker at its barriers, so a worker must not leave while a server may still start one (a
+ * worker that saw `stop` just before the server bumped `gen` would leave it waiting forever). */
 static void pool_stop(strata_pool *pool) {
+    if (pool->serving) {
+        pthread_mutex_lock(&pool->mu);
+        atomic_store(&pool->halt, 1);
+        pthread_cond_broadcast(&pool->scv);
+        pthread_mutex_unlock(&pool->mu);
+        pthread_join(pool->server_tid, NULL);
+    }
     pthread_mutex_lock(&pool->mu);
     atomic_store(&pool->stop, 1);
     pthread_cond_broadcast(&pool->cv);
-    pthread_cond_broadcast(&pool->scv);
     pthread_mutex_unlock(&pool->mu);
-    if (pool->serving) pthread_join(pool->server_tid, NULL);
     for (int i = 0; i < pool->started; i++) pthread_join(pool->tids[i], NULL);
     free(pool->served);
     pthread_cond_destroy(&pool->scv);
@@ -721,6 +730,7 @@ strata_pool *strata_pool_new(int threads) {
     atomic_init(&pool->phase1_ns, 0);
     atomic_init(&pool->armed_until, 0);
     atomic_init(&pool->server_sleeping, 0);
+    atomic_init(&pool->halt, 0);
     /* the workers take no signals: those are for the process's own threads */
     sigset_t all, old;
     sigfillset(&all);
@@ -851,7 +861,7 @@ static void *server(void *arg) {
     strata_mailbox *mb = pool->mb;
     int64_t last = mb_load(&mb->done), recent = now_ns();
     for (int i = 0;; i++) {
-        if (atomic_load_explicit(&pool->stop, memory_order_relaxed)) return NULL;
+        if (atomic_load_explicit(&pool->halt, memory_order_relaxed)) return NULL;
         const int64_t seq = mb_load(&mb->seq);
         if (seq != last) {
             const int32_t j = __atomic_load_n(&mb->job, __ATOMIC_ACQUIRE);
@@ -872,7 +882,7 @@ static void *server(void *arg) {
         /* quiet: poll, then sleep until armed (the armer sees `server_sleeping` and signals) */
         pthread_mutex_lock(&pool->mu);
         atomic_store(&pool->server_sleeping, 1); /* seq_cst: pairs with strata_pool_arm */
-        if (atomic_load(&pool->armed_until) == armed && !atomic_load(&pool->stop) &&
+        if (atomic_load(&pool->armed_until) == armed && !atomic_load(&pool->halt) &&
             mb_load(&mb->seq) == last) {
             if (since < SERVE_QUIET_NS) {
                 struct timespec ts;

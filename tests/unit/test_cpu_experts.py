@@ -304,19 +304,29 @@ def test_a_serving_pool_left_alone_is_freed(q4) -> None:
 
 
 def test_closing_a_pool_while_its_server_runs_jobs_ends(q4) -> None:
-    """The pool's threads finish a job begun before the stop (the server waits for each of
-    them at its barriers), so ``close`` returns whenever it comes."""
-    for _ in range(5):
-        pool = CpuExperts(4)
-        job = pool.job(q4.layout, kmax=3, pin=False)
-        mb = pool.serve([job], pin=False)
-        fill(job, q4, [0, 1, 2], base=0, seed=40)
-        pool.arm(1.0)
-        mb.post(0)
-        closing = threading.Thread(target=pool.close)
-        closing.start()
-        closing.join(60)  # a hang guard, not a timing
-        assert not closing.is_alive(), "close did not return"
+    """The pool's threads finish a job begun before the stop, and none starts after it (the
+    server is stopped before the workers), so ``close`` returns whenever it comes: right after
+    a post, the server may be anywhere between seeing it and starting the job. A close that
+    stopped the workers first left a server that started its job just then waiting for them
+    forever (a few hundred rounds found it)."""
+
+    def rounds() -> None:
+        for i in range(300):
+            pool = CpuExperts(4)
+            job = pool.job(q4.layout, kmax=3, pin=False)
+            mb = pool.serve([job], pin=False)
+            fill(job, q4, [0, 1, 2], base=0, seed=40)
+            pool.arm(1.0)
+            mb.post(0)
+            pool.close()
+            done.append(i)
+
+    done: list[int] = []
+    # a daemon thread: a hang fails this test without keeping the test process alive
+    closing = threading.Thread(target=rounds, daemon=True)
+    closing.start()
+    closing.join(300)  # a hang guard, not a timing
+    assert not closing.is_alive(), f"close did not return in round {len(done)} of 300"
 
 
 def test_the_mailbox_layout_is_the_kernels(lib) -> None:
