@@ -47,6 +47,7 @@ from strata.engine.experts.table import (
     MISSING,
     VRAM,
     ExpertTablePlan,
+    device_rows,
     plan_table,
     replan_entries,
 )
@@ -427,17 +428,8 @@ class FastDecoder:
         self.flush_usage()
         self.plan = plan
         idx = sorted(changed)
-        rows = [
-            idx,
-            [changed[i][0] for i in idx],
-            [o if w == VRAM else MISSING for o, w in (changed[i] for i in idx)],
-            [o if w == HOST else MISSING for o, w in (changed[i] for i in idx)],
-        ]
-        src = torch.tensor(rows, dtype=torch.int64)
-        if self.device.type == "cuda":  # page-locked: queued in stream order, no wait
-            src = src.pin_memory()
-        dev = src.to(self.device, non_blocking=True)
-        for dst, row in ((self.table, dev[1]), (self.vram_table, dev[2]), (self.homes, dev[3])):
+        dev = self._upload([idx, *device_rows(changed[i] for i in idx)])
+        for dst, row in zip(self._tables, dev[1:], strict=True):
             dst.index_copy_(0, dev[0], row)
         E = self.args.n_expert
         for layer in {i // E for i in idx}:
@@ -495,17 +487,24 @@ class FastDecoder:
                     self.plan.count(FILE),
                 )
 
+    @property
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tables ``device_rows`` gives the rows of, in its order."""
+        return self.table, self.vram_table, self.homes
+
+    def _upload(self, rows: list[list[int]]) -> torch.Tensor:
+        """``rows`` as one int64 tensor on the device, queued in stream order with no wait (from
+        page-locked memory on a GPU: behind a resize's copies)."""
+        src = torch.tensor(rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            src = src.pin_memory()
+        return src.to(self.device, non_blocking=True)
+
     def _write_table(self) -> None:
         plan = self.plan
-        pairs = list(zip(plan.offsets, plan.where, strict=True))
-        vram = [o if w == VRAM else MISSING for o, w in pairs]
-        homes = [o if w == HOST else MISSING for o, w in pairs]
-        tables = ((self.table, plan.offsets), (self.vram_table, vram), (self.homes, homes))
-        for dst, values in tables:
-            src = torch.tensor(values, dtype=torch.int64)
-            if dst.is_cuda:  # page-locked: the copy queues behind a resize's copies, no wait
-                src = src.pin_memory()
-            dst.copy_(src, non_blocking=True)
+        dev = self._upload(list(device_rows(zip(plan.offsets, plan.where, strict=True))))
+        for dst, row in zip(self._tables, dev, strict=True):
+            dst.copy_(row)
         cache = self.provider if isinstance(self.provider, ExpertCache) else None
         self.tier = cache.tier if cache is not None else None
         self.host_homes = [[] for _ in range(len(self.layers))]

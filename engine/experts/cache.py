@@ -499,8 +499,9 @@ class ExpertCache:
         buf = self._exchange_slots(max_swaps)
         n = self.slot_bytes
         if self.device.type == "cuda" and tier.pinned:
-            free = tier.take(sum(p.victim is not None for p in pairs))
-            if len(free) == sum(p.victim is not None for p in pairs):
+            victims = sum(p.victim is not None for p in pairs)
+            free = tier.take(victims)
+            if len(free) == victims:
                 self._start(pairs, free, buf)
                 return len(pairs)
             log.debug("no free room in the host tier for %d victims: exchanges in stream order",

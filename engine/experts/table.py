@@ -108,6 +108,21 @@ def replan_entries(
     return ExpertTablePlan(plan.n_layer, plan.n_expert, tuple(offsets), tuple(where)), changed
 
 
+def device_rows(
+    entries: Iterable[tuple[int, int]],
+) -> tuple[list[int], list[int], list[int]]:
+    """The three tables the kernels read, from (offset, where) entries: every home; the VRAM
+    homes alone; the host homes alone (``MISSING`` for the others in each)."""
+    offsets: list[int] = []
+    vram: list[int] = []
+    host: list[int] = []
+    for offset, where in entries:
+        offsets.append(offset)
+        vram.append(offset if where == VRAM else MISSING)
+        host.append(offset if where == HOST else MISSING)
+    return offsets, vram, host
+
+
 class _Homes:
     """Where one expert is read from, by the slot tables: the offset and VRAM, HOST or FILE."""
 

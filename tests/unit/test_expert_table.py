@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 
 from strata.engine.experts.slots import SlotTable, SlotTagMismatch, Tag
-from strata.engine.experts.table import HOST, MISSING, VRAM, plan_table, replan_entries
+from strata.engine.experts.table import (
+    FILE,
+    HOST,
+    MISSING,
+    VRAM,
+    device_rows,
+    plan_table,
+    replan_entries,
+)
 
 SLOT = 4096
 
@@ -77,3 +85,16 @@ def test_replanned_entries_follow_an_exchange_and_keep_the_rest() -> None:
         replan_entries(plan, [(1, 1)], vram, slot_at, ram, home_at)
     with pytest.raises(ValueError, match=r"\(layer 2, expert 0\) is not in this table"):
         replan_entries(plan, [(2, 0)], vram, slot_at, ram, home_at)
+
+
+def test_the_device_rows_split_the_homes_by_tier() -> None:
+    """Every home in the first row; the second only the VRAM homes, the third only the RAM ones
+    (a home below the anchor is a negative offset, never MISSING); the file's experts MISSING
+    in all three."""
+    entries = [(4096, VRAM), (-8192, HOST), (MISSING, FILE), (0, VRAM), (-256, HOST)]
+    assert device_rows(entries) == (
+        [4096, -8192, MISSING, 0, -256],
+        [4096, MISSING, MISSING, 0, MISSING],
+        [MISSING, -8192, MISSING, MISSING, -256],
+    )
+    assert device_rows([]) == ([], [], [])
