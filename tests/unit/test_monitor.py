@@ -130,7 +130,8 @@ def test_simulated_arithmetic(vram_file: Path) -> None:
     assert s.processes == tuple(ProcessUsage(p, b) for p, b in expected)
     assert m.process_used(10) == 150 * MiB
     assert m.process_used(me) == 300 * MiB
-    assert m.process_used(31337) == 0
+    stranger = next(p for p in (31337, 31338) if p != me)  # on no tenant's list, and not us
+    assert m.process_used(stranger) == 0
     ours.value = 100 * MiB  # ours is read at each sample, never remembered
     s = m.sample()
     assert s is not None and (s.free_bytes, s.ours_bytes) == (550 * MiB, 100 * MiB)
