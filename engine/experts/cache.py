@@ -25,6 +25,7 @@ the table, and for a shrink before the removed chunks are unmapped.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import Counter
@@ -478,12 +479,16 @@ class ExpertCache:
         tier = self.tier
         if tier is None or max_swaps == 0 or not len(tier.table):
             return 0
-        heat = self.usage.hotness
-        hot = sorted(((float(heat.get(t.key, 0.0)), s, t.key) for s, t in tier.table),
-                     reverse=True)[:max_swaps]  # fmt: skip
-        cold = sorted(
-            (float(heat.get(t.key, 0.0)) if (t := self.table.tag(s)) else -1.0, s)
-            for s in self.table.tail_slots()
+        # the few hottest RAM experts and coldest tail slots, not every one sorted: this runs on
+        # the host between steps, over thousands of experts
+        heat = self.usage.count
+        hot = heapq.nlargest(max_swaps, ((heat(t.key), s, t.key) for s, t in tier.table))
+        cold = heapq.nsmallest(
+            max_swaps,
+            (
+                (heat(t.key) if (t := self.table.tag(s)) else -1.0, s)
+                for s in self.table.tail_slots()
+            ),
         )
         pairs = []
         for (h_heat, home, key), (v_heat, slot) in zip(hot, cold, strict=False):
