@@ -11,9 +11,11 @@ the GIL.
 
 The library is compiled on first use with the system's C compiler (``$CC``, default ``cc``) and
 ``-march=native``, so its loops use this machine's vector width. The result is cached under
-``$XDG_CACHE_HOME/strata/kernels`` in a file named by a hash of the source, the flags and the
-compiler, so an edited source or another compiler builds a new file, and it is renamed into place
-whole, so a process never loads a half-written one. Without a working compiler ``library``
+``$XDG_CACHE_HOME/strata/kernels`` in a file named by a hash of the source, the flags, the
+compiler and the CPU (its model and feature flags), so an edited source, another compiler or a
+home directory now used on another machine builds a new file (a library built for one CPU's
+instructions may stop another with SIGILL), and it is renamed into place whole, so a process
+never loads a half-written one. Without a working compiler ``library``
 raises ``CpuExpertsUnavailable`` saying why, and the caller keeps every expert on the GPU.
 
 ``python -m strata.engine.bench.cpu_experts`` measures the throughput (GB/s of weight bytes).
@@ -25,6 +27,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -100,10 +103,31 @@ def compiler() -> list[str]:
     return [path, *cc[1:]]
 
 
-def cache_key(source: str, flags: tuple[str, ...], cc: list[str]) -> str:
+def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """What ``-march=native`` compiles for: the machine, and the first CPU's model and feature
+    flags from ``cpuinfo`` (the machine alone where that cannot be read)."""
+    wanted = ("model name", "flags", "features", "cpu model", "isa")  # x86, Arm, others
+    found: dict[str, str] = {}
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if not line.strip():
+            if found:
+                break  # the first processor's block is enough
+            continue
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in wanted:
+            found.setdefault(key, " ".join(value.split()))
+    return "\n".join([platform.machine(), *(f"{k}={found[k]}" for k in sorted(found))])
+
+
+def cache_key(source: str, flags: tuple[str, ...], cc: list[str], cpu: str) -> str:
     """The library's file name: a hash of everything that decides its contents."""
     h = hashlib.sha256()
-    for part in (source, *flags, *cc):
+    for part in (source, *flags, *cc, cpu):
         h.update(part.encode())
         h.update(b"\0")
     return f"cpu_experts-{h.hexdigest()[:20]}.so"
@@ -112,12 +136,13 @@ def cache_key(source: str, flags: tuple[str, ...], cc: list[str]) -> str:
 compiles = 0  # how many times this process ran the compiler (the tests check the cache with it)
 
 
-def build(source: str, cc: list[str], where: Path) -> Path:
-    """The compiled library of ``source`` in ``where``: the cached file, or compiled now into a
-    temporary file beside it and renamed into place (atomic: a concurrent process finds the
-    whole file or none; two compiling at once both write whole files)."""
+def build(source: str, cc: list[str], where: Path, cpu: str | None = None) -> Path:
+    """The compiled library of ``source`` in ``where`` for ``cpu`` (default: this one): the
+    cached file, or compiled now into a temporary file beside it and renamed into place (atomic:
+    a concurrent process finds the whole file or none; two compiling at once both write whole
+    files)."""
     global compiles
-    target = where / cache_key(source, FLAGS + LIBS, cc)
+    target = where / cache_key(source, FLAGS + LIBS, cc, host_cpu() if cpu is None else cpu)
     if target.exists():
         return target
     try:

@@ -401,13 +401,44 @@ def test_a_fresh_process_reuses_the_cached_library(cache: Path) -> None:
     assert [p.name for p in where.iterdir()] == [built.name]  # no temporary files left
 
 
-def test_the_cache_key_follows_the_source_flags_and_compiler() -> None:
-    cc = ["/usr/bin/cc"]
-    key = cpu_experts.cache_key("int x;", cpu_experts.FLAGS, cc)
-    assert key == cpu_experts.cache_key("int x;", cpu_experts.FLAGS, cc)
-    assert key != cpu_experts.cache_key("int x; ", cpu_experts.FLAGS, cc)
-    assert key != cpu_experts.cache_key("int x;", (*cpu_experts.FLAGS, "-g"), cc)
-    assert key != cpu_experts.cache_key("int x;", cpu_experts.FLAGS, ["/usr/bin/clang"])
+def test_the_cache_key_follows_the_source_flags_compiler_and_cpu() -> None:
+    cc, cpu = ["/usr/bin/cc"], "x86_64\nflags=sse avx2"
+    key = cpu_experts.cache_key("int x;", cpu_experts.FLAGS, cc, cpu)
+    assert key == cpu_experts.cache_key("int x;", cpu_experts.FLAGS, cc, cpu)
+    assert key != cpu_experts.cache_key("int x; ", cpu_experts.FLAGS, cc, cpu)
+    assert key != cpu_experts.cache_key("int x;", (*cpu_experts.FLAGS, "-g"), cc, cpu)
+    assert key != cpu_experts.cache_key("int x;", cpu_experts.FLAGS, ["/usr/bin/clang"], cpu)
+    assert key != cpu_experts.cache_key("int x;", cpu_experts.FLAGS, cc, cpu + " avx512f")
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Some CPU @ 3.00GHz
+flags\t\t: fpu sse2  avx2
+
+processor\t: 1
+model name\t: Another CPU
+flags\t\t: fpu
+"""
+
+
+def test_the_cpu_is_named_by_its_first_processors_model_and_flags(tmp_path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(CPUINFO)
+    lines = cpu_experts.host_cpu(info).splitlines()
+    assert lines[1:] == ["flags=fpu sse2 avx2", "model name=Some CPU @ 3.00GHz"]
+    info.write_text(CPUINFO.replace("avx2", "avx2 avx512f"))
+    assert cpu_experts.host_cpu(info).splitlines()[1] == "flags=fpu sse2 avx2 avx512f"
+    assert cpu_experts.host_cpu(tmp_path / "missing").splitlines() == lines[:1]  # the machine
+
+
+def test_a_library_built_for_another_cpu_is_not_loaded_here(tmp_path) -> None:
+    source, cc = "int strata_x;\n", cpu_experts.compiler()
+    mine = cpu_experts.build(source, cc, tmp_path)
+    assert cpu_experts.build(source, cc, tmp_path) == mine  # found again, same CPU
+    other = cpu_experts.build(source, cc, tmp_path, cpu=cpu_experts.host_cpu() + " avx512f")
+    assert other != mine
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name])
 
 
 def test_a_failed_compile_says_what_the_compiler_said(tmp_path) -> None:
