@@ -1048,6 +1048,8 @@ class FastDecoder:
         )
         if self.cpu is not None:
             how += f"; the CPU computes {self.cpu_share:.0%} of the chosen experts in RAM"
+            if not self.cpu_sharing:
+                how += " (none is in RAM now: every expert has a VRAM slot)"
         return f"fused Triton kernels, {how}"
 
     def close(self) -> None:

@@ -189,12 +189,17 @@ def test_the_cpus_share_starts_and_stops_with_the_experts_in_ram(q8: Path) -> No
     _cpu_or_skip(runner)
     dec = runner.decoder
     assert dec.host_count == 0 and dec.mode == "plain"
+    assert dec.describe().endswith(
+        "; the CPU computes 50% of the chosen experts in RAM (none is in RAM now: every expert "
+        "has a VRAM slot)"
+    )
     decode(runner, 2, 9)
     runner.flush_usage()
     assert runner.model.provider.stats.cpu_computed == 0
     cache = runner.model.provider
     cache.resize(cache.sizes.core_slots)  # the evicted experts go to RAM homes: the CPU helps
     assert dec.mode == "cpu"
+    assert dec.describe().endswith("; the CPU computes 50% of the chosen experts in RAM")
     steady = decode(fast_runner(q8, 1.0), 2, 9)
     for x, y in zip(steady[1:], decode(runner, 2, 9)[1:], strict=True):
         assert float((x - y).abs().max() / x.abs().max()) < 1e-5

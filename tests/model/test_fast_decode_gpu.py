@@ -51,7 +51,7 @@ def test_the_gpu_takes_the_fast_path_and_says_so(tiny_models, cuda, caplog) -> N
     with caplog.at_level(logging.INFO, logger="strata.engine.generate"):
         e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda, cache_mib=64)
     assert e.runner.decoder is not None
-    assert decode_path(e.runner) == "fused Triton kernels, one CUDA graph per step"
+    assert decode_path(e.runner).startswith("fused Triton kernels, one CUDA graph per step")
     assert "GPU decode: fused Triton kernels, one CUDA graph per step" in caplog.text
     assert isinstance(e.cache, ExpertCache) and e.cache.kernel
     e.close()
@@ -97,7 +97,8 @@ def test_text_is_the_same_with_graphs_on_and_off(tiny_models, cuda, params) -> N
     graph = load(path, cuda, cache_mib=1 << 20)
     eager = load(path, cuda, cache_mib=1 << 20, enforce_eager=True)
     assert graph.runner.decoder.graph is not None and eager.runner.decoder.graph is None
-    assert decode_path(eager.runner) == "fused Triton kernels, eager (enforce_eager is set)"
+    how = decode_path(eager.runner)
+    assert how.startswith("fused Triton kernels, eager (enforce_eager is set)"), how
     a, b = forced_logits(graph, [4, 5], 8), forced_logits(eager, [4, 5], 8)
     for la, lb in zip(a, b, strict=True):
         assert torch.equal(la, lb)

@@ -36,7 +36,9 @@ def cuda() -> tuple[str, str]:
 
 
 def load(path: Path, devices: tuple[str, ...] | None, **kw) -> Engine:
-    options = dict(kv_cache_type="f32", context_length=256, arena_chunk_mib=2)
+    # cpu_share 0: the CPU's sums round differently from the GPU's, and which experts sit in RAM
+    # (a stage's resize, an automatic share timed per load) would change the logits' last bits
+    options = dict(kv_cache_type="f32", context_length=256, arena_chunk_mib=2, cpu_share=0.0)
     if devices is None:
         options["device"] = "cuda:0"
     else:
