@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from strata.engine import quant
+from strata.engine import cpuinfo, quant
 from strata.engine.chat_template import ChatTemplate
 from strata.engine.errors import ContextOverflow, EngineError, ModelLoadError
 from strata.engine.experts.cache import ExpertCache, model_key
@@ -142,26 +142,12 @@ class GenerationResult:
 
 def physical_cores() -> int:
     """Physical cores (not hyper-threads) from /proc/cpuinfo, or the logical count as fallback."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            pairs, phys, core = set(), None, None
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "physical id":
-                    phys = value.strip()
-                elif key == "core id":
-                    core = value.strip()
-                elif not key and phys is not None and core is not None:
-                    pairs.add((phys, core))
-                    phys = core = None
-            if phys is not None and core is not None:
-                pairs.add((phys, core))
-        if pairs:
-            return len(pairs)
-    except OSError:
-        pass
-    return os.cpu_count() or 1
+    pairs = {
+        (p["physical id"], p["core id"])
+        for p in cpuinfo.processors()
+        if "physical id" in p and "core id" in p
+    }
+    return len(pairs) or os.cpu_count() or 1
 
 
 # where an automatic cpu_share starts (the share the decode graph is captured with, then tuned)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from strata.engine import quant
+from strata.engine import cpuinfo, quant
 from strata.engine.bench import llama, probes, stats
 from strata.engine.bench.settings import DECODE_PROMPT_TOKENS, BenchSettings
 from strata.engine.bench.strata_run import StrataBench, dense_bytes_per_token, slots_for
@@ -239,11 +239,5 @@ def _dequant_path(device: torch.device) -> str:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    first = cpuinfo.processors()[:1]
+    return (first[0].get("model name") if first else None) or platform.processor() or "cpu"

@@ -41,6 +41,7 @@ import gguf
 import torch
 
 from strata.daemon.paths import cache_dir
+from strata.engine import cpuinfo
 from strata.engine.experts.layout import KernelSlotLayout
 from strata.engine.quant.repack import PLANES, RepackedLayout
 
@@ -103,25 +104,14 @@ def compiler() -> list[str]:
     return [path, *cc[1:]]
 
 
-def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """What ``-march=native`` compiles for: the machine, and the first CPU's model and feature
-    flags from ``cpuinfo`` (the machine alone where that cannot be read)."""
+def host_cpu(path: Path = cpuinfo.CPUINFO) -> str:
+    """What ``-march=native`` compiles for: the machine, and the first processor's model and
+    feature flags from ``path`` (the machine alone where that cannot be read)."""
     wanted = ("model name", "flags", "features", "cpu model", "isa")  # x86, Arm, others
-    found: dict[str, str] = {}
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        if not line.strip():
-            if found:
-                break  # the first processor's block is enough
-            continue
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in wanted:
-            found.setdefault(key, " ".join(value.split()))
-    return "\n".join([platform.machine(), *(f"{k}={found[k]}" for k in sorted(found))])
+    first = (cpuinfo.processors(path) or [{}])[0]
+    return "\n".join(
+        [platform.machine(), *(f"{k}={first[k]}" for k in sorted(first) if k in wanted)]
+    )
 
 
 def cache_key(source: str, flags: tuple[str, ...], cc: list[str], cpu: str) -> str:
