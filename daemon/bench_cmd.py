@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata.daemon import paths
+from strata import paths
 from strata.daemon.config import BENCH_OPTIONS, LoadedConfig, Origin, add_option_flags
 from strata.daemon.engine_setup import engine_options
 from strata.daemon.generate_cmd import ProgressBar

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from strata.daemon import paths
+from strata import paths
 
 ENV_PREFIX = "STRATA_"
 # Environment variables with the prefix that are not options (they steer the loading itself).

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from strata.daemon import paths
+from strata import paths
 from strata.daemon.config import StrataConfig
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from strata.daemon import paths
+from strata import paths
 from strata.daemon.config import LoadedConfig
 from strata.daemon.engine_setup import engine_options, model_path
 from strata.engine.errors import ContextOverflow, EngineError, ModelLoadError

@@ -20,8 +20,7 @@ from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 
-from strata import __version__
-from strata.daemon import paths
+from strata import __version__, paths
 from strata.daemon.config import ConfigError, LoadedConfig, load_config
 
 UNIT_NAME = "strata.service"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from strata.daemon import paths
+from strata import paths
 from strata.daemon.bounded import Bounded
 from strata.daemon.config import LoadedConfig, StrataConfig
 from strata.daemon.control import ControlConfig, ControlGroup, Outcome, VramController

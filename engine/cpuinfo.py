@@ -4,6 +4,7 @@ bench), its physical cores (the default thread count) and what ``-march=native``
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -30,3 +31,18 @@ def processors(path: Path = CPUINFO) -> list[dict[str, str]]:
     if block:
         blocks.append(block)
     return blocks
+
+
+def physical_cores() -> int:
+    """Physical cores (not hyper-threads) from /proc/cpuinfo, or the logical count as fallback."""
+    pairs = {
+        (p["physical id"], p["core id"])
+        for p in processors()
+        if "physical id" in p and "core id" in p
+    }
+    return len(pairs) or os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """The CPU expert kernels' default thread count: one per physical core but one."""
+    return max(1, physical_cores() - 1)

@@ -38,7 +38,6 @@ import torch
 from strata.engine.errors import EngineError
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.host import HostTier
-from strata.engine.experts.layout import RUN_ALIGN, align, kernel_layout
 from strata.engine.experts.provider import ExpertProvider, FileExpertProvider
 from strata.engine.experts.slots import ExpertKey
 from strata.engine.experts.table import (
@@ -60,8 +59,9 @@ from strata.engine.kernels.step import advance
 from strata.engine.kv import KVCache
 from strata.engine.layers.decoder import Block, MoEDecoder
 from strata.engine.layers.norm import rms_norm
-from strata.engine.layers.weights import RepackedWeight, Weight, linear
 from strata.engine.quant import repack_kernels
+from strata.engine.quant.expert_layout import RUN_ALIGN, align, kernel_layout
+from strata.engine.weights import RepackedWeight, Weight, linear
 
 if TYPE_CHECKING:
     from strata.engine.kernels.cpu_experts import CpuExperts, CpuJob

@@ -39,11 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from strata.engine.experts.table import MISSING
-from strata.engine.kernels import gemm
+from strata.engine.kernels import MISSING, gemm
 from strata.engine.layers.norm import rms_norm
 from strata.engine.layers.rope import rotate
-from strata.engine.layers.weights import RepackedWeight, Weight, linear
+from strata.engine.weights import RepackedWeight, Weight, linear
 
 if TYPE_CHECKING:
     from strata.engine.fast_decode import FastDecoder, _Layer

@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from strata.engine.devices import on_device
 from strata.engine.experts.slots import ExpertKey
 from strata.engine.fast_decode import FastDecoder
 from strata.engine.layers.decoder import MoEDecoder
-from strata.engine.stages import Stage, on_device
+from strata.engine.stages import Stage
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from strata.engine import cpuinfo, quant
+from strata.engine import quant
 from strata.engine.chat_template import ChatTemplate
+from strata.engine.cpuinfo import default_threads
+from strata.engine.devices import resolve_device
 from strata.engine.errors import ContextOverflow, EngineError, ModelLoadError
 from strata.engine.experts.cache import ExpertCache, model_key
 from strata.engine.experts.profile import UsageProfile, profile_path
@@ -140,42 +142,8 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else None
 
 
-def physical_cores() -> int:
-    """Physical cores (not hyper-threads) from /proc/cpuinfo, or the logical count as fallback."""
-    pairs = {
-        (p["physical id"], p["core id"])
-        for p in cpuinfo.processors()
-        if "physical id" in p and "core id" in p
-    }
-    return len(pairs) or os.cpu_count() or 1
-
-
 # where an automatic cpu_share starts (the share the decode graph is captured with, then tuned)
 AUTO_CPU_SHARE_START = 0.5
-
-
-def default_threads() -> int:
-    return max(1, physical_cores() - 1)
-
-
-def resolve_device(name: str) -> torch.device:
-    """``cpu``, ``cuda`` or ``cuda:N``; CUDA that is absent is an error naming the device."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise EngineError(f"device {name!r} is not cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise EngineError(f"device {name!r}: no CUDA device is available")
-        index = device.index or 0
-        if index >= torch.cuda.device_count():
-            raise EngineError(
-                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
-            )
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise EngineError(f"device {name!r} is not cpu, cuda or cuda:N")
-    return device
 
 
 ArenaFactoryArg = (
@@ -293,8 +261,8 @@ def _host_shares(
     if len(split) == 1:
         return [total]
     from strata.engine.experts.cache import owned_keys
-    from strata.engine.experts.layout import kernel_slot_bytes_for, slot_bytes_for
     from strata.engine.experts.slots import plan_sizes
+    from strata.engine.quant.expert_layout import kernel_slot_bytes_for, slot_bytes_for
 
     slot = kernel_slot_bytes_for(index) if kernel else slot_bytes_for(index)
     n_layer = sum(len(span) for span, _ in split)

@@ -16,7 +16,6 @@ for its annotations only.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -131,16 +130,6 @@ def share_budget(total: int, demands: Sequence[int]) -> list[int]:
     if want <= total:
         return list(demands)
     return [total * d // want for d in demands]
-
-
-def on_device(device: torch.device) -> AbstractContextManager[object]:
-    """Make ``device`` the current CUDA device for what runs inside (Triton launches on the
-    current device, whatever their tensors' device); nothing on the CPU."""
-    if device.type != "cuda":
-        return nullcontext()
-    import torch
-
-    return torch.cuda.device(device)
 
 
 @dataclass

@@ -14,8 +14,8 @@ import time
 import gguf
 import torch
 
-from strata.engine.experts.layout import RUN_ALIGN, KernelSlotLayout, align
 from strata.engine.kernels.cpu_experts import CpuExperts
+from strata.engine.quant.expert_layout import RUN_ALIGN, KernelSlotLayout, align
 from strata.engine.quant.repack import FIXED_PLANES, PLANES, repacked_layout
 
 Q = gguf.GGMLQuantizationType

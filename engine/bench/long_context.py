@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         path = Path(args.model)
     else:
-        from strata.daemon import paths
+        from strata import paths
         from strata.engine.synth import ensure_synthetic
 
         path = ensure_synthetic(args.synthetic, paths.cache_dir())

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.engine.experts.layout import RUN_ALIGN, align
 from strata.engine.kernels import moe
 from strata.engine.quant import REPACKED_TYPES
+from strata.engine.quant.expert_layout import RUN_ALIGN, align
 from strata.engine.quant.repack import repacked_layout
 
 Q = gguf.GGMLQuantizationType

@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         if args.synthetic is None:
             p.error("give --model or --synthetic")
-        from strata.daemon import paths
+        from strata import paths
         from strata.engine.synth import ensure_synthetic
 
         args.model = ensure_synthetic(args.synthetic, paths.cache_dir())

@@ -22,9 +22,10 @@ from strata.engine import cpuinfo, quant
 from strata.engine.bench import llama, probes, stats
 from strata.engine.bench.settings import DECODE_PROMPT_TOKENS, BenchSettings
 from strata.engine.bench.strata_run import StrataBench, dense_bytes_per_token, slots_for
-from strata.engine.experts.layout import kernel_slot_bytes_for, slot_bytes_for
-from strata.engine.generate import Engine, decode_path, fast_path_unavailable, resolve_device
+from strata.engine.devices import resolve_device
+from strata.engine.generate import Engine, decode_path, fast_path_unavailable
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.quant.expert_layout import kernel_slot_bytes_for, slot_bytes_for
 
 log = logging.getLogger(__name__)
 

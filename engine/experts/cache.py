@@ -34,16 +34,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from strata.engine.devices import on_device
 from strata.engine.experts.checksum import ExpertCorrupt, checksums
 from strata.engine.experts.host import HostTier, HostTierStats, tier_slots
-from strata.engine.experts.layout import (
-    align,
-    kernel_layout,
-    kernel_slot_bytes_for,
-    packed_bytes,
-    run_offsets,
-    slot_bytes_for,
-)
 from strata.engine.experts.profile import UsageProfile
 from strata.engine.experts.provider import ExpertWeights, FileExpertProvider
 from strata.engine.experts.slots import (
@@ -55,8 +48,15 @@ from strata.engine.experts.slots import (
     plan_sizes,
 )
 from strata.engine.gguf_index import ExpertBlob, GGUFIndex
-from strata.engine.layers.weights import QWeight, RepackedWeight
-from strata.engine.stages import on_device
+from strata.engine.quant.expert_layout import (
+    align,
+    kernel_layout,
+    kernel_slot_bytes_for,
+    packed_bytes,
+    run_offsets,
+    slot_bytes_for,
+)
+from strata.engine.weights import QWeight, RepackedWeight
 from strata.vmm.arena import ElasticArena, create_arena
 from strata.vmm.pinned import Pinner
 

@@ -15,12 +15,12 @@ from typing import Protocol
 
 import torch
 
-from strata.engine.experts.layout import kernel_layout, slot_bytes_for
 from strata.engine.experts.slots import ExpertKey, UsageCounts
 from strata.engine.experts.staging import PinnedStager
 from strata.engine.gguf_index import ExpertBlob, GGUFIndex
-from strata.engine.layers.weights import QWeight, Weight
 from strata.engine.quant import repack_into
+from strata.engine.quant.expert_layout import kernel_layout, slot_bytes_for
+from strata.engine.weights import QWeight, Weight
 
 log = logging.getLogger(__name__)
 

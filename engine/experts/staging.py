@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from strata.engine.experts.layout import packed_bytes, run_offsets
 from strata.engine.gguf_index import ExpertBlob, GGUFIndex
+from strata.engine.quant.expert_layout import packed_bytes, run_offsets
 
 MiB = 2**20
 # Pinned memory the ring may take in all: enough for two layers of misses of a 30B-A3B model

@@ -14,10 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from strata.engine.experts.slots import SlotTable
-
-MISSING = -1  # no home the kernels may read: a step that routes to it stages the expert first
-# Offsets are multiples of 256 (slots and homes are 256-byte aligned, and so is the anchor), so a
-# home below the anchor (a negative offset) never reads as MISSING.
+from strata.engine.kernels import MISSING
 
 VRAM, HOST, FILE = 0, 1, 2  # where an expert's home is (``ExpertTablePlan.where``)
 

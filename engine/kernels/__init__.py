@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import functools
 
+# A table entry with no home the kernels may read: a step that routes to it stages the expert
+# first. Offsets are multiples of 256 (slots and homes are 256-byte aligned, and so is the
+# anchor), so a home below the anchor (a negative offset) never reads as MISSING.
+MISSING = -1
+
 
 @functools.cache
 def unavailable() -> str | None:

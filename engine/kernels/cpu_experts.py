@@ -40,10 +40,10 @@ from pathlib import Path
 import gguf
 import torch
 
-from strata.daemon.paths import cache_dir
 from strata.engine import cpuinfo
-from strata.engine.experts.layout import KernelSlotLayout
+from strata.engine.quant.expert_layout import KernelSlotLayout
 from strata.engine.quant.repack import PLANES, RepackedLayout
+from strata.paths import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ same whether an expert was read from a VRAM slot or a staging slot (the host may
 expert's offset at a staging slot between ``route`` and ``gate_up``).
 
 An expert table holds, per expert, the byte offset of its slot from ``base`` (the expert arena);
-a slot holds gate, up and down repacked (``experts.layout.KernelSlotLayout``).
+a slot holds gate, up and down repacked (``quant.expert_layout.KernelSlotLayout``).
 """
 
 from __future__ import annotations

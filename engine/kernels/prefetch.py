@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.engine.experts.table import MISSING
+from strata.engine.kernels import MISSING
 from strata.engine.kernels.dot import INTERPRETED
 
 WORD = 8  # bytes a copy moves per element (int64); slots and homes are 256-byte aligned

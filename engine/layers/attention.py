@@ -10,7 +10,7 @@ import torch
 from strata.engine.kv import KVCache
 from strata.engine.layers.norm import rms_norm
 from strata.engine.layers.rope import Rope
-from strata.engine.layers.weights import Weight, linear
+from strata.engine.weights import Weight, linear
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from strata.engine.devices import on_device
 from strata.engine.errors import ModelLoadError
 from strata.engine.experts import ExpertProvider
 from strata.engine.gguf_index import GGUFIndex
@@ -22,9 +23,8 @@ from strata.engine.layers.attention import AttentionShape, AttentionWeights, att
 from strata.engine.layers.moe import MoEShape, moe
 from strata.engine.layers.norm import rms_norm
 from strata.engine.layers.rope import Rope
-from strata.engine.layers.weights import QWeight, RepackedWeight, Weight, linear
 from strata.engine.quant import REPACKED_TYPES
-from strata.engine.stages import on_device
+from strata.engine.weights import QWeight, RepackedWeight, Weight, linear
 
 log = logging.getLogger(__name__)
 

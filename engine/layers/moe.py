@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.engine.experts import ExpertProvider
-from strata.engine.layers.weights import Weight, linear
+from strata.engine.weights import Weight, linear
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from strata.daemon import paths
+from strata import paths
 from tests.integration.harness import StrataDaemon
 
 pytestmark = pytest.mark.gpu

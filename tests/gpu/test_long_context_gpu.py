@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from strata.daemon import paths
+from strata import paths
 from strata.engine.bench.long_context import _engine, _prompt
 from strata.engine.params import SamplingParams
 

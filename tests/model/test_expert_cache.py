@@ -11,10 +11,10 @@ import torch
 from reference import RefModel
 
 from strata.engine.experts.cache import ExpertCache
-from strata.engine.experts.layout import kernel_layout, run_offsets
 from strata.engine.experts.slots import SlotTagMismatch, Tag
 from strata.engine.generate import Engine, EngineOptions
 from strata.engine.quant import repack
+from strata.engine.quant.expert_layout import kernel_layout, run_offsets
 
 MiB = 2**20
 CHUNK_MIB = 2

@@ -20,10 +20,10 @@ import torch
 from strata.engine import synth
 from strata.engine.experts.cache import ExpertCache, chunk_groups
 from strata.engine.experts.host import HostTier, default_budget_bytes, tier_slots
-from strata.engine.experts.layout import packed_bytes
 from strata.engine.experts.slots import SlotTagMismatch, Tag
 from strata.engine.generate import Engine, EngineOptions
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.quant.expert_layout import packed_bytes
 from strata.vmm import pagecache
 from strata.vmm.host_arena import HostArena
 from strata.vmm.pinned import HostMemory, PinError, PinRefused
@@ -63,7 +63,7 @@ def home_bytes_match(cache: ExpertCache, key: tuple[int, int]) -> bool:
 
 
 def _ups(blob) -> tuple[int, int]:
-    from strata.engine.experts.layout import run_offsets
+    from strata.engine.quant.expert_layout import run_offsets
 
     return run_offsets(blob)[1:]
 

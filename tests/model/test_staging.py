@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.engine.experts.layout import packed_bytes, run_offsets, slot_bytes_for
 from strata.engine.experts.provider import FileExpertProvider
 from strata.engine.experts.staging import PinnedStager
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.quant.expert_layout import packed_bytes, run_offsets, slot_bytes_for
 
 
 @pytest.fixture(scope="module")

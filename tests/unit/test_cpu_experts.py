@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from strata.engine.experts.layout import RUN_ALIGN, KernelSlotLayout, align
 from strata.engine.kernels import cpu_experts
 from strata.engine.kernels.cpu_experts import CpuExperts, CpuExpertsUnavailable, CpuJob
 from strata.engine.quant import repack
+from strata.engine.quant.expert_layout import RUN_ALIGN, KernelSlotLayout, align
 from strata.engine.quant.repack import RepackedLayout, repacked_layout
 from tests.model.quantdata import random_bytes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from strata.engine import cpuinfo, generate
+from strata.engine import cpuinfo
 from strata.engine.bench import session
 
 # two hyper-threads of one core, then a second core; the last block has no blank line after it
@@ -43,7 +43,7 @@ def test_physical_cores_and_the_cpu_name_come_from_the_blocks(tmp_path, monkeypa
     path.write_text(TEXT)
     read = cpuinfo.processors
     monkeypatch.setattr(cpuinfo, "processors", lambda: read(path))  # this file, not the host's
-    assert generate.physical_cores() == 2  # three threads, two (physical id, core id) pairs
+    assert cpuinfo.physical_cores() == 2  # three threads, two (physical id, core id) pairs
     assert session._cpu_name() == "Some CPU @ 3.00GHz"
     path.write_text("processor\t: 0\n\nprocessor\t: 1\n")  # no topology: the logical count
-    assert generate.physical_cores() == (os.cpu_count() or 1)
+    assert cpuinfo.physical_cores() == (os.cpu_count() or 1)
