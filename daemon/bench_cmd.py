@@ -27,6 +27,7 @@ from strata.engine.errors import EngineError, ModelLoadError
 
 if TYPE_CHECKING:
     from strata.engine.bench.settings import BenchSettings
+    from strata.engine.generate import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ MEASURING_FLAGS = {
     "opt_device": "--device",
     "only_llama_cpp": "--only-llama-cpp",
     "grammar": "--grammar",
+    "card_gib": "--card-gib",
 }
 DEFAULT_REPS, DEFAULT_DECODE_TOKENS = "3", "128"
 
@@ -105,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of the token mask per token",
     )
     g.add_argument(
+        "--card-gib",
+        metavar="N",
+        help="emulate a card of N GiB (a CUDA device): before the model loads, fill the "
+        "device's memory until N GiB are free, and keep it filled while llama-bench runs too",
+    )
+    g.add_argument(
         "--time-limit",
         metavar="SECONDS",
         help="start no new Strata measurement after this long; the rest are skipped with the "
@@ -131,6 +139,7 @@ def build_settings(loaded: LoadedConfig, args: argparse.Namespace) -> BenchSetti
     prefill = bs.parse_int_list(_or(args.prefill, _csv(bs.DEFAULT_PREFILL)), "--prefill", 1)
     n_cpu_moe = bs.parse_int_list(_or(args.n_cpu_moe, _csv(bs.DEFAULT_N_CPU_MOE)), "--n-cpu-moe", 0)
     limit = None if args.time_limit is None else bs.parse_seconds(args.time_limit, "--time-limit")
+    card_gib = None if args.card_gib is None else bs.parse_card_gib(args.card_gib)
     llama = None
     if args.vs_llama_cpp is not None:
         llama = Path(args.vs_llama_cpp).expanduser()
@@ -152,6 +161,8 @@ def build_settings(loaded: LoadedConfig, args: argparse.Namespace) -> BenchSetti
     if preset is None and loaded.config.model is None:
         raise bs.BenchError("no model: give --synthetic NAME or --model PATH")
     options = engine_options(loaded.config)
+    if card_gib is not None:
+        _check_card(card_gib, options)
     if budgets is None:
         gpu = options.device != "cpu"
         budgets = bs.parse_budgets(bs.DEFAULT_GPU_BUDGETS if gpu else bs.DEFAULT_CPU_BUDGETS)
@@ -168,7 +179,24 @@ def build_settings(loaded: LoadedConfig, args: argparse.Namespace) -> BenchSetti
         llama_bench=llama,
         n_cpu_moe=n_cpu_moe,
         grammar=bool(args.grammar),
+        card_gib=card_gib,
     )
+
+
+def _check_card(gib: float, options: EngineOptions) -> None:
+    """``--card-gib`` fills one CUDA device: not the CPU, not a split over several devices.
+    (Whether N fits in the device's free memory is checked when it is filled, before the model
+    loads.)"""
+    if options.device == "cpu":
+        raise bs.BenchError(
+            f"--card-gib {gib:g}: needs a CUDA device, but the bench runs on the CPU "
+            "(--device cpu, or no CUDA device found)"
+        )
+    if len(options.devices or ()) > 1:
+        raise bs.BenchError(
+            f"--card-gib {gib:g}: emulates one card, but devices lists "
+            f"{len(options.devices or ())}: leave one device"
+        )
 
 
 def merged_result(args: argparse.Namespace) -> dict[str, Any]:

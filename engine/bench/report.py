@@ -176,6 +176,37 @@ def resize_lines(resize: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
+def card_lines(card: Mapping[str, Any] | None) -> list[str]:
+    """``--card-gib``: the card asked for, what the filler holds, and what was left free."""
+    if not card:
+        return []
+
+    def gib(x: int | None) -> str:
+        return "—" if x is None else f"{x / GiB:,.2f} GiB"
+
+    def off(part: Mapping[str, Any]) -> str:
+        if part.get("within_tolerance") is False:
+            return f", outside the ±{mib(card.get('tolerance_bytes'))} MiB tolerance"
+        return ""
+
+    how = f", {card['adjusted']} once" if card.get("adjusted") else ""
+    lines = [
+        f"emulated card: {card['gib']:g} GiB asked, {gib(card.get('free_bytes'))} free after "
+        f"filling (the filler holds {gib(card.get('filler_bytes'))} of "
+        f"{gib(card.get('total_bytes'))}{how}{off(card)}); capacity only: PCIe and RAM are "
+        "this machine's"
+    ]
+    llama = card.get("before_llama")
+    if llama:
+        how = f", {llama['adjusted']} once more" if llama.get("adjusted") else ""
+        error = f"; {llama['error']}" if llama.get("error") else ""
+        lines.append(
+            f"emulated card before llama-bench: {gib(llama.get('free_bytes'))} free (the filler "
+            f"holds {gib(llama.get('filler_bytes'))}{how}{off(llama)}){error}"
+        )
+    return lines
+
+
 def grammar_lines(rows: Sequence[Row]) -> list[str]:
     """``--grammar``: each budget's decode under the grammar beside the plain one."""
     out = []
@@ -231,6 +262,7 @@ def text_report(result: Mapping[str, Any]) -> str:
         )
     else:
         lines.append(f"bandwidth: not measured ({bw.get('reason')})")
+    lines += card_lines(dev.get("card"))
     if result["strata"]:
         lines += ["", *strata_table(result), ""]
     else:

@@ -8,6 +8,7 @@ closed (its VRAM is measured as the device's used memory above what it was just 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from strata.engine import cpuinfo, quant
-from strata.engine.bench import llama, probes, stats
+from strata.engine.bench import card, llama, probes, stats
 from strata.engine.bench.settings import DECODE_PROMPT_TOKENS, BenchSettings
 from strata.engine.bench.strata_run import StrataBench, dense_bytes_per_token, slots_for
 from strata.engine.devices import resolve_device
@@ -106,6 +107,7 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Resu
             "arena_chunk_mib": settings.engine.arena_chunk_mib,
             "time_limit_s": settings.time_limit_s,
             "seed": settings.seed,
+            "card_gib": settings.card_gib,
         },
         "interrupted": None,
     }
@@ -114,6 +116,7 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Resu
     vram = probes.VramPeak(monitor) if monitor is not None else None
     nvml: Result = {"reason": vram_reason, "base_used_bytes": vram.used() if vram else None}
     result["nvml"] = nvml
+    held = contextlib.ExitStack()  # the --card-gib filler, kept until llama.cpp is done
     try:
         result["bandwidth"] = probes.measure_bandwidths(device)
         nvml["after_cuda_init_used_bytes"] = vram.used() if vram else None
@@ -122,7 +125,12 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Resu
             "type": device.type,
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "card": None,
         }
+        filler = None
+        if settings.card_gib is not None:  # after the bandwidths, before the model
+            filler = held.enter_context(card.emulated_card(settings.card_gib, device))
+            result["device"]["card"] = filler.report()
         if slots:
             steps("loading the model")
             _strata_phase(settings, device, n_ctx, slots, resize_at, result, vram, vram_reason,
@@ -134,8 +142,11 @@ def run_bench(settings: BenchSettings, progress: Progress | None = None) -> Resu
             result["device"]["decode"] = None
             result["device"]["prefill"] = None
         if settings.llama_bench is not None and not result["interrupted"]:
+            if filler is not None:  # what Strata's engine left (or freed) is corrected again
+                result["device"]["card"]["before_llama"] = filler.recheck()
             _llama_phase(settings, result, vram, vram_reason, steps)
     finally:
+        held.close()
         if vram is not None:
             vram.close()
             vram.monitor.close()
@@ -177,9 +188,11 @@ def _strata_phase(
     rows: list[Any] = []
     result["strata"] = rows
     result["resize"] = None
+    base = result["nvml"]["base_used_bytes"]
+    if base is not None and result["device"]["card"]:  # the filler is not Strata's
+        base += result["device"]["card"]["filler_bytes"]
     bench = StrataBench(
-        engine, settings, result["bandwidth"], vram, vram_reason,
-        result["nvml"]["base_used_bytes"], steps, deadline,
+        engine, settings, result["bandwidth"], vram, vram_reason, base, steps, deadline,
     )  # fmt: skip
     try:
         for i, budget in enumerate(settings.budgets):

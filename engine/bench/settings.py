@@ -126,6 +126,17 @@ def parse_seconds(text: str, flag: str) -> float:
     return value
 
 
+def parse_card_gib(text: str, flag: str = "--card-gib") -> float:
+    """GiB > 0, a float (11.5 is fine): the free memory of the card ``--card-gib`` emulates."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise BenchError(f"{flag}: invalid value {text!r} (expected GiB > 0, e.g. 12 or 15.5)")
+    return value
+
+
 def synthetic_preset(name: str) -> str:
     """The synth preset a ``--synthetic`` name stands for; an unknown name is an error."""
     from strata.engine.synth import PRESETS
@@ -154,6 +165,7 @@ class BenchSettings:
     n_cpu_moe: tuple[int, ...] = DEFAULT_N_CPU_MOE
     seed: int = 0
     grammar: bool = False  # also decode under a grammar: the token mask's cost per token
+    card_gib: float | None = None  # emulate a card with this much free (engine.bench.card)
     # per llama-bench process: it loads the model once and runs every test
     llama_timeout_s: float = 600.0
 
@@ -166,5 +178,7 @@ class BenchSettings:
             )
         if not self.budgets and self.llama_bench is None:
             raise BenchError("--cache-mib: no budget given")
+        if self.card_gib is not None and not 0 < self.card_gib < float("inf"):
+            raise BenchError(f"--card-gib: invalid value {self.card_gib} (expected GiB > 0)")
         if not self.prefill or min(self.prefill) < 1:
             raise BenchError(f"--prefill: invalid value {self.prefill} (expected sizes >= 1)")
