@@ -444,10 +444,10 @@ def test_a_copy_never_crosses_from_one_page_locked_piece_into_the_next(q8: Path)
         return torch.zeros(n, dtype=torch.uint8)
 
     try:
-        cache._copy_slots([(s, s + 100) for s in range(10)], src, dst, src_piece=4)
+        cache.copies.copy_slots([(s, s + 100) for s in range(10)], src, dst, src_piece=4)
         assert seen == [(0, 4), (4, 4), (8, 2)]
         seen.clear()
-        cache._copy_slots([(s, s + 1) for s in range(6)], src, dst, dst_piece=3)
+        cache.copies.copy_slots([(s, s + 1) for s in range(6)], src, dst, dst_piece=3)
         assert seen == [(0, 2), (2, 3), (5, 1)]  # dst 3 starts a piece
     finally:
         cache.close()
