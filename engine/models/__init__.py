@@ -15,7 +15,7 @@ from types import ModuleType
 
 from strata.engine.errors import ModelLoadError, UnsupportedArchitecture
 from strata.engine.gguf_index import GGUFIndex
-from strata.engine.layers.decoder import DecoderArgs
+from strata.engine.models.base import ModelArgs
 from strata.engine.quant import SUPPORTED_TYPES
 
 SUPPORTED = ("qwen3moe", "llama")
@@ -41,16 +41,16 @@ def architecture_module(arch: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{arch}")
 
 
-def read_args(index: GGUFIndex, **arch: object) -> DecoderArgs:
+def read_args(index: GGUFIndex, **arch: object) -> ModelArgs:
     """The decoder's hyper-parameters from ``index``, checked against each other and the file's
-    tensors (``arch``: what the architecture fixes, passed on to ``DecoderArgs.read``)."""
+    tensors (``arch``: what the architecture fixes, passed on to ``ModelArgs.read``)."""
     if not index.experts:
         raise ModelLoadError(
             f"{index.path}: {index.arch} file without routed experts (no blk.N.ffn_*_exps "
             "tensors): Strata serves MoE models"
         )
     _check_metadata(index)
-    args = DecoderArgs.read(index, **arch)
+    args = ModelArgs.read(index, **arch)
     _check_blocks(index, args)
     _check_tensors(index, args)
     return args
@@ -90,7 +90,7 @@ def _bad_key(index: GGUFIndex, name: str, value: object, expected: str) -> Model
     )
 
 
-def _check_blocks(index: GGUFIndex, args: DecoderArgs) -> None:
+def _check_blocks(index: GGUFIndex, args: ModelArgs) -> None:
     """The file's blocks are exactly ``blk.0`` to ``blk.{block_count - 1}``."""
     found = set()
     for name in index.tensors:
@@ -116,7 +116,7 @@ def _ranges(values: list[int]) -> str:
     return shown + (f", … ({len(values)} in all)" if len(values) > 8 else "")
 
 
-def expected_shapes(args: DecoderArgs) -> dict[str, tuple[int, ...]]:
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """The shape (torch order) of every tensor the decoder reads, from the hyper-parameters."""
     d, q, kv = args.n_embd, args.n_head * args.head_dim, args.n_head_kv * args.head_dim
     e, ff = args.n_expert, args.n_ff_exp
@@ -145,7 +145,7 @@ def expected_shapes(args: DecoderArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_tensors(index: GGUFIndex, args: DecoderArgs) -> None:
+def _check_tensors(index: GGUFIndex, args: ModelArgs) -> None:
     vocab = index.metadata.get("tokenizer.ggml.tokens")
     if isinstance(vocab, list) and len(vocab) != args.vocab_size:
         raise ModelLoadError(

@@ -3,20 +3,18 @@ q/k norms, normal (pairwise) RoPE, softmax top-k routing renormalised over the c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from strata.engine.errors import ModelLoadError
-from strata.engine.experts import ExpertProvider
 from strata.engine.gguf_index import GGUFIndex
-from strata.engine.layers.decoder import DecoderArgs, MoEDecoder
 from strata.engine.models import read_args
+from strata.engine.models.base import ModelArgs, MoEModel
+from strata.engine.ops import Ops
 
 
-class ModelArgs(DecoderArgs):
+class Model(MoEModel):
     @classmethod
-    def from_index(cls, index: GGUFIndex) -> DecoderArgs:
+    def read_args(cls, index: GGUFIndex) -> ModelArgs:
         if "blk.0.ffn_gate_exps.weight" not in index.tensors:
             if "blk.0.ffn_gate.0.weight" in index.tensors:
                 raise ModelLoadError(
@@ -26,16 +24,6 @@ class ModelArgs(DecoderArgs):
             raise ModelLoadError(f"{index.path}: a dense llama file; Strata serves MoE models")
         return read_args(index, rope_neox=False, qk_norm=False, norm_topk=True)
 
-
-class Model(MoEDecoder):
-    def __init__(
-        self,
-        index: GGUFIndex,
-        provider: ExpertProvider,
-        device: torch.device | str = "cpu",
-        repack: bool = False,
-        split: Sequence[tuple[range, torch.device]] | None = None,
-        providers: Sequence[ExpertProvider] | None = None,
-    ) -> None:
-        args = ModelArgs.from_index(index)
-        super().__init__(index, args, provider, device, repack, split, providers)
+    def layer(self, ops: Ops, x: torch.Tensor, i: int) -> torch.Tensor:
+        x = ops.attention(x, i, self.attn[i], self.attention_spec)
+        return ops.moe(x, i, self.ffn[i], self.routing_spec)

@@ -1,7 +1,7 @@
-"""Runners for the fast-path tests: the reference path, and the fast decoder assembled by hand
-(``Engine.load`` takes the fast path on a GPU only), on the GPU when there is one, else on the
-CPU in Triton's interpreter (set here, before the kernels are imported, as the importing tests
-do: whichever module imports them first decides)."""
+"""Sequences for the fast-path tests: over the reference runner, and over the GPU runner
+assembled by hand (``Engine.load`` takes the fast path on a GPU only), on the GPU when there is
+one, else on the CPU in Triton's interpreter (set here, before the kernels are imported, as the
+importing tests do: whichever module imports them first decides)."""
 
 from __future__ import annotations
 
@@ -15,21 +15,23 @@ if not torch.cuda.is_available():
 
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.provider import FileExpertProvider
-from strata.engine.fast_decode import FastDecoder
 from strata.engine.generate import Engine
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.gpu.runner import GpuRunner
 from strata.engine.models import architecture_module
-from strata.engine.runner import Runner
+from strata.engine.reference_runner import ReferenceRunner
+from strata.engine.sequences import Sequences, new_kvs
 
 MiB = 2**20
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PROMPT = [1, 5, 9, 100, 7]
 
 
-def reference_runner(path: Path) -> Runner:
+def reference_runner(path: Path) -> Sequences:
     index = GGUFIndex(path)
-    model = architecture_module(index.arch).Model(index, FileExpertProvider(index, DEVICE), DEVICE)
-    return Runner(model, 64, "f32", 512)
+    model = architecture_module(index.arch).Model(index, DEVICE)
+    (kv,) = new_kvs(model, 64, "f32")
+    return Sequences([ReferenceRunner(model, 0, kv, FileExpertProvider(index, DEVICE))], 64, 512)
 
 
 def share_cache(
@@ -61,29 +63,27 @@ def fast_runner(
     host: bool = False,
     prefetch: int = 0,
     cpu_share: float = 0.0,
-) -> Runner:
-    """Dense weights repacked, the decoder's kernels warmed up, and an expert cache in the
+) -> Sequences:
+    """Dense weights repacked, the GPU runner's kernels warmed up, and an expert cache in the
     kernel layout holding ``cache_share`` of the experts (None: no cache), with a host tier
     holding the rest when ``host``, and ``prefetch`` predicted experts copied ahead from it
     (or ``cpu_share`` of the chosen ones in it computed by the CPU, on two threads).
     Prompts take the reference path unless ``prefill`` (``test_fast_prefill`` tests that
     path)."""
     index = GGUFIndex(path)
-    model = architecture_module(index.arch).Model(
-        index, FileExpertProvider(index, DEVICE), DEVICE, repack=True
-    )
-    runner = Runner(model, 64, "f32", 512)
-    decoder = FastDecoder(model, runner.kv)
-    decoder.warm_up()
+    model = architecture_module(index.arch).Model(index, DEVICE, repack=True)
+    (kv,) = new_kvs(model, 64, "f32")
+    gpu = GpuRunner(model, 0, kv, FileExpertProvider(index, DEVICE))
+    gpu.warm_up()
     if not prefill:
-        decoder.prefill = None
+        gpu.prefill = None
+    provider = gpu.provider
     if cache_share is not None:
-        model.provider = share_cache(index, cache_share, host)
-    decoder.set_prefetch(prefetch)
-    decoder.set_cpu_share(cpu_share, 2)
-    decoder.bind(model.provider)
-    runner.decoder = decoder
-    return runner
+        provider = share_cache(index, cache_share, host)
+    gpu.set_prefetch(prefetch)
+    gpu.set_cpu_share(cpu_share, 2)
+    gpu.bind(provider)
+    return Sequences([gpu], 64, 512)
 
 
 def worst(a: torch.Tensor, b: torch.Tensor, tol: float) -> float:
@@ -99,7 +99,7 @@ def worst(a: torch.Tensor, b: torch.Tensor, tol: float) -> float:
     return out
 
 
-def decode(runner: Runner, steps: int, first: int) -> list[torch.Tensor]:
+def decode(runner: Sequences, steps: int, first: int) -> list[torch.Tensor]:
     """Logits of PROMPT and of ``steps`` forced tokens from ``first`` (the same for every
     runner), on the CPU."""
     runner.rewind(0)

@@ -1,0 +1,238 @@
+"""The decode step's operations: one token per step through fused Triton kernels on the step
+buffers, every launch reading positions and lengths from device memory, so one CUDA graph,
+captured at load, serves every step. Per layer:
+
+    q/k/v matvec (RMSNorm folded in) -> q/k norm, RoPE, K/V write -> split attention (2 launches)
+    -> output projection + residual -> router matvec (RMSNorm folded in) -> top-k
+    -> gate/up/SiLU of the k experts -> down of the k experts + weights + residual
+
+then the final norm and the output head. The MoE kernels find each expert through the layer's
+expert table (byte offsets from the anchor). A step runs in one of three modes: "plain", "ahead"
+(copies ahead of the RAM experts) or "cpu" (the CPU computes its share of them); while some
+expert has no readable home the step runs eagerly and stages each miss after the layer's
+routing (``stage``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from strata.engine.gpu.ahead import CopiesAhead
+from strata.engine.gpu.buffers import ExpertGeometry, StepBuffers
+from strata.engine.gpu.counters import UseCounters
+from strata.engine.gpu.cpu_share import CpuShare
+from strata.engine.gpu.tables import ExpertTables
+from strata.engine.kernels import moe
+from strata.engine.kernels.attention import DecodeAttention
+from strata.engine.kernels.matvec import Mat, matvec
+from strata.engine.kernels.rope import rope_store, rope_tables
+from strata.engine.kernels.step import advance
+from strata.engine.kv import KVCache
+from strata.engine.ops import (
+    AttentionSpec,
+    AttentionWeights,
+    HeadWeights,
+    ModelShape,
+    MoEWeights,
+    RoutingSpec,
+)
+from strata.engine.ops.reference import rms_norm
+from strata.engine.quant import repack_kernels
+from strata.engine.weights import RepackedWeight, Weight, linear
+
+_INTERP_BN = 128  # rows per program in Triton's interpreter: few, wide programs
+MAX_SPLITS = 64  # most splits of the attention's key range
+
+# Rows per program and warps (None: one thread per unit of a step) of each launch, measured on an
+# H200 with the profile tool's --sweep (``python -m strata.engine.bench.profile``) on the
+# Qwen3-30B-A3B shapes; the kernels take any values, the interpreter its own (``kernels.dot``).
+# down: 4 rows, not 8: the same speed from VRAM (295.9 against 295.7 tok/s with every expert
+# cached), and its reads of experts in RAM over PCIe go at 47 GB/s, not 37 (more reads in
+# flight; ``python -m strata.engine.bench.moe_sweep``). One value for both, so residency never
+# changes a kernel's arithmetic.
+TUNED: dict[str, tuple[int, int | None]] = {
+    "qkv": (4, 8),
+    "o": (8, None),
+    "router": (2, None),
+    "head": (4, 8),
+    "gate_up": (4, None),
+    "down": (4, None),
+}
+
+PLAIN, AHEAD, CPU = "plain", "ahead", "cpu"
+
+
+def mat(w: Weight) -> Mat | None:
+    return Mat(w.data, w.layout) if isinstance(w, RepackedWeight) else None
+
+
+def attention_splits(n_head_kv: int, device: torch.device) -> int:
+    """Splits of the key range: a power of two, at most MAX_SPLITS, and enough that the
+    (K/V head, split) programs cover the GPU's multiprocessors twice."""
+    cuda = device.type == "cuda"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+    want = max(1, -(-2 * sms // n_head_kv))
+    return min(MAX_SPLITS, 1 << (want - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class _Mats:
+    qkv: tuple[Mat, Mat, Mat] | None  # all three in the kernel layout: one fused launch
+    o: Mat | None
+    router: Mat | None
+
+
+@dataclass
+class DecodeParts:
+    """What a decode step's operations read and write: the runner's own objects."""
+
+    buf: StepBuffers
+    geometry: ExpertGeometry
+    tables: ExpertTables
+    counters: UseCounters
+    ahead: CopiesAhead
+    cpu: CpuShare
+    kv: KVCache
+
+
+class DecodeOps:
+    """The operations (``engine.ops.Ops``) of one decode step of a stage whose first layer is
+    ``first``; ``ffn``: its layers' routed-expert weights (the copies ahead read the next
+    layer's router a layer early)."""
+
+    def __init__(self, parts: DecodeParts, shape: ModelShape, ffn: list[MoEWeights]) -> None:
+        self.p, self.shape, self.ffn = parts, shape, ffn
+        self.first, self.eps = parts.geometry.first, shape.rms_eps
+        dev, a, kv = parts.buf.anchor.device, shape.attention, parts.kv
+        self.cos, self.sin = rope_tables(a.head_dim, a.rope.theta, kv.n_ctx, dev)
+        self.attend = DecodeAttention(
+            a.n_head, a.n_head_kv, a.head_dim, kv.page, attention_splits(a.n_head_kv, dev), dev
+        )
+        # the tuned block sizes on a GPU; the kernels' own defaults in the interpreter
+        self.tuned = TUNED if dev.type == "cuda" else {k: (_INTERP_BN, None) for k in TUNED}
+        self.mats: dict[int, _Mats] = {}
+        # how the step now being queued runs (``GpuRunner._forward`` sets them)
+        self.mode = PLAIN
+        self.stage: Callable[[int], None] | None = None  # stages a layer's misses
+        self.on_layer: Callable[[int], None] | None = None
+
+    def _dense(
+        self, y: torch.Tensor, x: torch.Tensor, w: Weight, m: Mat | None,
+        norm: torch.Tensor | None = None, residual: bool = False,
+        h_out: torch.Tensor | None = None, tune: str = "o",
+    ) -> None:  # fmt: skip
+        if m is not None:
+            bn, warps = self.tuned[tune]
+            matvec(y, x, [m], norm, self.eps, residual, h_out, bn, warps)
+            return
+        # a type without a kernel: dequantise and multiply (torch ops, captured all the same)
+        h = rms_norm(x, norm, self.eps) if norm is not None else x
+        if h_out is not None:
+            h_out.copy_(h)
+        out = linear(h[None], w)[0]
+        if residual:
+            y.add_(out)
+        else:
+            y.copy_(out)
+
+    def _mats(self, j: int, w: AttentionWeights | None = None) -> _Mats:
+        if j not in self.mats:
+            assert w is not None
+            q, k, v = (mat(m) for m in (w.q, w.k, w.v))
+            qkv = (q, k, v) if q is not None and k is not None and v is not None else None
+            self.mats[j] = _Mats(qkv, mat(w.o), mat(self.ffn[j].router))
+        return self.mats[j]
+
+    # -- the operations ------------------------------------------------------------------------
+
+    def embed(self, embd: Weight) -> torch.Tensor:
+        b = self.p.buf
+        if isinstance(embd, RepackedWeight):
+            _embed(embd, b.tok, b.x)
+        else:
+            b.x.copy_(embd.rows(b.tok)[0])
+        return b.x
+
+    def attention(
+        self, x: torch.Tensor, layer: int, w: AttentionWeights, spec: AttentionSpec
+    ) -> torch.Tensor:
+        b, kv, j = self.p.buf, self.p.kv, layer - self.first
+        if self.on_layer is not None:
+            self.on_layer(layer)
+        if self.mode == AHEAD and j == 0:  # the later layers' guesses come a layer early (moe)
+            self._prefetch(0)
+        m = self._mats(j, w)
+        if m.qkv is not None:
+            bn, warps = self.tuned["qkv"]
+            matvec(b.qkv, x, m.qkv, w.norm, self.eps, bn=bn, num_warps=warps)
+        else:
+            b.h.copy_(rms_norm(x, w.norm, self.eps))
+            at = 0
+            for wt in (w.q, w.k, w.v):
+                n = wt.shape[0]
+                self._dense(b.qkv[at : at + n], b.h, wt, mat(wt))
+                at += n
+        k_cache, v_cache = kv.layer(j)
+        rope_store(
+            b.qkv, self.cos, self.sin, w.q_norm, w.k_norm, k_cache, v_cache, kv.block_table,
+            b.pos, self.eps, spec.n_head, spec.n_head_kv, spec.head_dim, kv.page,
+            spec.rope.neox, kv.page_stride,
+        )  # fmt: skip
+        self.attend(b.attn_out, b.qkv, k_cache, v_cache, kv.block_table, b.pos, kv.page_stride)
+        self._dense(x, b.attn_out, w.o, m.o, residual=True)
+        return x
+
+    def _prefetch(self, j: int) -> None:
+        """Predict local layer ``j``'s experts from the residual stream as it is now (its
+        router on it) and queue the copies of those in RAM (``CopiesAhead``)."""
+        p, w = self.p, self.ffn[j]
+        self._dense(p.ahead.logits, p.buf.x, w.router, self._mats(j).router, w.norm,
+                    tune="router")  # fmt: skip
+        p.ahead.copy(j, p.tables.layer(p.tables.homes, j))
+
+    def moe(self, x: torch.Tensor, layer: int, w: MoEWeights, spec: RoutingSpec) -> torch.Tensor:
+        p, j = self.p, layer - self.first
+        b, ahead, cpu = p.buf, self.mode == AHEAD, self.mode == CPU
+        self._dense(b.router_logits, x, w.router, self._mats(j).router, w.norm, h_out=b.h,
+                    tune="router")  # fmt: skip
+        if ahead and j + 1 < len(self.ffn):
+            # the next layer's guess, from the stream before this layer's experts: its copies
+            # run beside this layer's (the previous layer's expert kernels are done, so the
+            # staging set the next layer shares with them is free)
+            self._prefetch(j + 1)
+        table = p.tables.layer(p.tables.table, j)
+        moe.route(
+            b.router_logits, table, b.ids[j], b.wts[j], b.eoffs[j], p.counters.steps[j],
+            spec.n_used, spec.norm_topk, p.ahead.prefetched(j) if ahead else None,
+        )  # fmt: skip
+        if self.stage is not None:
+            self.stage(j)
+        homes = p.tables.layer(p.tables.homes, j)
+        if ahead:
+            p.ahead.land(j, homes)
+        if cpu:
+            p.cpu.send(j, homes)
+        lay = p.geometry.slot_layouts[j]
+        bn, warps = self.tuned["gate_up"]
+        moe.gate_up(b.act, b.h, b.eoffs[j], b.anchor, lay.gate, lay.up, lay.up_offset, bn, warps)
+        bn, warps = self.tuned["down"]
+        moe.down(x, b.act, b.eoffs[j], b.wts[j], b.anchor, lay.down, lay.down_offset, bn, warps)
+        if cpu:
+            p.cpu.take(j)
+        return x
+
+    def head(self, x: torch.Tensor, w: HeadWeights) -> torch.Tensor:
+        b = self.p.buf
+        self._dense(b.logits, x, w.output, mat(w.output), w.norm, tune="head")
+        advance(b.logits, b.tok, b.pos, b.ring, b.step_no)
+        return b.logits
+
+
+def _embed(w: RepackedWeight, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """The embedding row ``ids[0]`` into ``out`` [D] (one launch on a GPU)."""
+    if w.data.is_cuda:
+        repack_kernels.dequantize(w.data, w.layout, ids=ids, out=out.view(1, -1))
+    else:
+        out.copy_(w.rows(ids)[0])

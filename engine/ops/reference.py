@@ -1,0 +1,175 @@
+"""The reference implementation of the operations: plain torch on any device, computed the way
+llama.cpp computes them (float32 RMSNorm, float64 RoPE tables rounded to the activations' type,
+float32 routing). The numbers every GPU kernel is checked against.
+
+``RefOps`` runs one step of ``T`` positions (a prompt chunk, or one decode token) of one stage:
+its K/V and its expert provider (the only way to that stage's experts)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from strata.engine.experts import ExpertProvider
+from strata.engine.kv import KVCache
+from strata.engine.ops import (
+    AttentionSpec,
+    AttentionWeights,
+    HeadWeights,
+    MoEWeights,
+    RopeSpec,
+    RoutingSpec,
+)
+from strata.engine.weights import Weight, linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [..., D], weight: [D]
+    scale = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x * scale * weight
+
+
+class Rope:
+    """Rotary position embeddings in the two layouts GGUF models use (``RopeSpec.neox``)."""
+
+    def __init__(self, head_dim: int, spec: RopeSpec) -> None:
+        if head_dim % 2:
+            raise ValueError(f"rope needs an even head dimension, got {head_dim}")
+        self.head_dim, self.neox = head_dim, spec.neox
+        # inv_freq: [d/2]
+        self.inv_freq = spec.theta ** (
+            -torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        )
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, d], positions: [T]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # [T, d/2]
+        cos = angles.cos().to(x.dtype)[:, None, :]  # [T, 1, d/2]
+        sin = angles.sin().to(x.dtype)[:, None, :]
+        return rotate(x, cos, sin, self.neox)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x: [T, H, d] rotated by the angles whose cos and sin are [T, 1, d/2]."""
+    if neox:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)  # [T, H, d/2, 2]
+    return out.flatten(-2)
+
+
+def attention(
+    x: torch.Tensor,
+    w: AttentionWeights,
+    spec: AttentionSpec,
+    rope: Rope,
+    kv: KVCache,
+    layer: int,
+    start: int,
+) -> torch.Tensor:
+    """The attention block's output for x [T, D] (already normed) at positions start..start+T-1;
+    writes their K/V into ``kv``'s layer ``layer`` (the stage's own index)."""
+    T = x.shape[0]
+    H, Hkv, d = spec.n_head, spec.n_head_kv, spec.head_dim
+    q = linear(x, w.q).view(T, H, d)
+    k = linear(x, w.k).view(T, Hkv, d)
+    v = linear(x, w.v).view(T, Hkv, d)
+    if w.q_norm is not None and w.k_norm is not None:
+        q = rms_norm(q, w.q_norm, spec.rms_eps)
+        k = rms_norm(k, w.k_norm, spec.rms_eps)
+    positions = torch.arange(start, start + T, device=x.device)
+    q, k = rope(q, positions), rope(k, positions)
+    kv.write(layer, start, k, v)
+    keys, values = kv.read(layer, start + T)  # [S, Hkv, d], S = start + T
+    group = H // Hkv
+    # q: [Hkv, group*T, d] so each K/V head serves its group of query heads without a copy of K/V
+    qg = q.view(T, Hkv, group, d).permute(1, 2, 0, 3).reshape(Hkv, group * T, d)
+    scores = qg @ keys.permute(1, 2, 0) / math.sqrt(d)  # [Hkv, group*T, S]
+    # causal mask: query at position start+t sees keys 0..start+t
+    S = start + T
+    q_pos = positions.repeat(group)  # [group*T]
+    mask = torch.arange(S, device=x.device)[None, :] > q_pos[:, None]  # [group*T, S]
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = probs @ values.permute(1, 0, 2)  # [Hkv, group*T, d]
+    out = out.view(Hkv, group, T, d).permute(2, 0, 1, 3).reshape(T, H * d)
+    return linear(out, w.o)
+
+
+def route(x: torch.Tensor, router: Weight, spec: RoutingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    # x: [T, D] -> weights: [T, K], ids: [T, K]
+    probs = torch.softmax(linear(x, router), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, spec.n_used, dim=-1)
+    if spec.norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe(
+    x: torch.Tensor, router: Weight, spec: RoutingSpec, provider: ExpertProvider, layer: int
+) -> torch.Tensor:
+    """The routed-expert block's output for x [T, D] (already normed): the only place the
+    reference reads expert weights (through ``provider``, by the model's layer index)."""
+    T, D = x.shape
+    K = spec.n_used
+    weights, ids = route(x, router, spec)  # [T, K] each
+    # The T*K (token, choice) assignments grouped by expert: one host sync per layer (the counts),
+    # then each chosen expert is fetched (and dequantised) once, for all of its tokens.
+    flat = ids.reshape(-1)  # [T*K], assignment a = t*K + k
+    order = torch.argsort(flat, stable=True)  # [T*K] assignments in expert order
+    counts = torch.bincount(flat, minlength=spec.n_expert).tolist()
+    xs = x.index_select(0, order // K)  # [T*K, D] each assignment's token
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        w = provider.expert(layer, e)
+        h = xs[start : start + n]  # [n, D]
+        ys[start : start + n] = linear(F.silu(linear(h, w.gate)) * linear(h, w.up), w.down)
+        start += n
+    y = torch.empty_like(ys).index_copy_(0, order, ys)  # [T*K, D] back in (t, k) order
+    # the K outputs of each token summed in a fixed order: the same bits whatever is cached
+    return (y.view(T, K, D) * weights[:, :, None]).sum(dim=1)
+
+
+class RefOps:
+    """The operations of one reference step: ``tokens`` [T] at positions ``start`` .. of one
+    stage, whose K/V holds its layers from ``first`` on."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        kv: KVCache,
+        first: int,
+        provider: ExpertProvider,
+        rope: Rope,
+        last_only: bool = False,
+    ) -> None:
+        self.tokens, self.start, self.kv, self.first = tokens, start, kv, first
+        self.provider, self.rope, self.last_only = provider, rope, last_only
+
+    def embed(self, embd: Weight) -> torch.Tensor:
+        return embd.rows(self.tokens)  # [T, D]
+
+    def attention(
+        self, x: torch.Tensor, layer: int, w: AttentionWeights, spec: AttentionSpec
+    ) -> torch.Tensor:
+        h = rms_norm(x, w.norm, spec.rms_eps)
+        return x + attention(h, w, spec, self.rope, self.kv, layer - self.first, self.start)
+
+    def moe(self, x: torch.Tensor, layer: int, w: MoEWeights, spec: RoutingSpec) -> torch.Tensor:
+        h = rms_norm(x, w.norm, spec.rms_eps)
+        return x + moe(h, w.router, spec, self.provider, layer)
+
+    def head(self, x: torch.Tensor, w: HeadWeights) -> torch.Tensor:
+        if self.last_only:
+            x = x[-1:]
+        return linear(rms_norm(x, w.norm, w.rms_eps), w.output)
