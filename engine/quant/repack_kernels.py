@@ -14,19 +14,14 @@ Import through ``strata.engine.kernels`` (which falls back when Triton is missin
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import gguf
 import torch
 import triton
 import triton.language as tl
 
-from strata.engine.quant.repack import (
-    FIXED_PLANES,
-    FLOAT_TYPES,
-    RepackedLayout,
-    repacked_layout,
-)
+from strata.engine.quant.repack import FLOAT_TYPES, RepackedLayout, repacked_layout
+from strata.engine.quant.triton_kernels import IQ4_HI, IQ4_LO, iq4_level
 
 Q = gguf.GGMLQuantizationType
 
@@ -164,7 +159,9 @@ def _repack_q4_0(src, dst, n_blocks, o_d, BPP: tl.constexpr):
 
 
 @triton.jit
-def _repack_iq4_xs(src, dst, n_blocks, o_sc, o_d, o_lv, levels, BPP: tl.constexpr):
+def _repack_iq4_xs(
+    src, dst, n_blocks, o_sc, o_d, o_lv, BPP: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr
+):
     blk, ok = _blocks(n_blocks, BPP)
     base = src + blk * 136
     _copy(src, dst, blk, ok, 8, 128, 128, 136)
@@ -175,12 +172,13 @@ def _repack_iq4_xs(src, dst, n_blocks, o_sc, o_d, o_lv, levels, BPP: tl.constexp
     hi = (tl.load(base + 2 + j // 4, mask=ok, other=0).to(tl.int32) >> ((j % 4) * 2)) & 0x03
     sc = ((lo | (hi << 4)) - 32) & 0xFF  # the int8's bits
     tl.store(dst + o_sc + blk * 8 + j, sc.to(tl.uint8), mask=ok)
-    if tl.program_id(0) == 0:  # the matrix's one table of levels
+    if tl.program_id(0) == 0:  # the matrix's one table of levels: 16 float32, little-endian
         b = tl.arange(0, 64)
-        tl.store(dst + o_lv + b, tl.load(levels + b))
+        bits = iq4_level(b // 4, LO, HI).to(tl.int32, bitcast=True)
+        tl.store(dst + o_lv + b, ((bits >> ((b % 4) * 8)) & 0xFF).to(tl.uint8))
 
 
-# (kernel, blocks per program, whether it takes the table of IQ4_NL levels)
+# (kernel, blocks per program, whether it writes the table of IQ4_NL levels)
 _REPACK = {
     Q.Q4_K: (_repack_q4_k, 8, False),
     Q.Q5_K: (_repack_q5_k, 8, False),
@@ -190,12 +188,6 @@ _REPACK = {
     Q.Q4_0: (_repack_q4_0, 32, False),
 }
 KERNEL_TYPES: frozenset[Q] = frozenset(_REPACK) | FLOAT_TYPES
-
-
-@functools.cache
-def _levels(device: torch.device) -> torch.Tensor:
-    """IQ4_XS's table (the 16 IQ4_NL levels as float32) on ``device``: [64] uint8."""
-    return FIXED_PLANES[Q.IQ4_XS, "lv"].to(device)
 
 
 def _device(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
@@ -212,10 +204,10 @@ def repack_into(dst: torch.Tensor, raw: torch.Tensor, lay: RepackedLayout) -> No
     n_blocks = lay.rows * lay.blocks_per_row
     if n_blocks == 0 and not table:
         return
-    extra = (_levels(raw.device),) if table else ()
+    levels = {"LO": IQ4_LO, "HI": IQ4_HI} if table else {}  # (compile-time: no device tensor)
     grid = (max(1, triton.cdiv(n_blocks, bpp)),)  # a table is written even for no rows
     with _device(raw):
-        kernel[grid](raw, dst, n_blocks, *lay.offsets[1:], *extra, BPP=bpp)
+        kernel[grid](raw, dst, n_blocks, *lay.offsets[1:], BPP=bpp, **levels)
 
 
 def repack(raw: torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:

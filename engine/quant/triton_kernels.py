@@ -28,6 +28,29 @@ from strata.engine.quant.reference import IQ4_NL_LEVELS
 Q = gguf.GGMLQuantizationType
 
 
+def _level_words(levels: tuple[int, ...]) -> tuple[int, int]:
+    """The 16 IQ4_NL levels (int8 values) as two int64s of eight bytes each, levels 0-7 and
+    8-15, byte i of a word holding level 8w + i: a compile-time table the kernels index with a
+    shift, so no device tensor of levels is kept anywhere."""
+    assert len(levels) == 16 and all(-128 <= v < 128 for v in levels)
+    words = []
+    for w in range(2):
+        word = sum((v & 0xFF) << (8 * i) for i, v in enumerate(levels[8 * w : 8 * w + 8]))
+        words.append(word - (1 << 64) if word >= 1 << 63 else word)  # as a signed int64
+    return words[0], words[1]
+
+
+IQ4_LO, IQ4_HI = _level_words(IQ4_NL_LEVELS)
+
+
+@triton.jit
+def iq4_level(q, LO: tl.constexpr, HI: tl.constexpr):
+    """IQ4_NL level number ``q`` (0..15, int) as float32, from the words of ``_level_words``."""
+    word = tl.where(q < 8, LO, HI).to(tl.int64)
+    byte = (word >> ((q % 8) * 8).to(tl.int64)) & 0xFF
+    return ((byte ^ 0x80) - 0x80).to(tl.float32)  # the byte as a signed int8
+
+
 @triton.jit
 def _f16_at(base, at: tl.constexpr, ok):
     """The little-endian IEEE half at byte ``at`` of each block, as float32. base: [B, 1]"""
@@ -136,10 +159,10 @@ def _q4_0_kernel(src, dst, n_blocks, BPP: tl.constexpr):
 
 
 @triton.jit
-def _iq4_xs_kernel(src, dst, levels, n_blocks, BPP: tl.constexpr):
+def _iq4_xs_kernel(src, dst, n_blocks, BPP: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
     # block: d f16 | scales_h u16 | scales_l 4 bytes | qs 128. Sub-block j: 6-bit scale with low
     # 4 bits = nibble j % 2 of scales_l[j // 2], high 2 bits = bits 2j of scales_h, minus 32.
-    # Element c of sub-block j: nibble c // 16 of qs[16j + c % 16], an index into ``levels``.
+    # Element c of sub-block j: nibble c // 16 of qs[16j + c % 16], an IQ4_NL level number.
     blk, ok, e = _blocks(n_blocks, BPP, 256)
     base = src + blk * 136
     d = _f16_at(base, 0, ok)
@@ -151,7 +174,7 @@ def _iq4_xs_kernel(src, dst, levels, n_blocks, BPP: tl.constexpr):
     scale = (((sl >> ((j % 2) * 4)) & 0x0F) | (((sh >> (2 * j)) & 0x03) << 4)) - 32
     dl = d * scale.to(tl.float32)
     byte = tl.load(base + 8 + 16 * j + c % 16, mask=ok, other=0).to(tl.int32)
-    level = tl.load(levels + ((byte >> ((c // 16) * 4)) & 0x0F))
+    level = iq4_level((byte >> ((c // 16) * 4)) & 0x0F, LO, HI)
     tl.store(dst + blk * 256 + e, dl * level, mask=ok)
 
 
@@ -166,14 +189,6 @@ _KERNELS = {
     Q.IQ4_XS: (_iq4_xs_kernel, 4),
 }
 KERNEL_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(_KERNELS)
-
-_levels: dict[torch.device, torch.Tensor] = {}
-
-
-def _iq4_levels(device: torch.device) -> torch.Tensor:
-    if device not in _levels:
-        _levels[device] = torch.tensor(IQ4_NL_LEVELS, dtype=torch.float32, device=device)
-    return _levels[device]
 
 
 def dequantize_blocks(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
@@ -191,7 +206,7 @@ def dequantize_blocks(data: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> t
     if not data.is_contiguous():
         data = data.contiguous()
     grid = (triton.cdiv(n_blocks, bpp),)
-    extra = (_iq4_levels(data.device),) if qtype == Q.IQ4_XS else ()
+    table = {"LO": IQ4_LO, "HI": IQ4_HI} if qtype == Q.IQ4_XS else {}
     with torch.cuda.device(data.device) if data.is_cuda else contextlib.nullcontext():
-        kernel[grid](data, out, *extra, n_blocks, BPP=bpp, enable_fp_fusion=False)
+        kernel[grid](data, out, n_blocks, BPP=bpp, enable_fp_fusion=False, **table)
     return out
