@@ -23,6 +23,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from strata import paths
+from strata.engine.options import ARENA_GRANULE_MIB, BOUNDS, DEFAULTS
 
 ENV_PREFIX = "STRATA_"
 # Environment variables with the prefix that are not options (they steer the loading itself).
@@ -53,9 +54,22 @@ class Setting:
     spelling: str
 
 
-MAX_ADAPT_SWAPS = 256  # each swap holds one expert slot of VRAM while it passes through
-MAX_PREFETCH_EXPERTS = 256  # two sets of staging slots of this many experts each: VRAM
-MAX_KV_KEEP = 64  # each may hold a whole context of K/V pages (bounded by the budget)
+# The options the engine takes by another name here (the rest have the engine's names).
+ENGINE_NAMES = {"elastic_reserve_mib": "reserve_mib"}
+
+
+def _engine(name: str, description: str, *, default: Any = None, **extra: Any) -> Any:
+    """A field of an engine option: its default and bounds are ``engine/options.py``'s (so that
+    ``EngineOptions()`` and ``StrataConfig()`` agree); ``default`` and ``extra`` only where the
+    configuration differs on purpose (``device``'s ``auto``, resolved at the edge)."""
+    option = ENGINE_NAMES.get(name, name)
+    bound = BOUNDS.get(option)
+    if bound is not None:
+        extra.setdefault("ge", bound.low)
+        if bound.high is not None:
+            extra.setdefault("le", bound.high)
+    value = DEFAULTS[option] if default is None else default
+    return Field(value, description=description, **extra)
 
 
 class StrataConfig(BaseSettings):
@@ -73,110 +87,98 @@ class StrataConfig(BaseSettings):
         8427, ge=0, le=65535, description="TCP port of the HTTP endpoint (0: any free port)"
     )
     log_level: LogLevel = Field("info", description="logging threshold")
-    threads: int | None = Field(
-        None, ge=1, le=1024, description="CPU threads for compute (unset: physical cores - 1)"
-    )
-    context_length: int | None = Field(
-        None,
-        ge=16,
-        description="context window in tokens (unset: the model's; its K/V grows with the "
+    threads: int | None = _engine("threads", "CPU threads for compute (unset: physical cores - 1)")
+    context_length: int | None = _engine(
+        "context_length",
+        "context window in tokens (unset: the model's; its K/V grows with the "
         "conversations, so a long context costs only what is used)",
     )
-    kv_keep_conversations: int = Field(
-        4,
-        ge=0,
-        le=MAX_KV_KEEP,
-        description="conversations whose K/V is kept after their request, so a later request "
+    kv_keep_conversations: int = _engine(
+        "kv_keep_conversations",
+        "conversations whose K/V is kept after their request, so a later request "
         "that extends one of them computes only its new tokens (they count in the VRAM budget "
         "and are the first to go when it is short; 0: only the last request's)",
     )
-    kv_fixed: bool = Field(
-        False,
-        description="map the K/V for the whole context at load and never give it back (the "
+    kv_fixed: bool = _engine(
+        "kv_fixed",
+        "map the K/V for the whole context at load and never give it back (the "
         "growing K/V's control, for measurements)",
     )
-    prefill_chunk_tokens: int = Field(
-        1024, ge=1, le=65536, description="prompt tokens computed per prefill chunk (a safe point)"
+    prefill_chunk_tokens: int = _engine(
+        "prefill_chunk_tokens", "prompt tokens computed per prefill chunk (a safe point)"
     )
-    kv_cache_type: KvCacheType = Field("f16", description="element type of the K/V cache")
-    device: str = Field(
-        "auto", description="compute device: auto (cuda when present), cpu, cuda or cuda:N"
+    kv_cache_type: KvCacheType = _engine("kv_cache_type", "element type of the K/V cache")
+    device: str = _engine(
+        "device",
+        "compute device: auto (cuda when present), cpu, cuda or cuda:N",
+        default="auto",  # the engine takes the device this resolves to (engine_setup)
     )
-    devices: list[str] | None = Field(
-        None,
-        description="compute devices of a layer split, one stage each, in layer order "
+    devices: list[str] | None = _engine(
+        "devices",
+        "compute devices of a layer split, one stage each, in layer order "
         "(comma-separated: cuda:0,cuda:1; unset: one stage on device)",
     )
-    layer_split: list[int] | None = Field(
-        None,
-        description="layers per device of devices, in order (comma-separated: 20,28; each >= 1, "
+    layer_split: list[int] | None = _engine(
+        "layer_split",
+        "layers per device of devices, in order (comma-separated: 20,28; each >= 1, "
         "their sum the model's layers; unset: by each device's free memory)",
     )
-    cache_mib: int | None = Field(
-        None,
-        ge=0,
-        description="expert cache budget in MiB (unset: free VRAM minus elastic_reserve_mib on a "
+    cache_mib: int | None = _engine(
+        "cache_mib",
+        "expert cache budget in MiB (unset: free VRAM minus elastic_reserve_mib on a "
         "GPU, 0 on the CPU)",
     )
-    elastic_tail_mib: int | None = Field(
-        None,
-        ge=0,
-        description="elastic part of the cache in MiB (unset: three quarters of it; the core, "
+    elastic_tail_mib: int | None = _engine(
+        "elastic_tail_mib",
+        "elastic part of the cache in MiB (unset: three quarters of it; the core, "
         "never lent, is the rest)",
     )
-    elastic_reserve_mib: int = Field(
-        1024,
-        ge=0,
-        description="VRAM in MiB kept free for other programs (a program's first allocation "
-        "must fit in it)",
+    elastic_reserve_mib: int = _engine(
+        "elastic_reserve_mib",
+        "VRAM in MiB kept free for other programs (a program's first allocation must fit in it)",
     )
-    host_budget_mib: int | None = Field(
-        None,
-        ge=0,
-        description="RAM in MiB for the host tier, the experts no VRAM slot holds (unset: "
+    host_budget_mib: int | None = _engine(
+        "host_budget_mib",
+        "RAM in MiB for the host tier, the experts no VRAM slot holds (unset: "
         "MemAvailable at load minus max(4 GiB, RAM/8); 0: read them from the file)",
     )
-    adapt_swaps: int = Field(
-        4,
-        ge=0,
-        le=MAX_ADAPT_SWAPS,
-        description="most exchanges of a hot expert in RAM with a cold one in VRAM at each "
+    adapt_swaps: int = _engine(
+        "adapt_swaps",
+        "most exchanges of a hot expert in RAM with a cold one in VRAM at each "
         "adaptation point (every 64 decode steps; 0: never)",
     )
-    prefetch_experts: int = Field(
-        0,
-        ge=0,
-        le=MAX_PREFETCH_EXPERTS,
-        description="GPU decode: of each layer's experts predicted a layer early, copy up to "
+    prefetch_experts: int = _engine(
+        "prefetch_experts",
+        "GPU decode: of each layer's experts predicted a layer early, copy up to "
         "this many that are in RAM into VRAM ahead of its routing (0: never, the default; at "
         "most the model's experts per layer)",
     )
-    cpu_share: float | None = Field(
-        None,
-        ge=0.0,
-        le=1.0,
-        description="GPU decode: the share (0 to 1) of each layer's chosen experts in RAM that "
+    cpu_share: float | None = _engine(
+        "cpu_share",
+        "GPU decode: the share (0 to 1) of each layer's chosen experts in RAM that "
         "the CPU computes, on `threads` threads, while the GPU reads the others over PCIe (0: "
         "none, the GPU reads them all; unset: chosen at load by timing a few decode steps at "
         "0, 0.25, 0.375, 0.5, 0.625 and 0.75, on a GPU with experts in RAM, else 0)",
     )
-    verify_experts: bool = Field(
-        False,
-        description="checksum every expert at load and check it after every fill and move "
+    verify_experts: bool = _engine(
+        "verify_experts",
+        "checksum every expert at load and check it after every fill and move "
         "between VRAM and RAM, and on samples at use (costs a wait per resize)",
     )
-    arena_chunk_mib: int = Field(
-        32, ge=2, le=1024, description="arena mapping granularity in MiB (a multiple of 2)"
+    arena_chunk_mib: int = _engine(
+        "arena_chunk_mib",
+        "arena mapping granularity in MiB (a multiple of 2)",
+        ge=ARENA_GRANULE_MIB,  # a GPU arena's granule (the engine's CPU arena takes 1 MiB too)
     )
-    fast_decode: bool = Field(
-        True, description="decode on a GPU with the fused Triton kernels (off: reference path)"
+    fast_decode: bool = _engine(
+        "fast_decode", "decode on a GPU with the fused Triton kernels (off: reference path)"
     )
-    enforce_eager: bool = Field(
-        False, description="run the GPU decode kernels without capturing a CUDA graph"
+    enforce_eager: bool = _engine(
+        "enforce_eager", "run the GPU decode kernels without capturing a CUDA graph"
     )
-    fast_prefill: bool = Field(
-        True,
-        description="run prompt chunks on a GPU as tensor-core matrix products (off: reference "
+    fast_prefill: bool = _engine(
+        "fast_prefill",
+        "run prompt chunks on a GPU as tensor-core matrix products (off: reference "
         "path; needs fast_decode)",
     )
     vram_monitor: Literal["auto", "nvml", "simulated", "none"] = Field(
@@ -379,8 +381,10 @@ class StrataConfig(BaseSettings):
     @field_validator("arena_chunk_mib")
     @classmethod
     def _even_chunk(cls, value: int) -> int:
-        if value % 2:
-            raise ValueError("expected a multiple of 2 (the GPU's mapping granularity)")
+        if value % ARENA_GRANULE_MIB:
+            raise ValueError(
+                f"expected a multiple of {ARENA_GRANULE_MIB} (the GPU's mapping granularity)"
+            )
         return value
 
     @field_validator("simulated_vram_file", mode="after")

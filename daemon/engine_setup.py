@@ -11,7 +11,7 @@ from strata import paths
 from strata.daemon.config import StrataConfig
 
 if TYPE_CHECKING:
-    from strata.engine.generate import EngineOptions
+    from strata.engine.options import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def model_path(config: StrataConfig) -> Path:
 
 
 def engine_options(config: StrataConfig, device: str | None = None) -> EngineOptions:
-    from strata.engine.generate import EngineOptions
+    from strata.engine.options import EngineOptions
 
     split: dict[str, object] = {}
     if config.devices is not None:  # a layer split: one stage per device (unset: as before)

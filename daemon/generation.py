@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.daemon.worker import GenerationJob
-from strata.engine.generate import GenerationResult, TokenLogprob
+from strata.engine.generation import GenerationResult, TokenLogprob
 from strata.engine.grammar import Constraint
 from strata.engine.params import SamplingParams
 

@@ -50,7 +50,7 @@ from strata.engine.params import SamplingParams
 from strata.engine.tool_calls import ToolCall, ToolSpec
 
 if TYPE_CHECKING:
-    from strata.engine.generate import TokenLogprob
+    from strata.engine.generation import TokenLogprob
     from strata.engine.grammar import Constraint
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -476,7 +476,7 @@ def require_gpu_packages(device: str) -> None:
 def describe_path(daemon: Daemon) -> str:
     """One line: the path ``strata serve`` took (the VRAM arena, the monitor, the kernels), or
     why not."""
-    from strata.engine.generate import decode_path
+    from strata.engine.loader import decode_path
 
     monitor = daemon.controller.monitor
     if monitor.kind == "none":

@@ -33,7 +33,8 @@ GiB = 2**30
 
 
 def _engine(path: Path, card: int, n_ctx: int, fixed: bool = False) -> Any:
-    from strata.engine.generate import Engine, EngineOptions
+    from strata.engine.generate import Engine
+    from strata.engine.options import EngineOptions
 
     def free() -> int:
         have, total = torch.cuda.mem_get_info()

@@ -23,8 +23,10 @@ import pytest
 
 from strata.engine import synth
 from strata.engine.bench.strata_run import BENCH_GRAMMAR
-from strata.engine.generate import Engine, EngineOptions, decode_path
+from strata.engine.generate import Engine
 from strata.engine.grammar import GrammarSpec
+from strata.engine.loader import decode_path
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 from strata.engine.vocab import QWEN3_TEMPLATE
 from tests.integration.harness import StrataDaemon

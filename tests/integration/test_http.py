@@ -22,7 +22,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from strata.engine.generate import Engine, EngineOptions
+from strata.engine.generate import Engine
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 from strata.engine.synth import ensure_synthetic
 from tests.integration.harness import StrataDaemon, wait_s

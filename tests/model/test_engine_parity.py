@@ -18,7 +18,8 @@ import pytest
 import torch
 from reference import RefModel, relative_error, top1_agreement
 
-from strata.engine.generate import Engine, EngineOptions
+from strata.engine.generate import Engine
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 
 ARCHS = ("qwen3moe", "mixtral")

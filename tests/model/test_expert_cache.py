@@ -12,7 +12,8 @@ from reference import RefModel
 
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.slots import SlotTagMismatch, Tag
-from strata.engine.generate import Engine, EngineOptions
+from strata.engine.generate import Engine
+from strata.engine.options import EngineOptions
 from strata.engine.quant import repack
 from strata.engine.quant.expert_layout import kernel_layout, run_offsets
 

@@ -17,11 +17,13 @@ import gguf
 import pytest
 import torch
 
-from strata.engine import generate, synth
+from strata.engine import loader, synth
+from strata.engine.errors import EngineError
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.slots import SlotTagMismatch, Tag
-from strata.engine.generate import EngineOptions, fast_path_unavailable
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.loader import fast_path_unavailable
+from strata.engine.options import EngineOptions
 from strata.engine.quant import REPACKED_TYPES
 from strata.engine.runner import Runner
 
@@ -220,10 +222,10 @@ def test_a_bad_cpu_share_is_refused_naming_it(q8: Path) -> None:
 def test_the_cpus_share_and_the_copies_ahead_are_one_or_the_other(q8: Path) -> None:
     runner = fast_runner(q8, 0.5, host=True)
     both = EngineOptions(cpu_share=0.5, prefetch_experts=2, enforce_eager=True)
-    with pytest.raises(generate.EngineError, match=r"cpu_share=0\.5 and prefetch_experts=2"):
-        generate._configure_decoder(runner.decoder, runner.model, both, lambda what: None)
-    with pytest.raises(generate.EngineError, match="cpu_share=2: must be a number between"):
-        generate._configure_decoder(
+    with pytest.raises(EngineError, match=r"cpu_share=0\.5 and prefetch_experts=2"):
+        loader._configure_decoder(runner.decoder, runner.model, both, lambda what: None)
+    with pytest.raises(EngineError, match="cpu_share=2: must be a number between"):
+        loader._configure_decoder(
             runner.decoder, runner.model, EngineOptions(cpu_share=2), lambda what: None
         )
 
@@ -242,7 +244,7 @@ def test_an_automatic_cpu_share_is_none_off_a_gpu_or_beside_the_copies_ahead(q8:
         EngineOptions(enforce_eager=True),
         EngineOptions(enforce_eager=True, prefetch_experts=2),
     ):
-        generate._configure_decoder(runner.decoder, runner.model, options, lambda what: None)
+        loader._configure_decoder(runner.decoder, runner.model, options, lambda what: None)
         assert runner.decoder.cpu is None and runner.decoder.cpu_share == 0
         assert runner.decoder.mode in ("plain", "ahead")
 
@@ -400,7 +402,7 @@ def test_the_fast_path_is_chosen_only_where_it_can_serve(q8: Path, tmp_path: Pat
     q5 = write(tmp_path, "q5", spec, replace(synth.TypePlan.uniform(Q.F32), experts_down=Q.Q5_K))
     assert fast_path_unavailable(q5, cuda, EngineOptions()) is None
     # every type the engine reads has a decode kernel now: pretend one had none
-    monkeypatch.setattr(generate, "REPACKED_TYPES", REPACKED_TYPES - {Q.Q5_K})
+    monkeypatch.setattr(loader, "REPACKED_TYPES", REPACKED_TYPES - {Q.Q5_K})
     assert fast_path_unavailable(q5, cuda, EngineOptions()) == (
         "expert tensors of type Q5_K have no decode kernel yet"
     )

@@ -17,7 +17,9 @@ import torch
 from fastpath import forced_logits
 
 from strata.engine.experts.cache import ExpertCache
-from strata.engine.generate import Engine, EngineOptions, decode_path
+from strata.engine.generate import Engine
+from strata.engine.loader import decode_path
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +36,8 @@ def cuda() -> str:
 
 
 def load(path: Path, cuda: str, **kw) -> Engine:
-    options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=2)
+    options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=2,
+                   cache_mib=0)  # fmt: skip
     options.update(kw)
     return Engine.load(path, EngineOptions(**options))  # type: ignore[arg-type]
 

@@ -18,7 +18,8 @@ import torch
 from fastpath import worst
 
 from strata.engine.fast_prefill import FastPrefill
-from strata.engine.generate import Engine, EngineOptions
+from strata.engine.generate import Engine
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 
 pytestmark = pytest.mark.gpu

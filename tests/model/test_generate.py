@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from strata.engine.errors import ContextOverflow, EngineError, ModelLoadError
-from strata.engine.generate import Engine, EngineOptions, _StopMatcher
+from strata.engine.generate import Engine
+from strata.engine.generation import _StopMatcher
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)

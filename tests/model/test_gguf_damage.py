@@ -19,8 +19,9 @@ import pytest
 
 from strata.engine import synth
 from strata.engine.errors import ModelLoadError
-from strata.engine.generate import Engine, EngineOptions
+from strata.engine.generate import Engine
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.options import EngineOptions
 
 Q = gguf.GGMLQuantizationType
 ALIGN = 32

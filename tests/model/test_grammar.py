@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from strata.engine import synth
-from strata.engine.generate import Engine, EngineOptions
+from strata.engine.generate import Engine
 from strata.engine.grammar import GrammarError, GrammarSpec, TokenMask
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 from strata.engine.tool_calls import HermesFormat, MistralFormat, ToolFormat, ToolSpec
 from strata.engine.vocab import QWEN3_TEMPLATE, build_mistral_tools_vocab

@@ -21,8 +21,9 @@ from strata.engine import synth
 from strata.engine.experts.cache import ExpertCache, chunk_groups
 from strata.engine.experts.host import HostTier, default_budget_bytes, tier_slots
 from strata.engine.experts.slots import SlotTagMismatch, Tag
-from strata.engine.generate import Engine, EngineOptions
+from strata.engine.generate import Engine
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.options import EngineOptions
 from strata.engine.quant.expert_layout import packed_bytes
 from strata.vmm import pagecache
 from strata.vmm.host_arena import HostArena
@@ -323,10 +324,10 @@ def test_host_memory_dropped_without_close_is_unregistered_before_it_is_unmapped
 
 
 def test_a_partial_page_lock_stops_the_load_and_frees_the_arena(q8: Path, monkeypatch) -> None:
-    from strata.engine import generate
+    from strata.engine import loader
 
     pinner = FakePinner(refuse_at=0)
-    monkeypatch.setattr(generate, "_pinner", lambda device: pinner)
+    monkeypatch.setattr(loader, "_pinner", lambda device: pinner)
     options = EngineOptions(device="cpu", cache_mib=1, host_budget_mib=64, arena_chunk_mib=2)
     with pytest.raises(Exception, match=r"page-locking .* obtained 0 MiB") as err:
         Engine.load(q8, options)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata.engine.generate import Engine, EngineOptions
+from strata.engine.generate import Engine
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +31,8 @@ def cuda() -> str:
 
 def load(path: Path, cuda: str, **kw) -> Engine:
     """The GPU reads every RAM expert unless ``cpu_share`` is given (None: chosen at load)."""
-    options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=2)
+    options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=2,
+                   cache_mib=0)  # fmt: skip
     options["cpu_share"] = 0.0
     options.update(kw)
     return Engine.load(path, EngineOptions(**options))  # type: ignore[arg-type]

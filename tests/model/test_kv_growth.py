@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from strata.engine.errors import ContextOverflow
-from strata.engine.generate import Engine, EngineOptions, GenerationResult
+from strata.engine.generate import Engine
+from strata.engine.generation import GenerationResult
 from strata.engine.kvbook import pages_for
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 from strata.vmm.arena import ElasticArena, create_arena
 

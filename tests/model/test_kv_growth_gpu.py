@@ -9,7 +9,9 @@ import pytest
 import torch
 from test_kv_growth import MiB, gen, in_budget, second_turn, words
 
-from strata.engine.generate import Engine, EngineOptions, decode_path
+from strata.engine.generate import Engine
+from strata.engine.loader import decode_path
+from strata.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 CHUNK_MIB = 2  # CUDA's mapping granularity: eight of the tiny model's 256 KiB pages

@@ -13,7 +13,8 @@ import torch
 
 from strata.engine.errors import EngineError, ModelLoadError
 from strata.engine.experts.cache import ExpertCache, ForeignLayer
-from strata.engine.generate import Engine, EngineOptions
+from strata.engine.generate import Engine
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 from strata.vmm.arena import ElasticArena, create_arena
 from strata.vmm.errors import VmmError

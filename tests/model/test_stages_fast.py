@@ -144,11 +144,13 @@ def test_engine_load_builds_a_decoder_per_stage(q8: Path, monkeypatch) -> None:
     """``Engine.load``'s wiring of the staged fast path (the GPU test's, without a GPU: the
     interpreter runs the kernels, and steps run eagerly as graphs need CUDA; prompts take the
     reference path here, ``test_staged_steps_and_prompts…`` covers the staged prefill)."""
-    from strata.engine import generate
-    from strata.engine.generate import Engine, EngineOptions, decode_path
+    from strata.engine import loader
+    from strata.engine.generate import Engine
+    from strata.engine.loader import decode_path
+    from strata.engine.options import EngineOptions
     from strata.engine.params import SamplingParams
 
-    monkeypatch.setattr(generate, "fast_path_unavailable", lambda index, device, options: None)
+    monkeypatch.setattr(loader, "fast_path_unavailable", lambda index, device, options: None)
     base = dict(kv_cache_type="f32", context_length=128, arena_chunk_mib=2, cache_mib=2,
                 host_budget_mib=64, fast_prefill=False)  # fmt: skip
     one = Engine.load(q8, EngineOptions(**base))  # type: ignore[arg-type]

@@ -19,7 +19,9 @@ import torch
 from fastpath import forced_logits
 
 from strata.engine.experts.cache import ExpertCache
-from strata.engine.generate import Engine, EngineOptions, decode_path
+from strata.engine.generate import Engine
+from strata.engine.loader import decode_path
+from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +40,8 @@ def cuda() -> tuple[str, str]:
 def load(path: Path, devices: tuple[str, ...] | None, **kw) -> Engine:
     # cpu_share 0: the CPU's sums round differently from the GPU's, and which experts sit in RAM
     # (a stage's resize, an automatic share timed per load) would change the logits' last bits
-    options = dict(kv_cache_type="f32", context_length=256, arena_chunk_mib=2, cpu_share=0.0)
+    options = dict(kv_cache_type="f32", context_length=256, arena_chunk_mib=2, cpu_share=0.0,
+                   cache_mib=0)  # fmt: skip
     if devices is None:
         options["device"] = "cuda:0"
     else:

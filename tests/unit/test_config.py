@@ -273,7 +273,7 @@ def test_the_engine_options_are_the_ones_engine_options_reads() -> None:
     import dataclasses
 
     from strata.daemon.config import BENCH_OPTIONS, ENGINE_OPTIONS, OPTION_NAMES
-    from strata.engine.generate import EngineOptions
+    from strata.engine.options import EngineOptions
 
     fields = {f.name for f in dataclasses.fields(EngineOptions)}
     read = (fields & set(OPTION_NAMES)) | {"elastic_reserve_mib", "model", "log_level"}
@@ -376,7 +376,7 @@ def test_config_show_prints_lists_as_toml_arrays(
 def test_engine_options_carry_the_split_as_tuples_and_nothing_without_it() -> None:
     from strata.daemon.config import StrataConfig
     from strata.daemon.engine_setup import engine_options
-    from strata.engine.generate import EngineOptions
+    from strata.engine.options import EngineOptions
 
     plain = engine_options(StrataConfig(device="cpu"))
     assert plain.devices is None and plain.layer_split is None

@@ -213,7 +213,7 @@ def test_reply_stream_sends_call_deltas_and_logprobs_with_their_text() -> None:
     from strata.daemon.generation import Piece
     from strata.daemon.openai_stream import ReplyStream
     from strata.daemon.openai_tools import ToolContext
-    from strata.engine.generate import GenerationResult, TokenLogprob
+    from strata.engine.generation import GenerationResult, TokenLogprob
     from strata.engine.params import SamplingParams
     from strata.engine.tool_calls import HermesFormat, ToolSpec
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from strata.engine.generate import _StopMatcher
+from strata.engine.generation import _StopMatcher
 
 SEED = 16
 ALPHABET = "abé日🙂"  # 1, 1, 2, 3 and 4 bytes of UTF-8: few letters, so stops overlap often
