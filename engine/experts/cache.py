@@ -216,23 +216,7 @@ class ExpertCache:
         except BaseException:
             cache.close()
             raise
-        log.info(
-            "expert cache: %d of %d experts (%.0f MiB; core %d slots, tail %d) of %.2f MiB each, "
-            "%s arena of %.0f MiB reserved in %d MiB chunks%s%s",
-            cache.table.n_slots,
-            n_experts,
-            cache.table.n_slots * slot_bytes / MiB,
-            sizes.core_slots,
-            sizes.tail_slots,
-            slot_bytes / MiB,
-            backend,
-            reserved / MiB,
-            chunk_bytes // MiB,
-            ", kernel layout" if kernel else "",
-            "" if layers is None else f", layers {layers.start}-{layers.stop - 1}",
-        )
-        pinned = cache.tier is not None and cache.tier.pinned
-        log_tier(cache.tier_stats(), pinned, cache.file_experts, slot_bytes, cache.released_bytes)
+        _log_cache(cache, n_experts, backend, reserved)
         return cache
 
     def _build_tier(self, progress: Progress | None) -> None:
@@ -284,7 +268,7 @@ class ExpertCache:
             self.table.check(slot, key)  # a wrong expert is an error, never a plausible answer
             self.stats.hits += 1
             self.stats.bytes_from_cache += blob.nbytes
-            return self._weights(blob, self.copies.slot_view(slot))
+            return _weights(self.kernel, blob, self.copies.slot_view(slot))
         home = self.tier.slot_of(key) if self.tier is not None else None
         if home is None:
             return self.file.from_file(blob)
@@ -295,22 +279,7 @@ class ExpertCache:
         data = self.tier.view(home, self.copies.expert_bytes(blob))
         if self.device.type != "cpu":  # the reference path on a GPU: one copy of the home
             data = data.to(self.device, non_blocking=True)
-        return self._weights(blob, data)
-
-    def _weights(self, blob: ExpertBlob, data: torch.Tensor) -> ExpertWeights:
-        """The expert's three matrices over ``data``, its bytes in this cache's layout."""
-        if self.kernel:
-            lay = kernel_layout(blob)
-            gate, up, down = (
-                RepackedWeight(data[off : off + m.nbytes], m)
-                for off, m in zip(lay.offsets, lay.layouts, strict=True)
-            )
-            return ExpertWeights(gate, up, down)
-        gate, up, down = (
-            QWeight.of_run(data[off : off + run.nbytes], run)
-            for off, run in zip(run_offsets(blob), blob.runs, strict=True)
-        )
-        return ExpertWeights(gate, up, down)
+        return _weights(self.kernel, blob, data)
 
     # -- sizes ----------------------------------------------------------------------------------
 
@@ -465,14 +434,7 @@ class ExpertCache:
         dropped."""
         if not self.verifier.wants(copies):
             return []
-        views = []
-        for key, where, slot in copies:
-            n = self.copies.expert_bytes(self.index.expert(*key))
-            if where == "slot":
-                views.append(self.copies.slot_view(slot, n))
-            else:
-                assert self.tier is not None
-                views.append(self.copies.home_view(self.tier, slot, n))
+        views = [self.copies.view_of(self.tier, w, s, self.index.expert(*k)) for k, w, s in copies]
         bad = self.verifier.check(copies, views)
         for key, where, slot in bad:
             if where == "slot":
@@ -557,3 +519,41 @@ class ExpertCache:
         if self.tier is not None:
             self.tier.close()
             self.tier = None
+
+
+def _weights(kernel: bool, blob: ExpertBlob, data: torch.Tensor) -> ExpertWeights:
+    """The expert's three matrices over ``data``, its bytes in the slots' layout (``kernel``:
+    the decode kernels', else the file's)."""
+    if kernel:
+        lay = kernel_layout(blob)
+        gate, up, down = (
+            RepackedWeight(data[off : off + m.nbytes], m)
+            for off, m in zip(lay.offsets, lay.layouts, strict=True)
+        )
+        return ExpertWeights(gate, up, down)
+    gate, up, down = (
+        QWeight.of_run(data[off : off + run.nbytes], run)
+        for off, run in zip(run_offsets(blob), blob.runs, strict=True)
+    )
+    return ExpertWeights(gate, up, down)
+
+
+def _log_cache(cache: ExpertCache, n_experts: int, backend: str, reserved: int) -> None:
+    sizes, slot_bytes, layers = cache.sizes, cache.slot_bytes, cache.layers
+    log.info(
+        "expert cache: %d of %d experts (%.0f MiB; core %d slots, tail %d) of %.2f MiB each, "
+        "%s arena of %.0f MiB reserved in %d MiB chunks%s%s",
+        cache.table.n_slots,
+        n_experts,
+        cache.table.n_slots * slot_bytes / MiB,
+        sizes.core_slots,
+        sizes.tail_slots,
+        slot_bytes / MiB,
+        backend,
+        reserved / MiB,
+        cache.arena.chunk_bytes // MiB,
+        ", kernel layout" if cache.kernel else "",
+        "" if layers is None else f", layers {layers.start}-{layers.stop - 1}",
+    )
+    pinned = cache.tier is not None and cache.tier.pinned
+    log_tier(cache.tier_stats(), pinned, cache.file_experts, slot_bytes, cache.released_bytes)

@@ -132,6 +132,17 @@ class SlotCopies:
             return tier.memory.device_view(home * tier.slot_bytes, nbytes, self.device.index or 0)
         return tier.view(home, nbytes)
 
+    def view_of(
+        self, tier: HostTier | None, where: str, slot: int, blob: ExpertBlob
+    ) -> torch.Tensor:
+        """The bytes of ``blob``'s copy in arena slot ``slot`` (``where`` "slot") or in host
+        home ``slot`` ("home"), where the compute device reads them."""
+        n = self.expert_bytes(blob)
+        if where == "slot":
+            return self.slot_view(slot, n)
+        assert tier is not None
+        return self.home_view(tier, slot, n)
+
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
