@@ -27,7 +27,7 @@ from strata.engine.errors import EngineError, ModelLoadError
 
 if TYPE_CHECKING:
     from strata.engine.bench.settings import BenchSettings
-    from strata.engine.generate import EngineOptions
+    from strata.engine.options import EngineOptions
 
 log = logging.getLogger(__name__)
 

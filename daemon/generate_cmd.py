@@ -17,7 +17,8 @@ from strata.engine.errors import ContextOverflow, EngineError, ModelLoadError
 from strata.engine.params import SamplingParams
 
 if TYPE_CHECKING:
-    from strata.engine.generate import Engine, GenerationResult
+    from strata.engine.generate import Engine
+    from strata.engine.generation import GenerationResult
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from strata.engine.tool_calls import ArgumentsDelta, CallStart, Event, ToolCall
 
 if TYPE_CHECKING:
     from strata.daemon.generation import Piece
-    from strata.engine.generate import GenerationResult, TokenLogprob
+    from strata.engine.generation import GenerationResult, TokenLogprob
     from strata.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

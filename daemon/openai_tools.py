@@ -24,7 +24,8 @@ from strata.engine.params import MAX_TOP_LOGPROBS
 from strata.engine.tool_calls import ToolCall, ToolFormat, ToolSpec, format_for, generic_messages
 
 if TYPE_CHECKING:
-    from strata.engine.generate import Engine, TokenLogprob
+    from strata.engine.generate import Engine
+    from strata.engine.generation import TokenLogprob
     from strata.engine.grammar import Constraint, Grammars
     from strata.engine.tokenizer import Tokenizer
 

@@ -189,7 +189,7 @@ class Daemon:
         if engine is not None:
             out += [
                 Bounded("kv_tokens", "positions the K/V cache holds (the prefix a next prompt "
-                        "may reuse)", len(engine.runner.tokens), engine.n_ctx, "tokens"),
+                        "may reuse)", len(engine.sequences.tokens), engine.n_ctx, "tokens"),
                 Bounded("tokenizer_cache_words", "words the tokenizer's BPE caches may hold "
                         "(the library does not count them; words of 256 bytes or more are never "
                         "cached)", None, engine.tokenizer.cache_words_limit, "words"),
@@ -476,7 +476,6 @@ def require_gpu_packages(device: str) -> None:
 def describe_path(daemon: Daemon) -> str:
     """One line: the path ``strata serve`` took (the VRAM arena, the monitor, the kernels), or
     why not."""
-    from strata.engine.loader import decode_path
 
     monitor = daemon.controller.monitor
     if monitor.kind == "none":
@@ -500,13 +499,13 @@ def describe_path(daemon: Daemon) -> str:
     cache = daemon.worker.cache
     arena = type(cache.arena).__name__ if cache is not None else None
     arena_text = {"CudaArena": "CUDA VMM arena", None: "no expert cache"}.get(arena, str(arena))
-    kernels = decode_path(engine.runner) if engine is not None else "not loaded"
-    if engine is not None and engine.runner.decoder is None:
+    kernels = engine.sequences.decode_path() if engine is not None else "not loaded"
+    if engine is not None and not engine.sequences.decodes_on_gpu:
         from strata.engine.kernels import unavailable
 
         why = unavailable() or ("fast_decode is off" if not daemon.config.fast_decode else None)
         kernels += f", no Triton kernels: {why}" if why else ""
-    prefill = engine.runner.prefill_path() if engine is not None else "not loaded"
+    prefill = engine.sequences.prefill_path() if engine is not None else "not loaded"
     return (
         f"path: {daemon.device}: {arena_text}; {watch}; {requests}; decode: {kernels}; "
         f"prefill: {prefill}{_stages_text(daemon)}"
@@ -736,7 +735,7 @@ def run(loaded: LoadedConfig, args: Any) -> int:
 def _kv_status(engine: Any, stage: int = 0) -> dict[str, Any]:
     """The K/V's part of the status (docs/status.md): its share of the budget it shares with
     the expert cache, the active conversation and the kept ones (of ``stage``'s layers)."""
-    store = engine.runner.kv if engine is not None and stage == 0 else None
+    store = engine.sequences.kv if engine is not None and stage == 0 else None
     if engine is not None and stage > 0:
         store = engine.stages[stage].kv
     if engine is None or store is None or store.arena.closed:

@@ -25,7 +25,8 @@ from enum import StrEnum
 from typing import Any
 
 from strata.engine.experts.cache import ExpertCache, ResizeResult
-from strata.engine.generate import Engine, GenerationResult, TokenLogprob
+from strata.engine.generate import Engine
+from strata.engine.generation import GenerationResult, TokenLogprob
 from strata.engine.grammar import Constraint
 from strata.engine.params import SamplingParams
 

@@ -21,32 +21,14 @@ from strata.engine.experts.provider import ExpertProvider
 from strata.engine.generation import Generation, GenerationResult, TokenLogprob
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.grammar import Constraint, Grammars
-from strata.engine.loader import (
-    ArenaFactoryArg,
-    FreeVramArg,
-    Progress,
-    decode_path,
-    fast_path_unavailable,
-)
+from strata.engine.loader import ArenaFactoryArg, FreeVramArg, Progress
 from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
-from strata.engine.runner import Runner, SafePoint
-from strata.engine.stages import Stage
+from strata.engine.sequences import SafePoint, Sequences
+from strata.engine.step import StageRunner
 from strata.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# Names that moved to loader, generation and options, still taken from here by modules outside
-# the change that moved them (daemon/worker.py, openai_stream.py, openai_tools.py,
-# generate_cmd.py, bench_cmd.py; engine/bench/settings.py, profile.py, session.py).
-__all__ = [
-    "Engine",
-    "EngineOptions",
-    "GenerationResult",
-    "TokenLogprob",
-    "decode_path",
-    "fast_path_unavailable",
-]
 
 
 class Engine:
@@ -55,22 +37,22 @@ class Engine:
         index: GGUFIndex,
         tokenizer: Tokenizer,
         template: ChatTemplate | None,
-        runner: Runner,
+        sequences: Sequences,
         profile_file: Path | None = None,
     ) -> None:
         self.index = index
         self.tokenizer = tokenizer
         self.template = template
-        self.runner = runner
+        self.sequences = sequences
         self.profile_file = profile_file
-        self.grammars = Grammars(tokenizer, runner.model.args.vocab_size)
+        self.grammars = Grammars(tokenizer, sequences.model.shape.vocab_size)
         self._tools_rendered: bool | None = None
 
     def save_profile(self) -> None:
         """Merge this run's expert usage (every stage's) into the saved profile (atomically;
         errors are logged, never fatal: a profile only speeds up the next start)."""
-        self.runner.flush_usage()
-        providers = self.runner.model.providers
+        self.sequences.flush_usage()
+        providers = [stage.provider for stage in self.sequences.stages]
         if self.profile_file is None or not any(p.totals for p in providers):
             return
         key = model_key(self.index)
@@ -87,29 +69,37 @@ class Engine:
         log.debug("saved the expert usage profile %s", self.profile_file)
 
     @property
-    def stages(self) -> list[Stage]:
+    def stages(self) -> list[StageRunner]:
         """The stages, in layer order (one without ``devices``)."""
-        return self.runner.stages
+        return self.sequences.stages
 
-    def _stage(self, stage: int) -> Stage:
-        n = len(self.runner.stages)
+    def _stage(self, stage: int) -> StageRunner:
+        n = len(self.sequences.stages)
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n:
             raise EngineError(f"stage={stage!r}: the engine has stages 0 to {n - 1}")
-        return self.runner.stages[stage]
+        return self.sequences.stages[stage]
 
     @property
     def provider(self) -> ExpertProvider:
-        return self.runner.model.provider
+        """The first stage's expert provider (the only one without ``devices``)."""
+        return self.sequences.stages[0].provider
 
     @property
     def cache(self) -> ExpertCache | None:
-        provider = self.runner.model.provider
-        return provider if isinstance(provider, ExpertCache) else None
+        return self.sequences.stages[0].cache
+
+    def decode_path(self) -> str:
+        """How decode steps run, for the log and the bench: a line of text."""
+        return self.sequences.decode_path()
+
+    def prefill_path(self) -> str:
+        """How prompt chunks run: a line of text."""
+        return self.sequences.prefill_path()
 
     def close(self) -> None:
         """Give every stage's memory back: its cache's (the arena is unmapped and released),
         the pinned staging buffers of expert misses, and its K/V's."""
-        loader.release(self.runner, self.runner.model)
+        loader.release(self.sequences)
 
     @property
     def model_id(self) -> str:
@@ -117,7 +107,7 @@ class Engine:
 
     @property
     def n_ctx(self) -> int:
-        return self.runner.n_ctx
+        return self.sequences.n_ctx
 
     @classmethod
     def load(
@@ -136,7 +126,7 @@ class Engine:
         every stage or a sequence of one per device (stage i gets element i). The steps are
         ``loader.load``'s."""
         got = loader.load(path, options, state_dir, progress, arena_factory, free_vram)
-        return cls(got.index, got.tokenizer, got.template, got.runner, got.profile_file)
+        return cls(got.index, got.tokenizer, got.template, got.sequences, got.profile_file)
 
     # -- prompts --------------------------------------------------------------------------------
 
@@ -187,14 +177,14 @@ class Engine:
                 f"prompt of {n_prompt} tokens + max_tokens {max_tokens} = "
                 f"{n_prompt + max_tokens} exceeds the context length of {self.n_ctx} tokens"
             )
-        fit = self.runner.tokens_that_fit()
+        fit = self.sequences.tokens_that_fit()
         if n_prompt + 1 > fit:
-            runner, MiB = self.runner, loader.MiB
+            seqs, MiB = self.sequences, loader.MiB
             # the stage whose budget fits the fewest tokens (the only one without stages)
-            st = min(runner.stages, key=lambda s: s.tokens_that_fit(runner.n_ctx))
+            st = min(seqs.stages, key=lambda s: s.tokens_that_fit(seqs.n_ctx))
             limit = st.kv_limit_bytes() or 0
             need = st.kv.context_bytes(n_prompt + 1)
-            where = f" of {st.describe()}" if len(runner.stages) > 1 else ""
+            where = f" of {st.describe()}" if len(seqs.stages) > 1 else ""
             raise ContextOverflow(
                 f"prompt of {n_prompt} tokens needs {need / MiB:,.0f} MiB of K/V{where}; the "
                 f"VRAM budget of {(st.budget or 0) / MiB:,.0f} MiB for the expert cache and the "
@@ -210,7 +200,7 @@ class Engine:
         st = self._stage(stage)
         if st.cache is None:
             raise EngineError(f"stage {stage} has no expert cache: a budget needs one")
-        return self.runner.fit_budget(budget, stage)
+        return self.sequences.fit_budget(budget, stage)
 
     def kv_status(self, stage: int = 0) -> dict[str, int | list[int]]:
         """``stage``'s K/V and its share of that stage's budget, for the status and the
@@ -218,7 +208,7 @@ class Engine:
         st = self._stage(stage)
         out = st.kv.status()
         out["budget_bytes"] = st.budget if st.budget is not None else -1
-        out["fits_tokens"] = self.runner.tokens_that_fit()
+        out["fits_tokens"] = self.sequences.tokens_that_fit()
         return out
 
     # -- generation -----------------------------------------------------------------------------
@@ -256,7 +246,7 @@ class Engine:
             raise EngineError("the prompt is empty: it needs at least one token")
         self.check_fits(len(prompt), params.max_tokens)
         generation = Generation(
-            self.runner, self.tokenizer, prompt, params, cancelled, safe_point,
+            self.sequences, self.tokenizer, prompt, params, cancelled, safe_point,
             constraint, show_special,
         )  # fmt: skip
         for event in generation:

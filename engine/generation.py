@@ -18,8 +18,8 @@ import torch
 
 from strata.engine.grammar import Constraint
 from strata.engine.params import SamplingParams
-from strata.engine.runner import KVFull, Runner, SafePoint
 from strata.engine.sampling import Sampler
+from strata.engine.sequences import KVFull, SafePoint, Sequences
 from strata.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Generation:
 
     def __init__(
         self,
-        runner: Runner,
+        sequences: Sequences,
         tokenizer: Tokenizer,
         prompt: Sequence[int],
         params: SamplingParams,
@@ -114,7 +114,7 @@ class Generation:
         constraint: Constraint | None = None,
         show_special: frozenset[int] = frozenset(),
     ) -> None:
-        self.runner, self.tokenizer, self.params = runner, tokenizer, params
+        self.sequences, self.tokenizer, self.params = sequences, tokenizer, params
         self.prompt, self.history = list(prompt), list(prompt)
         self.cancelled, self.safe_point, self.constraint = cancelled, safe_point, constraint
         self.sampler = Sampler(params)
@@ -123,7 +123,7 @@ class Generation:
             self.result.logprobs = []
         self.text = TextEmitter(tokenizer, params.stop, show_special)
         # greedy without a repeat penalty needs nothing from the host between steps but a
-        # grammar's mask: the fast decoder then runs one step ahead (Runner.greedy), and the
+        # grammar's mask: the GPU runner then runs one step ahead (Sequences.greedy), and the
         # token comes from it (under a grammar, step n+1 runs while the host computes its mask
         # from token n). Not with logprobs (they need the logits on the host).
         self.look_ahead = params.greedy and params.repeat_penalty == 1.0 and params.logprobs is None
@@ -180,10 +180,10 @@ class Generation:
     def _prefill(self) -> bool:
         """The prompt's K/V (what an earlier request left is reused); False: cancelled."""
         self._t0 = time.monotonic()
-        todo = self.runner.start(self.prompt)
+        todo = self.sequences.start(self.prompt)
         self.result.cached_tokens = len(self.prompt) - len(todo)
         try:
-            self._logits = self.runner.feed(todo, self._prompt_boundary)
+            self._logits = self.sequences.feed(todo, self._prompt_boundary)
         except _Cancelled:  # the K/V keeps the chunks fed so far: a retry reuses them
             return False
         finally:
@@ -196,7 +196,7 @@ class Generation:
         assert self._logits is not None
         if self.constraint is not None:
             # the host computes the mask while the device still runs the step
-            self._logits = self.runner.mask_logits(self._logits, self.constraint)
+            self._logits = self.sequences.mask_logits(self._logits, self.constraint)
             if self.constraint.error is not None:
                 return None
         return self.sampler(self._logits, self.history)
@@ -231,9 +231,9 @@ class Generation:
     def _advance(self) -> bool:
         """The last token fed (its logits for the host to sample), or the look-ahead's next
         token taken; False where the K/V has no room for one more position."""
-        if self._ahead is None and self.look_ahead and self.runner.can_look_ahead():
+        if self._ahead is None and self.look_ahead and self.sequences.can_look_ahead():
             left = self.params.max_tokens - len(self.result.tokens)
-            self._ahead = self.runner.greedy(self._last, left, self._boundary, self.constraint)
+            self._ahead = self.sequences.greedy(self._last, left, self._boundary, self.constraint)
         if self._ahead is not None:
             nxt = next(self._ahead, None)
             if nxt is not None:
@@ -242,7 +242,7 @@ class Generation:
             self._ahead = None  # the look-ahead ended: the last token is not fed yet
         self._token = None
         try:
-            self._logits = self.runner.feed([self._last], self._boundary)
+            self._logits = self.sequences.feed([self._last], self._boundary)
         except KVFull as e:  # as a context end
             log.warning("generation ends: %s", e)
             return False
@@ -267,7 +267,7 @@ class Generation:
             result.decode_s = time.monotonic() - self._t_first
         if self.constraint is not None:
             result.mask_s = self.constraint.mask_s
-        self.runner.settle()
+        self.sequences.settle()
         return TokenEvent(None, tail, logprobs, result.finish_reason)
 
 

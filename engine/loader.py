@@ -1,5 +1,5 @@
 """Loading a GGUF model: the file and its tokenizer, the devices and the layer split, the model,
-its K/V and fast decoder, and the expert caches sized last (``Engine.load`` calls :func:`load`).
+its K/V and stage runners, and the expert caches sized last (``Engine.load`` calls :func:`load`).
 
 Each step is a method of :class:`_Loading`, which holds what the steps share; a load that fails
 part way gives back everything it made (``release``).
@@ -25,14 +25,15 @@ from strata.engine.errors import EngineError, ModelLoadError
 from strata.engine.experts.cache import ExpertCache, model_key
 from strata.engine.experts.profile import UsageProfile, profile_path
 from strata.engine.experts.provider import FileExpertProvider
+from strata.engine.fast_path import build_gpu_runners, configure_gpu, unavailable_on_all
 from strata.engine.gguf_index import GGUFIndex
-from strata.engine.layers.decoder import MoEDecoder
 from strata.engine.models import architecture_module
+from strata.engine.models.base import MoEModel
+from strata.engine.ops import ModelShape
 from strata.engine.options import EngineOptions
-from strata.engine.quant import REPACKED_TYPES
-from strata.engine.runner import Runner
+from strata.engine.reference_runner import ReferenceRunner
+from strata.engine.sequences import Sequences, new_kvs
 from strata.engine.stages import (
-    Stage,
     check_layer_split,
     describe_split,
     layer_ranges,
@@ -46,8 +47,7 @@ from strata.vmm.arena import ElasticArena
 from strata.vmm.errors import VmmError
 
 if TYPE_CHECKING:
-    from strata.engine.fast_decode import FastDecoder
-    from strata.engine.fast_stages import StagedDecoder
+    from strata.engine.step import StageRunner
     from strata.vmm.pinned import Pinner
 
 # The load's lines keep the name they have always had (what logs are filtered and tests capture by).
@@ -55,8 +55,7 @@ log = logging.getLogger("strata.engine.generate")
 
 DEFAULT_MAX_CONTEXT = 16384
 MiB = 2**20
-# where an automatic cpu_share starts (the share the decode graph is captured with, then tuned)
-AUTO_CPU_SHARE_START = 0.5
+
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 ArenaFactory = Callable[[int, int], ElasticArena]
@@ -73,7 +72,7 @@ class Loaded:
     index: GGUFIndex
     tokenizer: Tokenizer
     template: ChatTemplate | None
-    runner: Runner
+    sequences: Sequences
     profile_file: Path | None
 
 
@@ -100,18 +99,18 @@ def load(
     loading.place(names)
     loading.build()
     try:
-        decoder = loading.fast_path()
+        gpu = loading.fast_path()
         profile_file = profile_path(state_dir, model_key(loading.index)) if state_dir else None
-        loading.fill_caches(profile_file, decoder is not None)
-        loading.configure(decoder)
+        loading.fill_caches(profile_file, gpu)
+        loading.configure(gpu)
     except BaseException:
-        if loading.runner is not None:
-            release(loading.runner, loading.runner.model)
+        if loading.sequences is not None:
+            release(loading.sequences)
         raise
     loading.step(loading.total, "ready")
     loading.log_loaded()
-    assert loading.runner is not None
-    return Loaded(loading.index, tokenizer, template, loading.runner, profile_file)
+    assert loading.sequences is not None
+    return Loaded(loading.index, tokenizer, template, loading.sequences, profile_file)
 
 
 class _Loading:
@@ -123,8 +122,8 @@ class _Loading:
     devices: list[torch.device]
     split: Split
     why_not: str | None  # why decode steps take the reference path (None: the fused kernels)
-    model: MoEDecoder
-    runner: Runner | None = None
+    model: MoEModel
+    sequences: Sequences | None = None
     n_ctx: int
     threads: int
 
@@ -164,9 +163,9 @@ class _Loading:
     def place(self, names: Sequence[str]) -> None:
         """The devices, the stages' layer split, and whether decode takes the fused kernels."""
         self.devices = [resolve_device(name) for name in names]
-        n_layer = self.module.ModelArgs.from_index(self.index).n_layer
+        n_layer = self.module.Model.read_shape(self.index).n_layer
         self.split = _split(n_layer, self.options, self.devices, self.frees)
-        self.why_not = _fast_path_unavailable_all(self.index, self.devices, self.options)
+        self.why_not = unavailable_on_all(self.index, self.devices, self.options)
         if self.why_not is None:
             self.total = 7  # and two more steps: compiling the kernels, capturing the graph
         elif any(d.type == "cuda" for d in self.devices):
@@ -174,64 +173,74 @@ class _Loading:
 
     def build(self) -> None:
         """The model (its weights repacked for the fused kernels where they run), the context
-        checked against each stage's memory, and the runner with its K/V."""
+        checked against each stage's memory, and the sequences over each stage's K/V."""
         repack = "repacking the weights for the GPU kernels"
         self.step(2, "mapping the weights" if self.why_not else repack)
         self.model = self.build_model(self.why_not is None)
-        options, args = self.options, self.model.args
-        n_ctx = _context_length(args.context_length, options.context_length, self.path)
+        options, shape = self.options, self.model.shape
+        n_ctx = _context_length(shape.context_length, options.context_length, self.path)
         self.threads = options.threads or default_threads()
         torch.set_num_threads(self.threads)
         self.step(3, "allocating the K/V cache")
         default = options.context_length is None
         kind = options.kv_cache_type
         self.n_ctx = min(
-            _check_kv_fits(args, n_ctx, kind, dev, self.path, default, len(span))
+            _check_kv_fits(shape, n_ctx, kind, dev, self.path, default, len(span))
             for span, dev in self.split
         )
-        self.runner = self.build_runner()
+        self.sequences = self.build_sequences()
 
-    def build_model(self, repack: bool) -> MoEDecoder:
+    def build_model(self, repack: bool) -> MoEModel:
         index, device = self.index, self.devices[0]
         if self.options.devices is None:  # one stage: exactly as it always was
-            return self.module.Model(index, FileExpertProvider(index, device), device, repack)
-        files = [FileExpertProvider(index, d) for d in self.devices]
-        return self.module.Model(index, files[0], device, repack, self.split, files)
+            return self.module.Model(index, device, repack)
+        return self.module.Model(index, device, repack, self.split)
 
-    def build_runner(self) -> Runner:
+    def build_sequences(self) -> Sequences:
+        """Each stage's K/V and its reference runner, experts from the file (the GPU runners,
+        the caches and their budgets come later)."""
         options = self.options
         per_stage = [{"arena_factory": f} for f in self.factories]
-        return Runner(
-            self.model, self.n_ctx, options.kv_cache_type, options.prefill_chunk_tokens, per_stage,
-            **_kv_options(options, None),
-        )  # fmt: skip
+        kvs = new_kvs(
+            self.model, self.n_ctx, options.kv_cache_type, per_stage, **_kv_options(options, None)
+        )
+        stages = [
+            ReferenceRunner(self.model, i, kv, FileExpertProvider(self.index, dev))
+            for i, (kv, dev) in enumerate(zip(kvs, self.model.stage_devices, strict=True))
+        ]
+        return Sequences(stages, self.n_ctx, options.prefill_chunk_tokens)
 
-    def fast_path(self) -> FastDecoder | StagedDecoder | None:
-        """The fast decoder with its kernels built; where they fail to build, the model is built
-        again with raw weights for the reference path (None)."""
+    def fast_path(self) -> bool:
+        """The GPU runners with their kernels built, in place of the reference ones; where they
+        fail to build, the model is built again with raw weights for the reference path
+        (False)."""
         if self.why_not is not None:
-            return None
-        assert self.runner is not None
-        options = self.options
+            return False
+        assert self.sequences is not None
 
         def progress(what: str) -> None:
             self.step(4, what)
 
-        graphs = not options.enforce_eager
-        decoder = _build_decoder(self.model, self.runner, progress, options.fast_prefill, graphs)
-        if decoder is None:  # the kernels failed to build: the reference path, raw weights
-            self.runner.close_kv()
-            del self.model
-            self.runner = None  # (their memory goes first)
-            torch.cuda.empty_cache()
-            self.model = self.build_model(False)
-            self.runner = self.build_runner()
-        return decoder
+        old = self.sequences.stages
+        gpu = build_gpu_runners(
+            self.model, [s.kv for s in old], [s.provider for s in old], progress, self.options
+        )
+        if gpu is not None:
+            self.sequences.replace_stages(gpu)
+            return True
+        # the kernels failed to build: the reference path, raw weights
+        self.sequences.close_kv()
+        del self.model, old
+        self.sequences = None  # (their memory goes first)
+        torch.cuda.empty_cache()
+        self.model = self.build_model(False)
+        self.sequences = self.build_sequences()
+        return False
 
     def fill_caches(self, profile_file: Path | None, kernel: bool) -> None:
         """Each stage's expert cache, sized last so that an automatic size sees what the model
         holds; the usage profile of earlier runs orders its first fill."""
-        options, index, n_layer = self.options, self.index, self.model.args.n_layer
+        options, index, n_layer = self.options, self.index, self.model.shape.n_layer
         profile = UsageProfile.load(profile_file, model_key(index)) if profile_file else None
         host_total = _host_budget_mib(options) * MiB
         free = _stage_free(self.devices, self.frees)
@@ -240,8 +249,8 @@ class _Loading:
             for i, (span, _) in enumerate(self.split)
         ]
         hosts = _host_shares(index, options, self.split, budgets, host_total, kernel)
-        assert self.runner is not None
-        for st in self.runner.stages:
+        assert self.sequences is not None
+        for st in self.sequences.stages:
             budget, host_bytes = budgets[st.number], hosts[st.number]
             # On the GPU fast path the cache exists even at 0 MiB, for its host tier (the
             # decode graph reads misses there) and to grow into free VRAM later.
@@ -250,22 +259,23 @@ class _Loading:
             at = self.total - 2 if kernel else 4
             self.step(at, "filling the expert cache")
             cache = self._create_cache(st, budget, host_bytes, profile, kernel, at)
-            self.model.providers[st.number] = cache
+            st.provider = cache  # (a GPU runner binds it in ``configure``)
             # One budget for the stage's cache and K/V: what they hold now (room beyond it is
             # added by ``configure``, once the decoder's own buffers are allocated). The K/V
             # grows into it (the cache's tail yields), the daemon's policy moves it.
             st.budget = cache.arena.mapped_bytes + st.kv.mapped_bytes
 
     def _create_cache(
-        self, st: Stage, budget: int, host: int, profile: UsageProfile | None, kernel: bool, at: int
-    ) -> ExpertCache:
+        self, st: StageRunner, budget: int, host: int, profile: UsageProfile | None,
+        kernel: bool, at: int,
+    ) -> ExpertCache:  # fmt: skip
         options = self.options
         try:
             return ExpertCache.create(
                 self.index,
                 st.device,
                 budget * MiB,
-                _stage_tail(options, len(st.layers), self.model.args.n_layer),
+                _stage_tail(options, len(st.layers), self.model.shape.n_layer),
                 options.arena_chunk_mib * MiB,
                 profile,
                 self.factories[st.number],
@@ -279,23 +289,24 @@ class _Loading:
         except VmmError as e:  # page-locking refused or partial, no CUDA driver bindings
             raise ModelLoadError(f"{self.path}: {e}") from None
 
-    def configure(self, decoder: FastDecoder | StagedDecoder | None) -> None:
-        """The fast decoder's options and graph, then an automatic budget's free room."""
-        assert self.runner is not None
-        if decoder is not None:
-            _configure_decoder(
-                decoder, self.model, self.options, lambda what: self.step(self.total - 1, what)
-            )
-            self.runner.decoder = decoder
+    def configure(self, gpu: bool) -> None:
+        """The GPU runners' options and graphs, then an automatic budget's free room."""
+        assert self.sequences is not None
+        if gpu:
+            configure_gpu(
+                self.sequences.stages, self.model, self.options,
+                lambda what: self.step(self.total - 1, what),
+            )  # fmt: skip
         if self.options.cache_mib is None:
             free = _stage_free(self.devices, self.frees)
-            _budget_free_room(self.runner, free, self.options.reserve_mib)
+            _budget_free_room(self.sequences, free, self.options.reserve_mib)
 
     def log_loaded(self) -> None:
-        options, args, devices = self.options, self.model.args, self.devices
+        options, shape, devices = self.options, self.model.shape, self.devices
+        r = shape.routing
         log.info(
             "loaded %s: %s, %d layers, %d experts (top-%d), context %d, %d threads, K/V %s, on %s",
-            self.path.name, self.index.arch, args.n_layer, args.n_expert, args.n_expert_used,
+            self.path.name, self.index.arch, shape.n_layer, r.n_expert, r.n_used,
             self.n_ctx, self.threads, options.kv_cache_type,
             devices[0] if options.devices is None else ", ".join(str(d) for d in devices),
         )  # fmt: skip
@@ -303,10 +314,10 @@ class _Loading:
             split = self.split
             log.info("%s", describe_split([r for r, _ in split], [str(d) for _, d in split]))
         if any(d.type == "cuda" for d in devices):
-            assert self.runner is not None
+            assert self.sequences is not None
             log.info("GPU weights dequantised by %s", quant.gpu_dequant_path())
-            log.info("GPU decode: %s", decode_path(self.runner))
-            log.info("GPU prefill: %s", self.runner.prefill_path())
+            log.info("GPU decode: %s", self.sequences.decode_path())
+            log.info("GPU prefill: %s", self.sequences.prefill_path())
 
 
 # -- devices and the split -----------------------------------------------------------------------
@@ -395,7 +406,7 @@ def _stage_tail(options: EngineOptions, layers: int, n_layer: int) -> int | None
     return options.elastic_tail_mib * MiB * layers // n_layer
 
 
-def _budget_free_room(runner: Runner, free: Sequence[int | None], reserve_mib: int) -> None:
+def _budget_free_room(runner: Sequences, free: Sequence[int | None], reserve_mib: int) -> None:
     """An automatic budget takes the VRAM the cache left free too (less ``reserve_mib``), up to
     what every expert and the whole context's K/V need: with every expert cached the K/V grows
     into that room before the cache's tail yields anything. (A cache that took all the room
@@ -467,7 +478,7 @@ def _kv_options(options: EngineOptions, arena_factory: ArenaFactory | None) -> d
 
 
 def _check_kv_fits(
-    args: Any,
+    shape: ModelShape,
     n_ctx: int,
     kind: str,
     device: torch.device,
@@ -483,8 +494,9 @@ def _check_kv_fits(
 
     if kind not in KV_DTYPES:
         return n_ctx  # the K/V cache names the bad type itself
-    n_layer = args.n_layer if n_layer is None else n_layer  # a stage's layers
-    need = KVCache.nbytes_for(n_layer, n_ctx, args.n_head_kv, args.head_dim, kind)
+    a = shape.attention
+    n_layer = shape.n_layer if n_layer is None else n_layer  # a stage's layers
+    need = KVCache.nbytes_for(n_layer, n_ctx, a.n_head_kv, a.head_dim, kind)
     if device.type == "cuda":
         have, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
     else:
@@ -494,7 +506,7 @@ def _check_kv_fits(
     if default:
         from strata.engine.kv import PAGE_TOKENS
 
-        page = page_bytes_for(n_layer, args.n_head_kv, args.head_dim, kind, PAGE_TOKENS)
+        page = page_bytes_for(n_layer, a.n_head_kv, a.head_dim, kind, PAGE_TOKENS)
         fits = max(PAGE_TOKENS, have // 2 // page * PAGE_TOKENS)
         log.warning(
             "the model's context of %d tokens needs %.1f GiB of K/V (%s), more than all of %s "
@@ -505,7 +517,7 @@ def _check_kv_fits(
     raise ModelLoadError(
         f"{path}: context_length {n_ctx} needs a K/V cache of {need / 2**30:,.1f} GiB "
         f"({kind}), more than all of {where} ({have / 2**30:,.1f} GiB); the model was "
-        f"trained for {args.context_length} tokens"
+        f"trained for {shape.context_length} tokens"
     )
 
 
@@ -522,160 +534,14 @@ def _context_length(model_ctx: int, asked: int | None, path: Path) -> int:
     return asked
 
 
-# -- the fast path -------------------------------------------------------------------------------
-
-
-def decode_path(runner: Runner) -> str:
-    """How decode steps run, for the log and the bench: a line of text."""
-    if runner.decoder is not None:
-        return runner.decoder.describe()
-    return "reference path (dequantise, then multiply; one launch per expert matrix)"
-
-
-def fast_path_unavailable(
-    index: GGUFIndex, device: torch.device, options: EngineOptions
-) -> str | None:
-    """Why decode steps cannot take the fused GPU kernels here, or None when they can."""
-    if device.type != "cuda":
-        return "the compute device is the CPU"
-    if not options.fast_decode:
-        return "fast_decode is off"
-    from strata.engine.kernels import unavailable
-
-    if (reason := unavailable()) is not None:
-        return reason
-    types = {r.qtype for b in index.iter_experts() for r in b.runs}
-    slow = sorted(t.name for t in types - REPACKED_TYPES)
-    if slow:
-        return f"expert tensors of type {', '.join(slow)} have no decode kernel yet"
-    head_dim = int(index.key("attention.key_length", 0)) or int(
-        index.key("embedding_length")
-    ) // int(index.key("attention.head_count"))
-    if head_dim < 2 or head_dim & (head_dim - 1):
-        return f"the head dimension {head_dim} is not a power of two"
-    return None
-
-
-def _fast_path_unavailable_all(
-    index: GGUFIndex, devices: Sequence[torch.device], options: EngineOptions
-) -> str | None:
-    """Why decode steps cannot take the fused GPU kernels on every stage's device (one reason
-    is enough: the stages run one way), or None when they can."""
-    for dev in devices:
-        if (why := fast_path_unavailable(index, dev, options)) is not None:
-            return why if len(devices) == 1 else f"{dev}: {why}"
-    return None
-
-
-def _build_decoder(
-    model: MoEDecoder,
-    runner: Runner,
-    progress: Callable[[str], None],
-    fast_prefill: bool = True,
-    graphs: bool = True,
-) -> FastDecoder | StagedDecoder | None:
-    """The fast decoder with its kernels compiled (one eager step, and one prefill chunk), or
-    None after a warning when they cannot be built here. Prefill kernels that fail to build
-    leave the decoder without its prefill path (one warning): prompts take the reference path."""
-    from strata.engine.fast_decode import FastDecoder
-    from strata.engine.fast_stages import StagedDecoder
-
-    n = model.args.n_layer
-    decoder: FastDecoder | StagedDecoder
-    try:
-        if len(runner.stages) == 1:
-            decoder = FastDecoder(model, runner.kv)
-        else:  # one decoder per stage, each on its device with its own graph
-            decoder = StagedDecoder(model, runner.stages)
-        progress("compiling the GPU decode kernels (first start only: then cached)")
-        decoder.warm_up(
-            lambda layer: progress(f"compiling the GPU decode kernels: layer {layer + 1}/{n}")
-        )
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # a compiler or driver that cannot build a kernel
-        log.debug("building the fast decoder failed", exc_info=True)
-        reason = f"{type(e).__name__}: {e}".splitlines()[0]
-        log.warning(
-            "the GPU decode kernels failed to build (%s): decoding on the reference path", reason
-        )
-        return None
-    if not fast_prefill:
-        decoder.prefill = None
-        log.info("fast_prefill is off: prompt chunks take the reference path")
-        return decoder
-    try:
-        progress("compiling the GPU prefill kernels (first start only: then cached)")
-        assert decoder.prefill is not None
-        decoder.prefill.warm_up()
-        if graphs:
-            progress(f"capturing {runner.prefill_chunk}-token prompt chunks as CUDA graphs")
-            decoder.prefill.capture(runner.prefill_chunk)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # the same, for the tensor-core kernels alone
-        log.debug("building the prefill kernels failed", exc_info=True)
-        reason = f"{type(e).__name__}: {e}".splitlines()[0]
-        log.warning(
-            "the GPU prefill kernels failed to build (%s): prompt chunks take the reference "
-            "path (dequantise, then multiply)",
-            reason,
-        )
-        decoder.prefill = None
-    return decoder
-
-
-def _configure_decoder(
-    decoder: FastDecoder | StagedDecoder,
-    model: MoEDecoder,
-    options: EngineOptions,
-    step: Callable[[str], None],
-) -> None:
-    """The options the fast decoder takes once the caches exist, its tables bound to them and
-    its graph captured. (``EngineOptions`` checked each option's bounds; what depends on the
-    model, and on two options together, is checked here.)"""
-    decoder.adapt_swaps = options.adapt_swaps
-    ahead = options.prefetch_experts
-    if ahead > model.args.n_expert:
-        raise EngineError(
-            f"prefetch_experts={ahead}: must be between 0 and the model's "
-            f"{model.args.n_expert} experts per layer"
-        )
-    decoder.set_prefetch(ahead)
-    share = options.cpu_share
-    auto = share is None
-    if share is None:  # tuned once the graph is captured, from a start worth capturing
-        share = AUTO_CPU_SHARE_START if decoder.device.type == "cuda" and not ahead else 0.0
-    if share and ahead:
-        raise EngineError(
-            f"cpu_share={share} and prefetch_experts={ahead}: the CPU's share and the copies "
-            "ahead both take the experts in RAM; set one of them to 0"
-        )
-    decoder.set_cpu_share(share, options.threads or default_threads())
-    from strata.engine.fast_stages import StagedDecoder
-
-    if isinstance(decoder, StagedDecoder):
-        decoder.bind_stages()  # each stage's tables from its own stage's cache
-    else:
-        decoder.bind(model.provider)
-    if not options.enforce_eager:
-        step("capturing the decode step as a CUDA graph")
-        decoder.capture()
-    else:
-        decoder.graph_reason = "enforce_eager is set"
-    if auto and decoder.cpu_sharing:
-        step("timing the CPU's share of the experts in RAM")
-        decoder.tune_cpu_share()
-
-
-def release(runner: Runner, model: MoEDecoder) -> None:
-    """A load that failed part way, or an engine closing: every stage's cache and K/V go
-    (nothing leaks)."""
-    runner.close_decoder()
-    for i, provider in enumerate(model.providers):
+def release(runner: Sequences) -> None:
+    """A load that failed part way, or an engine closing: every stage's device state, cache
+    and K/V go (nothing leaks)."""
+    for stage in runner.stages:
+        stage.close()
+        provider = stage.provider
         provider.close()
         if isinstance(provider, ExpertCache):
-            model.providers[i] = provider.file
-    for stage in runner.stages:
+            stage.provider = provider.file
         stage.budget = None
     runner.close_kv()

@@ -14,9 +14,7 @@ from strata.engine.step import Batch, StageRunner
 
 
 class ReferenceRunner(StageRunner):
-    def __init__(
-        self, model: MoEModel, number: int, kv: KVCache, provider: ExpertProvider
-    ) -> None:
+    def __init__(self, model: MoEModel, number: int, kv: KVCache, provider: ExpertProvider) -> None:
         super().__init__(model, number, kv, provider)
         spec = model.attention_spec
         self.rope = Rope(spec.head_dim, spec.rope)  # its tables follow the stage's device

@@ -51,10 +51,8 @@ def new_kvs(
     try:
         for i, span in enumerate(model.spans):
             kw = {**options, **per[i]}
-            kvs.append(
-                KVCache(len(span), n_ctx, a.n_head_kv, a.head_dim, kind, model.stage_devices[i],
-                        **kw)  # fmt: skip
-            )
+            dev = model.stage_devices[i]
+            kvs.append(KVCache(len(span), n_ctx, a.n_head_kv, a.head_dim, kind, dev, **kw))
     except BaseException:
         for kv in kvs:
             kv.close()

@@ -9,24 +9,16 @@ can never read or write another's slots.
 
 This module is the pure part: how the layers are split (``split_layers``), the checks of the
 options (``check_layer_split``, ``check_per_device``) and how one RAM budget is shared
-(``share_budget``). Plain Python, no torch; ``Stage`` (the per-stage state) names torch types
-for its annotations only.
+(``share_budget``). Plain Python, no torch; the per-stage state is each stage's runner's
+(``engine.step.StageRunner``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 from strata.engine.errors import EngineError
-
-if TYPE_CHECKING:
-    import torch
-
-    from strata.engine.experts.cache import ExpertCache, ResizeResult
-    from strata.engine.kv import KVCache
-    from strata.engine.layers.decoder import MoEDecoder
 
 T = TypeVar("T")
 
@@ -130,75 +122,3 @@ def share_budget(total: int, demands: Sequence[int]) -> list[int]:
     if want <= total:
         return list(demands)
     return [total * d // want for d in demands]
-
-
-@dataclass
-class Stage:
-    """One stage's share of the engine: the device, its layers and what it owns there. The
-    runner keeps the stages; a layer reaches a cache only through the stage that owns it
-    (``Runner.stage_of``, ``MoEDecoder.provider_of``)."""
-
-    number: int  # the index into ``devices`` (0 .. N-1)
-    device: torch.device
-    layers: range
-    kv: KVCache  # the K/V of this stage's layers only
-    model: MoEDecoder = field(repr=False)
-    # bytes for this stage's expert cache and K/V together (None: the K/V grows within its
-    # reservation, as the memory allows; no cache then)
-    budget: int | None = None
-    # told of each cache resize the K/V's growth makes (the daemon's control plane)
-    on_cache_resized: Callable[[ResizeResult, str], None] | None = field(default=None)
-
-    @property
-    def cache(self) -> ExpertCache | None:
-        """This stage's expert cache (over its layers only; None: experts from the file)."""
-        from strata.engine.experts.cache import ExpertCache
-
-        provider = self.model.providers[self.number]
-        return provider if isinstance(provider, ExpertCache) else None
-
-    def owns(self, layer: int) -> bool:
-        return layer in self.layers
-
-    # -- the K/V's room in the budget --------------------------------------------------------
-
-    def budget_room(self) -> int | None:
-        """Bytes the budget leaves unmapped (None: no budget)."""
-        if self.budget is None:
-            return None
-        held = self.cache.arena.mapped_bytes if self.cache is not None else 0
-        return self.budget - held - self.kv.mapped_bytes
-
-    def kv_limit_bytes(self) -> int | None:
-        """The most the K/V may map: the budget less the expert cache's core (None: no
-        budget)."""
-        if self.budget is None:
-            return None
-        cache = self.cache
-        core = cache.mapped_bytes_for(cache.sizes.core_slots) if cache is not None else 0
-        return self.budget - core
-
-    def tokens_that_fit(self, n_ctx: int) -> int:
-        """The longest sequence whose K/V fits the budget with the cache at its core (the
-        sink page and whole chunks counted), at most ``n_ctx``."""
-        limit = self.kv_limit_bytes()
-        if limit is None:
-            return n_ctx
-        kv = self.kv
-        usable = max(0, limit) // kv.chunk_bytes * kv.chunk_bytes
-        pages = min(usable // kv.page_bytes, kv.book.max_pages) - 1  # less the sink
-        return max(0, min(n_ctx, pages * kv.page))
-
-    def refill_slots(self) -> int | None:
-        """The cache's slots once its tail has taken the budget's room, when that is at least a
-        chunk more than it has; else None."""
-        cache, room = self.cache, self.budget_room()
-        if cache is None or room is None or room < cache.arena.chunk_bytes:
-            return None
-        slots = cache.slots_for_bytes(cache.arena.mapped_bytes + room)
-        return slots if slots > cache.n_slots else None
-
-    def describe(self) -> str:
-        r = self.layers
-        span = f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"
-        return f"stage {self.number} (layers {span} on {self.device})"

@@ -91,9 +91,7 @@ class StageRunner(ABC):
     ``run`` steps a batch through its layers; ``end_step`` is the safe point after every
     stage ran it."""
 
-    def __init__(
-        self, model: MoEModel, number: int, kv: KVCache, provider: ExpertProvider
-    ) -> None:
+    def __init__(self, model: MoEModel, number: int, kv: KVCache, provider: ExpertProvider) -> None:
         self.model, self.number, self.kv, self.provider = model, number, kv, provider
         self.layers: range = model.spans[number]
         self.device: torch.device = model.stage_devices[number]
@@ -133,7 +131,7 @@ class StageRunner(ABC):
     def prefill_path(self) -> str:
         return "reference path (dequantise, then multiply; one launch per expert matrix)"
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a runner with no device state has nothing to close)
         """Let the device state go (the K/V and the provider are closed by their owner)."""
 
     def on(self) -> object:

@@ -53,12 +53,12 @@ def _prompt(engine: Any, n: int, seed: int) -> list[int]:
 
 
 def _sizes(engine: Any) -> dict[str, Any]:
-    cache, kv = engine.cache, engine.runner.kv
+    cache, kv = engine.cache, engine.sequences.kv
     return {
         "cache_mib": cache.arena.mapped_bytes // 2**20 if cache else 0,
         "cache_experts": cache.cached_experts if cache else 0,
         "kv_mib": kv.mapped_bytes // 2**20,
-        "budget_mib": (engine.runner.budget or 0) // 2**20,
+        "budget_mib": (engine.sequences.budget or 0) // 2**20,
     }
 
 

@@ -45,7 +45,8 @@ def _engine(
     prefetch: int | None = None,
     cpu_share: float | None = None,
 ) -> Any:
-    from strata.engine.generate import Engine, EngineOptions
+    from strata.engine.generate import Engine
+    from strata.engine.options import EngineOptions
 
     ahead: dict[str, Any] = {} if prefetch is None else {"prefetch_experts": prefetch}
     if cpu_share is not None:
@@ -66,20 +67,20 @@ def decode_speed(engine: Any, n_tokens: int) -> dict[str, Any]:
     from strata.engine.params import SamplingParams
 
     engine.tokenizer.eog_ids = frozenset()
-    prompt = _prompt(16, engine.runner.model.args.vocab_size)
+    prompt = _prompt(16, engine.sequences.model.shape.vocab_size)
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, seed=0)
     engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))  # warm
     runs = []
     for _ in range(3):
-        engine.runner.rewind(0)
+        engine.sequences.rewind(0)
         r = engine.generate(prompt, params)
         runs.append((len(r.tokens) - 1) / r.decode_s)
     out: dict[str, Any] = {"tok_s": runs, "tok_s_median": statistics.median(runs)}
-    engine.runner.flush_usage()
+    engine.sequences.flush_usage()
     st = engine.provider.stats
     out.update(hit_rate=st.hit_rate, prefetched=st.prefetched, prefetch_used=st.prefetch_used)
     out.update(cpu_computed=st.cpu_computed)
-    dec = engine.runner.decoder
+    dec = engine.sequences.gpu
     if dec is not None and dec.graph is not None:
         # each replay moves its position on (the in-graph advance): start low enough that 51
         # replays stay inside the context
@@ -98,15 +99,17 @@ def decode_speed(engine: Any, n_tokens: int) -> dict[str, Any]:
 
 def _kernel_bytes(engine: Any) -> dict[str, float]:
     """Bytes each decode kernel family must read per step (weights only), from the shapes."""
-    dec = engine.runner.decoder
+    dec = engine.sequences.gpu
     dense = 0
-    for lyr in dec.layers:
-        for m in (*(lyr.qkv or ()), lyr.o, lyr.router):
+    for mats in dec.ops.mats.values():
+        for m in (*(mats.qkv or ()), mats.o, mats.router):
             dense += m.lay.nbytes if m is not None else 0
-    head = dec.output.layout.nbytes if hasattr(dec.output, "layout") else 0
-    k = dec.args.n_expert_used
-    gate_up = k * sum(s.gate.nbytes + s.up.nbytes for s in dec.slot_layouts)
-    down = k * sum(s.down.nbytes for s in dec.slot_layouts)
+    output = dec.model.head.output
+    head = output.layout.nbytes if hasattr(output, "layout") else 0
+    k = dec.model.shape.routing.n_used
+    layouts = dec.geometry.slot_layouts
+    gate_up = k * sum(s.gate.nbytes + s.up.nbytes for s in layouts)
+    down = k * sum(s.down.nbytes for s in layouts)
     return {"_matvec_kernel": dense + head, "_gate_up_kernel": gate_up, "_down_kernel": down}
 
 
@@ -132,8 +135,8 @@ def prefill_speed(engine: Any, sizes: list[int], reps: int = 3) -> list[dict[str
     profile of one: kernels per prompt and the GPU time per kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = engine.runner
-    vocab = runner.model.args.vocab_size
+    runner = engine.sequences
+    vocab = runner.model.shape.vocab_size
     out = []
     for n in sizes:
         prompt = _prompt(n, vocab)
@@ -172,10 +175,10 @@ def prefill_speed(engine: Any, sizes: list[int], reps: int = 3) -> list[dict[str
 def profile_steps(engine: Any, steps: int = 5) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    dec = engine.runner.decoder
-    runner = engine.runner
+    dec = engine.sequences.gpu
+    runner = engine.sequences
     runner.rewind(0)
-    runner.feed(_prompt(16, runner.model.args.vocab_size))
+    runner.feed(_prompt(16, runner.model.shape.vocab_size))
     tok = 1
     for _ in range(3):
         tok = int(torch.argmax(runner.feed([tok])))
@@ -209,8 +212,8 @@ def check(path: Path, engine: Any, n: int, n_ctx: int) -> dict[str, Any]:
     ref = _engine(path, fast=False, eager=True, n_ctx=n_ctx)
     out: dict[str, Any] = {"steps": []}
     try:
-        prompt = _prompt(16, engine.runner.model.args.vocab_size)
-        a, b = ref.runner, engine.runner
+        prompt = _prompt(16, engine.sequences.model.shape.vocab_size)
+        a, b = ref.sequences, engine.sequences
         a.rewind(0)
         b.rewind(0)
         la, lb = a.feed(prompt), b.feed(prompt)
@@ -238,8 +241,10 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
     from strata.engine.kernels import matvec as mv
     from strata.engine.kernels import moe
 
-    dec = engine.runner.decoder
-    lyr = dec.layers[-1]
+    dec = engine.sequences.gpu
+    last = len(dec.layers) - 1
+    lyr = dec.ops.mats[last]
+    model, shape = dec.model, dec.model.shape
     rows: list[dict[str, Any]] = []
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
 
@@ -272,13 +277,13 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
     def clone_mat(m: Any) -> Any:
         return mv.Mat(m.data.clone(), m.lay)
 
-    x = torch.randn(dec.args.n_embd, device="cuda")
-    head = _mat_of(dec.output)
+    x = torch.randn(shape.n_embd, device="cuda")
+    head = _mat_of(model.head.output)
     for label, mats, norm in (
-        ("qkv", lyr.qkv, lyr.block.attn_norm),
+        ("qkv", lyr.qkv, model.attn[dec.layers[last]].norm),
         ("o", (lyr.o,), None),
-        ("router", (lyr.router,), lyr.block.ffn_norm),
-        ("head", (head,) if head is not None else None, dec.out_norm),
+        ("router", (lyr.router,), model.ffn[dec.layers[last]].norm),
+        ("head", (head,) if head is not None else None, model.head.norm),
     ):
         if mats is None or any(m is None for m in mats):
             continue
@@ -297,26 +302,25 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
             ]
             timed(fns, nbytes, label, bn=bn, warps=nw)
     # the experts: k chosen of a layer's arena slots, rotated over layers' tables
-    a = dec.args
-    lay = dec.slot_layouts[-1]
-    wts = torch.full((a.n_expert_used,), 1.0 / a.n_expert_used, device="cuda")
-    act = torch.empty(a.n_expert_used, a.n_ff_exp, device="cuda")
-    h = torch.randn(a.n_embd, device="cuda")
+    r = shape.routing
+    lay = dec.geometry.slot_layouts[-1]
+    wts = torch.full((r.n_used,), 1.0 / r.n_used, device="cuda")
+    act = torch.empty(r.n_used, shape.n_ff_exp, device="cuda")
+    h = torch.randn(shape.n_embd, device="cuda")
     # each layer's first k experts: their slots, as route would resolve them
-    tables = [
-        dec.table[i * a.n_expert : i * a.n_expert + a.n_expert_used] for i in range(a.n_layer)
-    ]
-    gu_bytes = a.n_expert_used * (lay.gate.nbytes + lay.up.nbytes)
-    dn_bytes = a.n_expert_used * lay.down.nbytes
+    table = dec.tables.table
+    tables = [table[i * r.n_expert : i * r.n_expert + r.n_used] for i in range(len(dec.layers))]
+    gu_bytes = r.n_used * (lay.gate.nbytes + lay.up.nbytes)
+    dn_bytes = r.n_used * lay.down.nbytes
     for bn, nw in CONFIGS:
         fns = [
-            (lambda t=t, bn=bn, nw=nw: moe.gate_up(act, h, t, dec.anchor, lay.gate, lay.up,
+            (lambda t=t, bn=bn, nw=nw: moe.gate_up(act, h, t, dec.buf.anchor, lay.gate, lay.up,
                                                    lay.up_offset, bn=bn, num_warps=nw))
             for t in tables
         ]  # fmt: skip
         timed(fns, gu_bytes, "gate_up", bn=bn, warps=nw)
         fns = [
-            (lambda t=t, bn=bn, nw=nw: moe.down(x, act, t, wts, dec.anchor, lay.down,
+            (lambda t=t, bn=bn, nw=nw: moe.down(x, act, t, wts, dec.buf.anchor, lay.down,
                                                 lay.down_offset, bn=bn, num_warps=nw))
             for t in tables
         ]  # fmt: skip
@@ -391,18 +395,16 @@ def main(argv: list[str] | None = None) -> int:
         args.cpu_share,
     )  # fmt: skip
     result["load_s"] = time.monotonic() - t0
-    from strata.engine.generate import decode_path
-
-    result["decode_path"] = decode_path(engine.runner)
-    result["prefill_path"] = engine.runner.prefill_path()
+    result["decode_path"] = engine.sequences.decode_path()
+    result["prefill_path"] = engine.sequences.prefill_path()
     result["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / MiB
     if sizes:
         result["prefill"] = []
         for c in chunks:  # other chunk sizes on the same engine, each captured in turn
-            engine.runner.prefill_chunk = c
-            dec = engine.runner.decoder
+            engine.sequences.prefill_chunk = c
+            dec = engine.sequences.gpu
             if dec is not None and dec.prefill is not None and not args.eager:
-                dec.prefill.capture(c)
+                dec.capture_chunks(c)
             result["prefill"] += prefill_speed(engine, sizes)
         for r in result["prefill"]:
             print(
@@ -420,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result["speed"] = decode_speed(engine, args.tokens)
     print(json.dumps(result["speed"]), flush=True)
-    if engine.runner.decoder is not None:
+    if engine.sequences.gpu is not None:
         result["profile"] = profile_steps(engine)
         pr = result["profile"]
         print(
@@ -440,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         result["check"] = check(args.model, engine, args.check, n_ctx)
         print(json.dumps(result["check"]), flush=True)
-    if args.sweep and engine.runner.decoder is not None:
+    if args.sweep and engine.sequences.gpu is not None:
         result["sweep"] = sweep(engine)
         best: dict[str, dict[str, Any]] = {}
         for r in result["sweep"]:

@@ -24,7 +24,8 @@ from strata.engine.bench import card, llama, probes, stats
 from strata.engine.bench.settings import DECODE_PROMPT_TOKENS, BenchSettings
 from strata.engine.bench.strata_run import StrataBench, dense_bytes_per_token, slots_for
 from strata.engine.devices import resolve_device
-from strata.engine.generate import Engine, decode_path, fast_path_unavailable
+from strata.engine.fast_path import fast_path_unavailable
+from strata.engine.generate import Engine
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.quant.expert_layout import kernel_slot_bytes_for, slot_bytes_for
 
@@ -179,12 +180,12 @@ def _strata_phase(
     engine = Engine.load(settings.model, options)
     # The bench sizes the cache itself, budget by budget: the K/V grows beside it, outside any
     # budget, so a long prompt never shrinks the cache being measured.
-    engine.runner.budget = None
+    engine.sequences.budget = None
     result["load_s"] = time.monotonic() - t0
     result["device"]["threads"] = torch.get_num_threads()  # as the engine set them
     result["device"]["dequant"] = _dequant_path(device)
-    result["device"]["decode"] = decode_path(engine.runner)
-    result["device"]["prefill"] = engine.runner.prefill_path()
+    result["device"]["decode"] = engine.sequences.decode_path()
+    result["device"]["prefill"] = engine.sequences.prefill_path()
     rows: list[Any] = []
     result["strata"] = rows
     result["resize"] = None

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from strata.engine.errors import EngineError
 
 if TYPE_CHECKING:
-    from strata.engine.generate import EngineOptions
+    from strata.engine.options import EngineOptions
 
 MiB = 2**20
 GiB = 2**30

@@ -134,10 +134,10 @@ class StrataBench:
         self.nvml_base = nvml_base
         self.progress = progress
         self.deadline = deadline
-        self.device = engine.runner.model.device
+        self.device = engine.sequences.model.device
         self.cuda = self.device.type == "cuda"
         self.dense_bytes = dense_bytes_per_token(engine.index)
-        self.vocab = engine.runner.model.args.vocab_size
+        self.vocab = engine.sequences.model.shape.vocab_size
         if settings.grammar:  # its tokenizer takes the end tokens before they are cleared
             engine.grammars.compile(BENCH_GRAMMAR)
         # exactly decode_tokens tokens per run, as llama-bench's tg test
@@ -154,7 +154,7 @@ class StrataBench:
 
     def _counts(self) -> dict[str, int]:
         # the fast path counts reads on the device: hand them over first
-        self.engine.runner.flush_usage()
+        self.engine.sequences.flush_usage()
         return _counts(self.engine.provider.stats)
 
     def _sync(self) -> None:
@@ -165,12 +165,12 @@ class StrataBench:
 
     def prefill_run(self, n: int) -> Row:
         ids = self._prompt(n)
-        self.engine.runner.rewind(0)
+        self.engine.sequences.rewind(0)
         self._sync()
         before = self._counts()
         drive = drive_read_bytes()
         t0 = time.perf_counter()
-        self.engine.runner.feed(ids)
+        self.engine.sequences.feed(ids)
         self._sync()  # the logits stay on the device: wait for them
         seconds = time.perf_counter() - t0
         after = drive_read_bytes()
@@ -189,7 +189,7 @@ class StrataBench:
         runs at the safe point after decode step ``at_step`` (the resize test's shrink);
         ``grammar``: under ``BENCH_GRAMMAR`` (the masks' host time is kept)."""
         prompt = self._prompt(DECODE_PROMPT_TOKENS)
-        runner = self.engine.runner
+        runner = self.engine.sequences
         runner.rewind(0)
         chunks = math.ceil(len(prompt) / runner.prefill_chunk)
         calls = 0
@@ -321,11 +321,11 @@ class StrataBench:
             "prefetch": stats.prefetch(runs),
             "cpu": stats.cpu_share(runs),
         }
-        dec = self.engine.runner.decoder  # (one stage: a FastDecoder; stages tune their own)
-        if out["cpu"] is not None and hasattr(dec, "cpu_tuned"):
+        dec = self.engine.sequences.gpu  # (one stage: its GPU runner; stages tune their own)
+        if out["cpu"] is not None and dec is not None:
             # the share the CPU was given, and the timings that chose it (automatic cpu_share)
-            out["cpu"]["share"] = dec.cpu_share
-            out["cpu"]["tuned_ms_per_step"] = {f"{k:g}": v for k, v in dec.cpu_tuned.items()}
+            out["cpu"]["share"] = dec.cpu.share
+            out["cpu"]["tuned_ms_per_step"] = {f"{k:g}": v for k, v in dec.cpu.tuned.items()}
         if self.cuda:  # the misses the CPU computed (cpu_share) did not cross the link
             miss, cpu = stats.per_step(runs, "miss_bytes"), stats.per_step(runs, "cpu_bytes")
             out["pcie_bytes_per_token"] = None if miss is None else miss - (cpu or 0.0)

@@ -371,8 +371,7 @@ class ChunkPath:
         T, kv = tokens.numel(), self.p.kv
         if T < 1 or start < 0 or start + T > kv.n_ctx:
             raise ValueError(
-                f"a chunk of {T} tokens at position {start} does not fit the context "
-                f"of {kv.n_ctx}"
+                f"a chunk of {T} tokens at position {start} does not fit the context of {kv.n_ctx}"
             )
         replay = last_only and self.p.tables.complete and not self.copies_homes(T)
         graph = self._graph_for(T, start) if replay else None

@@ -95,16 +95,18 @@ class CpuShare:
         self.seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.posted = torch.zeros(L, dtype=torch.int32, device=dev)
         a = buf.anchor.data_ptr()
-        self.posts = [
-            moe.CpuPost(
-                base=buf.anchor, req=job.request.data_ptr() - a, y=job.y.data_ptr() - a,
-                mb=0 if mb is None else mb.address - a, seq=self.seq,
-                posted=self.posted[i : i + 1], job=i, post=mb is not None,
-            )  # fmt: skip
-            for i, job in enumerate(jobs)
-        ]
+        self.posts = [self._post(i, job, mb, a) for i, job in enumerate(jobs)]
         if tier is not None:
             self.set_base(tier)
+
+    def _post(self, i: int, job: object, mb: object, a: int) -> moe.CpuPost:
+        """Where layer ``i``'s kernels post its job and find its answer (offsets from the
+        anchor ``a``)."""
+        return moe.CpuPost(
+            base=self.buf.anchor, req=job.request.data_ptr() - a, y=job.y.data_ptr() - a,
+            mb=0 if mb is None else mb.address - a, seq=self.seq,
+            posted=self.posted[i : i + 1], job=i, post=mb is not None,
+        )  # fmt: skip
 
     def _refuse(self, why: str) -> None:
         self.reason = why

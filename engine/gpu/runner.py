@@ -42,9 +42,7 @@ Pick = Callable[[torch.Tensor, int], None]
 
 
 class GpuRunner(StageRunner):
-    def __init__(
-        self, model: MoEModel, number: int, kv: KVCache, provider: ExpertProvider
-    ) -> None:
+    def __init__(self, model: MoEModel, number: int, kv: KVCache, provider: ExpertProvider) -> None:
         super().__init__(model, number, kv, provider)
         shape = model.shape
         a, r = shape.attention, shape.routing
@@ -83,7 +81,7 @@ class GpuRunner(StageRunner):
         return self.buf.logits
 
     @property
-    def plan(self):  # noqa: ANN201 (the tables' plan, for tests and the bench)
+    def plan(self):
         return self.tables.plan
 
     # -- how a step runs -----------------------------------------------------------------------
@@ -378,7 +376,7 @@ class GpuRunner(StageRunner):
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def _uncounted(self):  # noqa: ANN202
+    def _uncounted(self):
         self.ahead.zero()
         self.cpu.zero()
         return self.counters.uncounted(self.provider, self.device)

@@ -34,7 +34,7 @@ def test_a_64k_prompt_decodes_the_same_while_a_lease_comes_and_goes(cuda_device:
     model = ensure_synthetic("qwen3-30b-a3b-q4k", paths.cache_dir())
     e = _engine(model, CARD, PROMPT + 128)
     try:
-        cache, runner = e.cache, e.runner
+        cache, runner = e.cache, e.sequences
         assert cache is not None and runner.budget is not None
         budget = runner.budget
         worst = [0]

@@ -25,7 +25,6 @@ from strata.engine import synth
 from strata.engine.bench.strata_run import BENCH_GRAMMAR
 from strata.engine.generate import Engine
 from strata.engine.grammar import GrammarSpec
-from strata.engine.loader import decode_path
 from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 from strata.engine.vocab import QWEN3_TEMPLATE
@@ -100,15 +99,15 @@ class CountedGraph:
 
 def test_json_schema_output_on_the_graph_path(model: Path) -> None:
     e = load(model)
-    dec = e.runner.decoder
+    dec = e.sequences.decoder
     assert dec is not None and dec.plan.complete
-    assert decode_path(e.runner).startswith("fused Triton kernels, one CUDA graph per step")
+    assert e.sequences.decode_path().startswith("fused Triton kernels, one CUDA graph per step")
     counted = CountedGraph(dec.graph)
     dec.graphs[dec.mode] = counted  # type: ignore[assignment]
     prompt = e.encode_chat([{"role": "user", "content": "The weather as JSON."}])
     steps = 0
     for seed in range(12):
-        e.runner.rewind(0)  # the whole prompt as a prefill (a cached one feeds its last token)
+        e.sequences.rewind(0)  # the whole prompt as a prefill (a cached one feeds its last token)
         c = e.grammars.compile(GrammarSpec.json(SCHEMA))
         r = e.generate(prompt, SamplingParams(max_tokens=400, seed=seed, temperature=1.0),
                        constraint=c)  # fmt: skip
@@ -116,14 +115,14 @@ def test_json_schema_output_on_the_graph_path(model: Path) -> None:
         jsonschema.validate(json.loads(r.text), SCHEMA)
         steps += len(r.tokens) - 1  # the first token comes from the prompt's logits
     assert counted.replays == steps, "every constrained decode step is a graph replay"
-    mask = e.runner._token_mask
+    mask = e.sequences._token_mask
     assert mask is not None and mask.words.is_cuda and mask.word.numel() == 151_936
     # greedy under the grammar: the same tokens without the graph (the same kernels)
     greedy = SamplingParams(max_tokens=400, temperature=0)
     a = e.generate(prompt, greedy, constraint=e.grammars.compile(GrammarSpec.json(SCHEMA)))
     e.close()
     eager = load(model, enforce_eager=True)
-    assert eager.runner.decoder is not None and eager.runner.decoder.graph is None
+    assert eager.sequences.decoder is not None and eager.sequences.decoder.graph is None
     b = eager.generate(prompt, greedy, constraint=eager.grammars.compile(GrammarSpec.json(SCHEMA)))
     assert a.tokens == b.tokens and a.finish_reason == b.finish_reason == "stop"
     eager.close()

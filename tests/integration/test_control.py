@@ -184,7 +184,7 @@ def test_the_kv_grows_trims_and_grows_again_under_a_lease_within_one_budget(
     d = InProcess(config_for(model, tmp_path, monkeypatch, kv_keep_conversations=0))
     try:
         worker, engine = d.daemon.worker, d.daemon.worker.engine
-        runner, cache = engine.runner, engine.cache
+        runner, cache = engine.sequences, engine.cache
         over: list[str] = []
         safe_point = worker._safe_point
 

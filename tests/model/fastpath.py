@@ -113,10 +113,10 @@ def decode(runner: Sequences, steps: int, first: int) -> list[torch.Tensor]:
 
 def forced_logits(e: Engine, prompt: list[int], steps: int) -> list[torch.Tensor]:
     """An engine's logits of ``prompt`` and of ``steps`` forced tokens, on the CPU."""
-    e.runner.rewind(0)
-    out = [e.runner.feed(prompt).cpu()]
+    e.sequences.rewind(0)
+    out = [e.sequences.feed(prompt).cpu()]
     tok = 17
     for _ in range(steps):
-        out.append(e.runner.feed([tok]).cpu())
+        out.append(e.sequences.feed([tok]).cpu())
         tok = (tok * 131 + 3) % 2000
     return out

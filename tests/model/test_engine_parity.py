@@ -40,7 +40,7 @@ def llama_cpp_logits(llm: object, tokens: list[int]) -> np.ndarray:
 def test_f32_logits_match_llama_cpp(arch: str, tiny_models, llama_cpp_ref) -> None:
     path = tiny_models.path(arch, "F32")
     tokens = RefModel(path).test_sequence(64)
-    ours = engine(path).runner.logits_all(tokens).double().numpy()
+    ours = engine(path).sequences.logits_all(tokens).double().numpy()
     theirs = llama_cpp_logits(llama_cpp_ref(path), tokens)
     rel, top1 = relative_error(ours, theirs), top1_agreement(ours, theirs)
     print(f"\n{arch} F32 vs llama.cpp over 64 tokens: rel error {rel:.3g}, top-1 {top1:.1%}")
@@ -74,7 +74,7 @@ def test_greedy_continuation_of_strata_generate_equals_llama_cpp(
 def test_incremental_and_chunked_logits_equal_one_shot(arch: str, tiny_models) -> None:
     path = tiny_models.path(arch, "F32")
     tokens = RefModel(path).test_sequence(64)
-    runner = engine(path).runner
+    runner = engine(path).sequences
     one_shot = runner.logits_all(tokens)
     uneven = runner.logits_all(tokens, chunks=[1, 7, 16, 3, 29, 8])
     runner.rewind(0)
@@ -102,7 +102,7 @@ def test_quantised_files_match_reference_and_llama_cpp(
     path = tiny_models.path(arch, kind)
     ref = RefModel(path)
     tokens = ref.test_sequence(256)
-    ours = engine(path).runner.logits_all(tokens).double().numpy()
+    ours = engine(path).sequences.logits_all(tokens).double().numpy()
     exact = ref.forward(tokens)
     theirs = llama_cpp_logits(llama_cpp_ref(path), tokens)
     rel_ref = relative_error(ours, exact)
@@ -119,8 +119,8 @@ def test_quantised_files_match_reference_and_llama_cpp(
 def test_default_f16_kv_cache_stays_close_to_f32(tiny_models) -> None:
     path = tiny_models.path("qwen3moe", "F32")
     tokens = RefModel(path).test_sequence(64)
-    f32 = engine(path, "f32").runner.logits_all(tokens).numpy()
-    f16 = engine(path, "f16").runner.logits_all(tokens).numpy()
+    f32 = engine(path, "f32").sequences.logits_all(tokens).numpy()
+    f16 = engine(path, "f16").sequences.logits_all(tokens).numpy()
     rel = relative_error(f16, f32)
     print(f"\nF16 K/V vs F32 K/V: rel error {rel:.3g}")
     assert 0 < rel < 5e-3  # F16 rounding is visible but small

@@ -77,7 +77,7 @@ def tokens(model_path) -> list[int]:
 def baseline(model_path, device, tokens) -> torch.Tensor:
     e = load(model_path, device, 0)
     assert e.cache is None
-    out = e.runner.logits_all(tokens)
+    out = e.sequences.logits_all(tokens)
     e.close()
     return out
 
@@ -113,11 +113,11 @@ def test_logits_are_bit_identical_with_the_cache_at_none_half_and_all(
     probe = load(model_path, "cpu", 0)
     e = load(model_path, device, int(all_mib_on(probe, device) * fraction))
     assert e.cache is not None and e.cache.n_slots > 0
-    assert torch.equal(e.runner.logits_all(tokens), baseline)
+    assert torch.equal(e.sequences.logits_all(tokens), baseline)
     if fraction == 1.0:
         assert e.cache.n_slots == e.cache.max_slots
         e.provider.stats.bytes_from_file = 0
-        e.runner.logits_all(tokens)
+        e.sequences.logits_all(tokens)
         assert e.provider.stats.bytes_from_file == 0, "a full cache must read no expert from file"
         assert e.provider.stats.hit_rate == 1.0
     e.close()
@@ -128,13 +128,13 @@ def test_overwriting_a_cached_slot_changes_the_output(model_path, device, tokens
     e = load(model_path, device, all_mib_on(probe, device))
     cache = e.cache
     # the expert routed most in the sequence, so the garbage is certainly read
-    e.runner.logits_all(tokens)
+    e.sequences.logits_all(tokens)
     hot = max(cache.totals, key=cache.totals.__getitem__)
     slot = cache.table.slot_of(hot)
     blob = cache.index.expert(*hot)
     cache.arena.view(slot * cache.slot_bytes, blob.gate.nbytes).fill_(0x3C)
     try:
-        changed = e.runner.logits_all(tokens)
+        changed = e.sequences.logits_all(tokens)
     except Exception:  # a garbage block may also raise; either way it is never silent
         e.close()
         return
@@ -148,14 +148,14 @@ def test_a_tag_mismatch_behind_the_table_makes_a_forward_raise(model_path, devic
     probe = load(model_path, "cpu", 0)
     e = load(model_path, device, all_mib_on(probe, device), fast=False)
     table = e.cache.table
-    e.runner.logits_all(tokens[:8])
+    e.sequences.logits_all(tokens[:8])
     key = next(iter(e.cache.totals))
     slot = table.slot_of(key)
     # plant a stale tag: the slot claims to hold another expert of the same layer
     other = (key[0], (key[1] + 1) % 8)
     table._tags[slot] = Tag(other[0], other[1], 999)
     with pytest.raises(SlotTagMismatch, match=rf"\(layer {key[0]}, expert {key[1]}\)"):
-        e.runner.logits_all(tokens)
+        e.sequences.logits_all(tokens)
     e.close()
 
 
@@ -169,7 +169,7 @@ def test_grow_shrink_regrow_keeps_addresses_bytes_and_the_core(model_path, devic
     core = range(cache.sizes.core_slots)
     core_before = {s: (cache.table.tag(s), slot_bytes_of(cache, s)) for s in core}
     addresses = {s: arena.address(s * cache.slot_bytes) for s in range(cache.max_slots)}
-    e.runner.logits_all(tokens)  # make some experts hot
+    e.sequences.logits_all(tokens)  # make some experts hot
 
     start, resizes = cache.n_slots, cache.resizes
     cache.resize(cache.max_slots)  # grow to everything
@@ -269,7 +269,7 @@ def test_cache_budget_takes_whole_slots_and_zero_means_none(model_path) -> None:
 def test_profile_orders_the_next_start(model_path, tokens, tmp_path) -> None:
     options = EngineOptions(kv_cache_type="f32", cache_mib=0, arena_chunk_mib=CHUNK_MIB)
     first = Engine.load(model_path, options, state_dir=tmp_path)
-    first.runner.logits_all(tokens)
+    first.sequences.logits_all(tokens)
     hottest = [k for k, _ in first.provider.totals.most_common(3)]
     first.save_profile()
     assert list((tmp_path / "profiles").glob("*.json"))

@@ -17,15 +17,15 @@ import gguf
 import pytest
 import torch
 
-from strata.engine import loader, synth
+from strata.engine import fast_path, loader, synth
 from strata.engine.errors import EngineError
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.slots import SlotTagMismatch, Tag
+from strata.engine.fast_path import fast_path_unavailable
 from strata.engine.gguf_index import GGUFIndex
-from strata.engine.loader import fast_path_unavailable
 from strata.engine.options import EngineOptions
 from strata.engine.quant import REPACKED_TYPES
-from strata.engine.runner import Runner
+from strata.engine.sequences import Runner
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -402,7 +402,7 @@ def test_the_fast_path_is_chosen_only_where_it_can_serve(q8: Path, tmp_path: Pat
     q5 = write(tmp_path, "q5", spec, replace(synth.TypePlan.uniform(Q.F32), experts_down=Q.Q5_K))
     assert fast_path_unavailable(q5, cuda, EngineOptions()) is None
     # every type the engine reads has a decode kernel now: pretend one had none
-    monkeypatch.setattr(loader, "REPACKED_TYPES", REPACKED_TYPES - {Q.Q5_K})
+    monkeypatch.setattr(fast_path, "REPACKED_TYPES", REPACKED_TYPES - {Q.Q5_K})
     assert fast_path_unavailable(q5, cuda, EngineOptions()) == (
         "expert tensors of type Q5_K have no decode kernel yet"
     )

@@ -18,7 +18,6 @@ from fastpath import forced_logits
 
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.generate import Engine
-from strata.engine.loader import decode_path
 from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 
@@ -53,8 +52,8 @@ def all_mib(path: Path, cuda: str) -> int:
 def test_the_gpu_takes_the_fast_path_and_says_so(tiny_models, cuda, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="strata.engine.generate"):
         e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda, cache_mib=64)
-    assert e.runner.decoder is not None
-    assert decode_path(e.runner).startswith("fused Triton kernels, one CUDA graph per step")
+    assert e.sequences.decoder is not None
+    assert e.sequences.decode_path().startswith("fused Triton kernels, one CUDA graph per step")
     assert "GPU decode: fused Triton kernels, one CUDA graph per step" in caplog.text
     assert isinstance(e.cache, ExpertCache) and e.cache.kernel
     e.close()
@@ -69,7 +68,7 @@ def test_fast_logits_stay_within_tolerance_of_the_reference_path(
     # the prompt through the reference path in both: this test bounds the decode steps alone
     fast = load(path, cuda, cache_mib=1 << 20, fast_prefill=False)
     ref = load(path, cuda, cache_mib=1 << 20, fast_decode=False)
-    assert fast.runner.decoder is not None and ref.runner.decoder is None
+    assert fast.sequences.decoder is not None and ref.sequences.decoder is None
     prompt = [1, 50, 300, 7, 9, 2000, 31]
     a, b = forced_logits(ref, prompt, 24), forced_logits(fast, prompt, 24)
     worst = 0.0
@@ -86,7 +85,7 @@ def test_fast_logits_stay_within_tolerance_of_the_reference_path(
 
 
 def generate(e: Engine, params: SamplingParams, safe_point=None) -> list[int]:
-    e.runner.rewind(0)
+    e.sequences.rewind(0)
     return e.generate([1, 2, 3, 4, 5, 6], params, safe_point=safe_point).tokens
 
 
@@ -99,8 +98,8 @@ def test_text_is_the_same_with_graphs_on_and_off(tiny_models, cuda, params) -> N
     path = tiny_models.path("qwen3moe", "Q4_K_M")
     graph = load(path, cuda, cache_mib=1 << 20)
     eager = load(path, cuda, cache_mib=1 << 20, enforce_eager=True)
-    assert graph.runner.decoder.graph is not None and eager.runner.decoder.graph is None
-    how = decode_path(eager.runner)
+    assert graph.sequences.decoder.graph is not None and eager.sequences.decoder.graph is None
+    how = eager.sequences.decode_path()
     assert how.startswith("fused Triton kernels, eager (enforce_eager is set)"), how
     a, b = forced_logits(graph, [4, 5], 8), forced_logits(eager, [4, 5], 8)
     for la, lb in zip(a, b, strict=True):
@@ -112,13 +111,13 @@ def test_text_is_the_same_with_graphs_on_and_off(tiny_models, cuda, params) -> N
 
 def test_greedy_look_ahead_matches_one_step_at_a_time(tiny_models, cuda) -> None:
     e = load(tiny_models.path("qwen3moe", "Q6_K"), cuda, cache_mib=1 << 20)
-    assert e.runner.can_look_ahead()
+    assert e.sequences.can_look_ahead()
     ahead = generate(e, GREEDY)
-    e.runner.rewind(0)
-    tok = int(torch.argmax(e.runner.feed([1, 2, 3, 4, 5, 6])))
+    e.sequences.rewind(0)
+    tok = int(torch.argmax(e.sequences.feed([1, 2, 3, 4, 5, 6])))
     one_by_one = [tok]
     while len(one_by_one) < GREEDY.max_tokens:
-        tok = int(torch.argmax(e.runner.feed([tok])))
+        tok = int(torch.argmax(e.sequences.feed([tok])))
         one_by_one.append(tok)
     assert ahead == one_by_one
     e.close()
@@ -153,10 +152,10 @@ def test_a_shrink_and_a_grow_mid_generation_change_no_token(tiny_models, cuda) -
         calls += 1
         if calls == 6:
             cache.resize(cache.sizes.core_slots)
-            assert not e.runner.decoder.plan.complete
+            assert not e.sequences.decoder.plan.complete
         elif calls == 20:
             cache.resize(cache.max_slots)
-            assert e.runner.decoder.plan.complete
+            assert e.sequences.decoder.plan.complete
 
     assert generate(e, GREEDY, resize) == steady
     assert calls > 20
@@ -175,7 +174,7 @@ def test_kernels_that_fail_to_build_leave_the_reference_path(
     path = tiny_models.path("qwen3moe", "Q8_0")
     with caplog.at_level(logging.WARNING, logger="strata.engine.generate"):
         e = load(path, cuda, cache_mib=64)
-    assert e.runner.decoder is None and e.cache is not None and not e.cache.kernel
+    assert e.sequences.decoder is None and e.cache is not None and not e.cache.kernel
     assert "GPU decode kernels failed to build (RuntimeError: no compiler for this device)" in (
         caplog.text
     )
@@ -199,7 +198,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(tiny_models, cuda, caplog, 
     with caplog.at_level(logging.WARNING, logger="strata.engine.fast_decode"):
         e = load(path, cuda, cache_mib=64)
     monkeypatch.undo()
-    assert e.runner.decoder is not None and e.runner.decoder.graph is None
+    assert e.sequences.decoder is not None and e.sequences.decoder.graph is None
     assert "decode steps run without a CUDA graph: capture failed (RuntimeError" in caplog.text
     assert len(generate(e, SamplingParams(max_tokens=4, temperature=0.0))) == 4
     e.close()

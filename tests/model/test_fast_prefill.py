@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata.engine.runner import Runner
+from strata.engine.sequences import Runner
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -44,7 +44,7 @@ def load(path: Path, cuda: str, **kw) -> Engine:
 def test_the_gpu_prefills_on_tensor_cores_and_says_so(tiny_models, cuda, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="strata.engine.generate"):
         e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda)
-    assert e.runner.decoder is not None and e.runner.decoder.prefill is not None
+    assert e.sequences.decoder is not None and e.sequences.decoder.prefill is not None
     assert "GPU prefill: matrix products on tensor cores" in caplog.text
     e.close()
 
@@ -56,12 +56,12 @@ def test_prompt_logits_stay_within_tolerance_of_the_reference_path(
 ) -> None:
     path = tiny_models.path(model, kind)
     fast, ref = load(path, cuda), load(path, cuda, fast_decode=False)
-    assert fast.runner.decoder is not None and ref.runner.decoder is None
-    a, b = ref.runner.logits_all(PROMPT), fast.runner.logits_all(PROMPT)
+    assert fast.sequences.decoder is not None and ref.sequences.decoder is None
+    a, b = ref.sequences.logits_all(PROMPT), fast.sequences.logits_all(PROMPT)
     err = worst(a, b, TOL)
     print(f"\n{model} {kind}: worst relative logit difference {err:.2e}")
     assert err < TOL
-    chunked = fast.runner.logits_all(PROMPT, chunks=[3, 9, 1, 7])
+    chunked = fast.sequences.logits_all(PROMPT, chunks=[3, 9, 1, 7])
     assert worst(a, chunked, TOL) < TOL
     fast.close()
     ref.close()
@@ -70,9 +70,9 @@ def test_prompt_logits_stay_within_tolerance_of_the_reference_path(
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
 def test_a_prefill_agrees_with_token_by_token_decoding(tiny_models, cuda, kind) -> None:
     e = load(tiny_models.path("qwen3moe", kind), cuda)
-    chunk = e.runner.logits_all(PROMPT)
-    e.runner.rewind(0)
-    steps = torch.stack([e.runner.feed([t]).cpu() for t in PROMPT])
+    chunk = e.sequences.logits_all(PROMPT)
+    e.sequences.rewind(0)
+    steps = torch.stack([e.sequences.feed([t]).cpu() for t in PROMPT])
     err = worst(steps, chunk, TOL)
     print(f"\n{kind}: prefill against decode steps {err:.2e}")
     assert err < TOL
@@ -84,14 +84,14 @@ def test_a_prompts_numbers_are_the_same_at_every_cache_size(tiny_models, cuda) -
     every = load(path, cuda)
     assert every.cache is not None
     all_mib = -(-every.cache.n_slots * every.cache.slot_bytes // 2**20) + 2
-    want = every.runner.logits_all(PROMPT)
+    want = every.sequences.logits_all(PROMPT)
     every.close()
     for mib in (all_mib // 2, 0):
         for host in (0, 256):  # misses staged from the file; read from host homes over PCIe
             e = load(path, cuda, cache_mib=mib, host_budget_mib=host)
-            assert e.runner.decoder is not None
-            assert e.runner.decoder.plan.complete == (host > 0)
-            got = e.runner.logits_all(PROMPT)
+            assert e.sequences.decoder is not None
+            assert e.sequences.decoder.plan.complete == (host > 0)
+            got = e.sequences.logits_all(PROMPT)
             assert torch.equal(got, want), f"cache of {mib} MiB, host tier of {host} MiB"
             e.close()
 
@@ -100,17 +100,19 @@ def test_chunk_graphs_give_the_numbers_of_eager_chunks(tiny_models, cuda) -> Non
     path = tiny_models.path("qwen3moe", "Q4_K_M")
     graphs = load(path, cuda, prefill_chunk_tokens=8)
     eager = load(path, cuda, prefill_chunk_tokens=8, enforce_eager=True)
-    assert graphs.runner.decoder is not None and eager.runner.decoder is not None
-    assert graphs.runner.decoder.prefill is not None and eager.runner.decoder.prefill is not None
-    assert set(graphs.runner.decoder.prefill.graphs) == {8}
-    assert not eager.runner.decoder.prefill.graphs
+    assert graphs.sequences.decoder is not None and eager.sequences.decoder is not None
+    assert (
+        graphs.sequences.decoder.prefill is not None and eager.sequences.decoder.prefill is not None
+    )
+    assert set(graphs.sequences.decoder.prefill.graphs) == {8}
+    assert not eager.sequences.decoder.prefill.graphs
     for prompt in (PROMPT, PROMPT[:16], PROMPT[:5]):  # 8 + 8 + 4 (padded), 8 + 8, 5 (padded)
-        graphs.runner.rewind(0)
-        eager.runner.rewind(0)
-        assert torch.equal(graphs.runner.feed(prompt), eager.runner.feed(prompt))
+        graphs.sequences.rewind(0)
+        eager.sequences.rewind(0)
+        assert torch.equal(graphs.sequences.feed(prompt), eager.sequences.feed(prompt))
         greedy = SamplingParams(max_tokens=6, temperature=0.0)
-        graphs.runner.rewind(0)
-        eager.runner.rewind(0)
+        graphs.sequences.rewind(0)
+        eager.sequences.rewind(0)
         assert graphs.generate(prompt, greedy).tokens == eager.generate(prompt, greedy).tokens
     graphs.close()
     eager.close()
@@ -125,15 +127,15 @@ def test_chunk_graphs_write_the_pages_the_kv_maps_after_their_capture(tiny_model
     opts = dict(prefill_chunk_tokens=256, context_length=4096)
     graphs, eager = load(path, cuda, **opts), load(path, cuda, enforce_eager=True, **opts)
     try:
-        kv = graphs.runner.kv
+        kv = graphs.sequences.kv
         first = kv.mapped_bytes
         prompt = [(7 + 131 * i) % 2000 + 3 for i in range(1800)]  # 7 chunks and a padded one
         assert kv.context_bytes(len(prompt)) > first, "the prompt must outgrow the first chunk"
-        assert torch.equal(graphs.runner.feed(prompt), eager.runner.feed(prompt))
+        assert torch.equal(graphs.sequences.feed(prompt), eager.sequences.feed(prompt))
         assert kv.mapped_bytes > first
         greedy = SamplingParams(max_tokens=6, temperature=0.0)
-        graphs.runner.rewind(0)
-        eager.runner.rewind(0)
+        graphs.sequences.rewind(0)
+        eager.sequences.rewind(0)
         assert graphs.generate(prompt, greedy).tokens == eager.generate(prompt, greedy).tokens
     finally:
         graphs.close()
@@ -149,9 +151,9 @@ def test_a_long_prompt_is_cancelled_between_chunks(tiny_models, cuda) -> None:
         prompt, greedy, cancelled=lambda: len(points) >= 2, safe_point=lambda: points.append(1)
     )
     assert r.finish_reason == "cancelled" and r.tokens == []
-    assert e.runner.tokens == prompt[:32]
+    assert e.sequences.tokens == prompt[:32]
     resumed = e.generate(prompt, greedy).tokens  # feeds the 68 tokens left
-    e.runner.rewind(0)
+    e.sequences.rewind(0)
     assert resumed == e.generate(prompt, greedy).tokens
     e.close()
 
@@ -165,10 +167,10 @@ def test_prefill_kernels_that_fail_to_build_leave_the_reference_prefill(
     monkeypatch.setattr(FastPrefill, "warm_up", broken)
     with caplog.at_level(logging.WARNING):
         e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda)
-    assert e.runner.decoder is not None and e.runner.decoder.prefill is None
+    assert e.sequences.decoder is not None and e.sequences.decoder.prefill is None
     warnings = [r for r in caplog.records if "prefill kernels failed to build" in r.getMessage()]
     assert len(warnings) == 1
     assert "RuntimeError: no tensor-core compiler here" in warnings[0].getMessage()
-    assert e.runner.prefill_path().startswith("reference path")
+    assert e.sequences.prefill_path().startswith("reference path")
     assert len(e.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0)).tokens) == 4
     e.close()

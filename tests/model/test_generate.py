@@ -97,10 +97,10 @@ def test_a_long_prompt_is_cancelled_between_its_chunks_and_keeps_them(tiny_model
     )
     assert result.finish_reason == "cancelled" and result.tokens == []
     assert len(points) == 2, "cancelled at the second chunk's boundary, not after the prompt"
-    assert e.runner.tokens == prompt[:8]  # the two chunks fed stay in the K/V
-    assert e.runner.start(prompt) == prompt[8:]  # and a retry feeds only the rest
+    assert e.sequences.tokens == prompt[:8]  # the two chunks fed stay in the K/V
+    assert e.sequences.start(prompt) == prompt[8:]  # and a retry feeds only the rest
     again = e.generate(prompt, GREEDY)
-    e.runner.rewind(0)
+    e.sequences.rewind(0)
     assert again.tokens == e.generate(prompt, GREEDY).tokens
 
 

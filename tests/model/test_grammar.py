@@ -86,7 +86,7 @@ def test_token_mask_sets_exactly_the_cleared_bits_to_minus_infinity(n_vocab: int
 def test_the_grammar_vocabulary_spells_every_token_and_hides_the_specials(engine: Engine) -> None:
     ll = engine.grammars.ll
     tok = engine.tokenizer
-    assert ll.vocab_size == engine.runner.model.args.vocab_size
+    assert ll.vocab_size == engine.sequences.model.args.vocab_size
     # every end-of-generation token ends a grammar (llguidance 1.6 takes one: the turn's end)
     ends = set(getattr(ll, "eos_tokens", [ll.eos_token]))
     assert ends == set(tok.eog_ids) or ends == {tok.token_id("<|im_end|>")}
@@ -169,8 +169,8 @@ def test_the_greedy_choice_under_a_mask_is_the_best_allowed_token(
 def test_unconstrained_logprobs_match_the_logits(engine: Engine, prompt: list[int]) -> None:
     r = engine.generate(prompt, SamplingParams(max_tokens=4, seed=3, logprobs=2))
     assert r.logprobs is not None
-    engine.runner.rewind(0)
-    logits = engine.runner.feed(prompt)
+    engine.sequences.rewind(0)
+    logits = engine.sequences.feed(prompt)
     lp = torch.log_softmax(logits.float(), -1)
     first = r.logprobs[0]
     assert first.logprob == pytest.approx(float(lp[first.token]), abs=1e-5)
@@ -277,7 +277,7 @@ def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
     # a sampled constrained request first (step by step: its mask is made in inference mode),
     # then a greedy one that runs ahead with the same mask (on a GPU, writing the mask's device
     # words outside inference mode failed): the same tokens as before
-    e.runner._token_mask = None
+    e.sequences._token_mask = None
     sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
     e.generate([1, 5, 9, 100, 7], sampled, constraint=e.grammars.compile(GrammarSpec.json(schema)))
     again = e.generate([1, 5, 9, 100, 7], SamplingParams(max_tokens=8, temperature=0),

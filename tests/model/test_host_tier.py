@@ -366,7 +366,7 @@ def test_logits_are_identical_from_every_tier(q8: Path) -> None:
                 assert e.cache is None
             elif cache_mib is not None:
                 assert e.cache is not None and e.cache.tier is not None
-            out.append(e.runner.logits_all(tokens))
+            out.append(e.sequences.logits_all(tokens))
             if e.cache is not None and e.cache.tier is not None and cache_mib == 1:
                 assert e.provider.stats.bytes_from_ram > 0
         finally:

@@ -40,10 +40,10 @@ def load(path: Path, cuda: str, **kw) -> Engine:
 
 def run(e: Engine) -> tuple[list[int], list[torch.Tensor]]:
     text = e.generate([1, 2, 3, 4, 5], GREEDY).tokens
-    e.runner.rewind(0)
-    logits = [e.runner.feed([9, 8, 7]).cpu()]
+    e.sequences.rewind(0)
+    logits = [e.sequences.feed([9, 8, 7]).cpu()]
     for tok in (17, 2230, 40, 5):
-        logits.append(e.runner.feed([tok]).cpu())
+        logits.append(e.sequences.feed([tok]).cpu())
     return text, logits
 
 
@@ -67,17 +67,17 @@ def test_the_decode_graph_reads_misses_from_page_locked_homes(tiny_models, cuda,
     want, full = every_expert_in_vram(path, cuda)
     for mib in (full // 2, 0):
         e = load(path, cuda, cache_mib=mib, host_budget_mib=256, prefetch_experts=ahead)
-        cache, dec = e.cache, e.runner.decoder
+        cache, dec = e.cache, e.sequences.decoder
         assert cache is not None and cache.tier is not None and cache.tier.pinned
         assert dec is not None and dec.plan.complete and dec.graph is not None
-        assert e.runner.can_look_ahead()
+        assert e.sequences.can_look_ahead()
         assert cache.file_experts == 0 and len(cache.tier.table) == cache.max_slots - cache.n_slots
         before = e.provider.stats.bytes_from_ram
         got = run(e)
         assert got[0] == want[0], f"cache {mib} MiB: tokens differ"
         for a, b in zip(want[1], got[1], strict=True):
             assert torch.equal(a, b), f"cache {mib} MiB: logits differ"
-        e.runner.flush_usage()
+        e.sequences.flush_usage()
         assert e.provider.stats.bytes_from_ram > before  # read over PCIe from the homes
         assert e.provider.stats.bytes_from_file == 0
         made, chosen = e.provider.stats.prefetched, e.provider.stats.prefetch_used
@@ -98,14 +98,14 @@ def test_the_cpus_share_inside_the_decode_graph_keeps_the_logits(tiny_models, cu
     want, full = every_expert_in_vram(path, cuda)
     for mib in (full // 2, 0):
         e = load(path, cuda, cache_mib=mib, host_budget_mib=256, cpu_share=0.5, threads=4)
-        dec = e.runner.decoder
+        dec = e.sequences.decoder
         assert dec is not None and dec.cpu is not None, dec.cpu_reason if dec else None
-        assert dec.mode == "cpu" and dec.graph is dec.graphs["cpu"] and e.runner.can_look_ahead()
+        assert dec.mode == "cpu" and dec.graph is dec.graphs["cpu"] and e.sequences.can_look_ahead()
         got = run(e)
         for i, (a, b) in enumerate(zip(want[1], got[1], strict=True)):
             err = float((a - b).abs().max() / a.abs().max())
             assert err < 1e-4, f"cache {mib} MiB, step {i}: logits differ by {err:.2e}"
-        e.runner.flush_usage()
+        e.sequences.flush_usage()
         st = e.provider.stats
         swaps = e.cache.swaps if e.cache is not None else 0
         print(f"\n{kind} cache {mib} MiB: {st.cpu_computed} of {st.misses} RAM experts on the CPU"
@@ -129,7 +129,7 @@ def test_an_automatic_cpu_share_is_chosen_by_timing_and_keeps_the_logits(
     want, full = every_expert_in_vram(path, cuda)
     with caplog.at_level(logging.INFO, logger="strata.engine.fast_decode"):
         e = load(path, cuda, cache_mib=full // 2, host_budget_mib=256, threads=2, cpu_share=None)
-    dec = e.runner.decoder
+    dec = e.sequences.decoder
     assert dec is not None and set(dec.cpu_tuned) == set(CPU_SHARE_CANDIDATES)
     assert dec.cpu_share in CPU_SHARE_CANDIDATES and "chosen by timing" in caplog.text
     assert (dec.cpu is None) == (dec.cpu_share == 0)
@@ -150,14 +150,14 @@ def test_a_step_whose_wait_for_the_cpu_gave_up_stops_the_request(tiny_models, cu
     path = tiny_models.path("qwen3moe", "Q8_0")
     want, full = every_expert_in_vram(path, cuda)
     e = load(path, cuda, cache_mib=full // 2, host_budget_mib=256, cpu_share=0.5, threads=2)
-    dec = e.runner.decoder
+    dec = e.sequences.decoder
     assert dec is not None and dec.mode == "cpu"
     mb = dec.cpu.mailbox
     mb.buf[mb.layout.fault] = 1
     with pytest.raises(CpuShareFault, match="waited more than 2 s"):
         e.generate([1, 2, 3, 4, 5], GREEDY)
     assert dec.cpu is None and dec.mode == "plain"
-    e.runner.rewind(0)
+    e.sequences.rewind(0)
     assert run(e)[0] == want[0]
     e.close()
 
@@ -165,7 +165,7 @@ def test_a_step_whose_wait_for_the_cpu_gave_up_stops_the_request(tiny_models, cu
 def test_resizes_move_experts_between_vram_and_ram_and_change_no_token(tiny_models, cuda):
     path = tiny_models.path("qwen3moe", "Q4_K_M")
     e = load(path, cuda, cache_mib=1 << 20, elastic_tail_mib=1 << 20, host_budget_mib=256)
-    cache, dec = e.cache, e.runner.decoder
+    cache, dec = e.cache, e.sequences.decoder
     assert cache is not None and cache.tier is not None and dec is not None
     steady = run(e)
     graph = dec.graph
@@ -204,7 +204,7 @@ def test_exchanges_copy_beside_the_steps_and_land_at_the_next_safe_point(tiny_mo
     path = tiny_models.path("qwen3moe", "Q8_0")  # (Q4_K_M is made by llama-cpp-python)
     want, full = every_expert_in_vram(path, cuda)
     e = load(path, cuda, cache_mib=full // 2, host_budget_mib=256, verify_experts=True)
-    cache, dec = e.cache, e.runner.decoder
+    cache, dec = e.cache, e.sequences.decoder
     assert cache is not None and cache.tier is not None and dec is not None and dec.plan.complete
     graph, started, landed = dec.graph, [], []
 
@@ -246,7 +246,7 @@ def test_without_room_evicted_experts_go_back_to_the_file(tiny_models, cuda) -> 
     assert cache is not None and cache.tier is not None
     r = cache.resize(0)
     assert r.to_host == cache.tier.n_slots and r.to_file == r.from_slots - r.to_host
-    assert not e.runner.decoder.plan.complete  # the misses on the file are staged again
+    assert not e.sequences.decoder.plan.complete  # the misses on the file are staged again
     assert same(run(e), want)
     e.close()
 

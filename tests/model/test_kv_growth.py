@@ -42,7 +42,7 @@ def words(engine: Engine, n: int, seed: int = 0) -> list[int]:
 
 def in_budget(engine: Engine) -> None:
     """The cache and the K/V together never hold more than the budget."""
-    r = engine.runner
+    r = engine.sequences
     cache = engine.cache
     held = (cache.arena.mapped_bytes if cache else 0) + r.kv.mapped_bytes
     assert r.budget is None or held <= r.budget, f"{held} bytes held, budget {r.budget}"
@@ -57,9 +57,9 @@ def test_the_kv_grows_for_a_long_prompt_and_trims_after_a_short_one(path: Path) 
     fixed = load(path, kv_fixed=True)
     grow = load(path, kv_keep_conversations=0)
     try:
-        kv = grow.runner.kv
+        kv = grow.sequences.kv
         first = kv.mapped_bytes
-        assert first == CHUNK_MIB * MiB and fixed.runner.kv.mapped_bytes > 4 * first
+        assert first == CHUNK_MIB * MiB and fixed.sequences.kv.mapped_bytes > 4 * first
         long = words(grow, 700)
         a, b = gen(fixed, long), gen(grow, long)
         assert a.tokens == b.tokens and len(a.tokens) == GREEDY.max_tokens
@@ -112,7 +112,7 @@ def test_two_interleaved_conversations_both_reuse_their_prefixes(path: Path) -> 
         b2 = b1 + rb.tokens + words(e, 12, seed=7)
         assert gen(e, a2).cached_tokens == len(a1) + len(ra.tokens) - 1
         assert gen(e, b2).cached_tokens == len(b1) + len(rb.tokens) - 1
-        shared = e.runner.kv.book
+        shared = e.sequences.kv.book
         assert len(shared.kept) == 2  # a's second turn and b's first (b's second is active)
     finally:
         e.close()
@@ -121,7 +121,7 @@ def test_two_interleaved_conversations_both_reuse_their_prefixes(path: Path) -> 
 def test_the_kv_takes_room_from_the_cache_tail_within_one_budget(path: Path) -> None:
     e = load(path, cache_mib=16, elastic_tail_mib=12)
     try:
-        cache, r = e.cache, e.runner
+        cache, r = e.cache, e.sequences
         assert cache is not None and r.budget == cache.arena.mapped_bytes + r.kv.mapped_bytes
         budget, full = r.budget, cache.n_slots
         gen(e, words(e, 900))  # about 3.5 MiB of K/V: the tail yields
@@ -153,7 +153,7 @@ def test_an_automatic_budget_keeps_the_free_room_for_the_kv_before_the_cache_yie
     probe = load(path, cache_mib=1024)
     try:
         experts = probe.cache.mapped_bytes_for(probe.cache.max_slots)
-        kv_max = probe.runner.kv.arena.reserved_bytes
+        kv_max = probe.sequences.kv.arena.reserved_bytes
     finally:
         probe.close()
 
@@ -180,16 +180,16 @@ def test_an_automatic_budget_keeps_the_free_room_for_the_kv_before_the_cache_yie
     huge = auto(kv_at_load + experts + kv_max + 64 * MiB)
     tight = auto(kv_at_load + experts // 2 + 2 * MiB)
     try:
-        cache, r = roomy.cache, roomy.runner
+        cache, r = roomy.cache, roomy.sequences
         assert cache.n_slots == cache.max_slots
         assert r.budget == experts + kv_at_load + 8 * MiB, "the free room, less the reserve"
         gen(roomy, words(roomy, 900))  # about 3.5 MiB of K/V
         assert r.kv.mapped_bytes > 3 * MiB and cache.n_slots == cache.max_slots
         in_budget(roomy)
-        assert huge.runner.budget == experts + kv_max, "never more than the model can use"
+        assert huge.sequences.budget == experts + kv_max, "never more than the model can use"
         c = tight.cache
         assert c.n_slots < c.max_slots
-        assert tight.runner.budget == c.arena.mapped_bytes + tight.runner.kv.mapped_bytes
+        assert tight.sequences.budget == c.arena.mapped_bytes + tight.sequences.kv.mapped_bytes
     finally:
         roomy.close()
         huge.close()
@@ -203,7 +203,7 @@ def test_between_requests_a_budget_cut_takes_the_last_conversations_pages_too(
     conversation's pages are no longer the active sequence's floor, and go after the kept ones."""
     e, cold = load(path, cache_mib=16, elastic_tail_mib=12), load(path)
     try:
-        cache, r = e.cache, e.runner
+        cache, r = e.cache, e.sequences
         assert cache is not None and r.budget is not None
         budget, kv = r.budget, r.kv
         p1 = words(e, 900)
@@ -235,7 +235,7 @@ def test_a_prompt_beyond_the_budget_at_the_cache_core_is_refused_with_the_number
 ) -> None:
     e = load(path, cache_mib=16, elastic_tail_mib=12)
     try:
-        cache, r = e.cache, e.runner
+        cache, r = e.cache, e.sequences
         core = cache.mapped_bytes_for(cache.sizes.core_slots)
         cache.resize(e.set_budget(core + 2 * MiB))  # the K/V may hold two chunks at most
         fit = r.tokens_that_fit()

@@ -75,8 +75,8 @@ def test_two_stages_split_the_layers_and_each_owns_its_own(path: Path) -> None:
         assert a.cache is not None and b.cache is not None and a.cache is not b.cache
         assert a.cache.arena is not b.cache.arena and a.kv.arena is not b.kv.arena
         assert a.cache.max_slots == 8 and b.cache.max_slots == 24  # only their layers' experts
-        assert e.cache is a.cache and e.runner.kv is a.kv  # old callers see stage 0
-        assert e.runner.stage_of(0) is a and e.runner.stage_of(3) is b
+        assert e.cache is a.cache and e.sequences.kv is a.kv  # old callers see stage 0
+        assert e.sequences.stage_of(0) is a and e.sequences.stage_of(3) is b
         check_one_home(e)
     finally:
         e.close()
@@ -90,7 +90,7 @@ def test_one_device_in_the_list_is_one_stage_over_every_layer(path: Path) -> Non
         assert listed.cache is not None and listed.cache.layers == range(4)
         assert plain.cache is not None and plain.cache.layers is None
         ids = words(plain, 16)
-        assert torch.equal(listed.runner.logits_all(ids), plain.runner.logits_all(ids))
+        assert torch.equal(listed.sequences.logits_all(ids), plain.sequences.logits_all(ids))
     finally:
         plain.close()
         listed.close()
@@ -120,9 +120,9 @@ def test_logits_and_greedy_tokens_are_those_of_one_stage_bit_for_bit(path: Path)
     three = load(path, devices=("cpu",) * 3, layer_split=(1, 1, 2), cache_mib=0)
     try:
         ids = words(one, 40)
-        want = one.runner.logits_all(ids, [17, 23])
-        assert torch.equal(two.runner.logits_all(ids, [17, 23]), want)
-        assert torch.equal(three.runner.logits_all(ids, [17, 23]), want)
+        want = one.sequences.logits_all(ids, [17, 23])
+        assert torch.equal(two.sequences.logits_all(ids, [17, 23]), want)
+        assert torch.equal(three.sequences.logits_all(ids, [17, 23]), want)
         prompt = words(one, 30, seed=1)
         tokens = one.generate(prompt, GREEDY).tokens
         assert len(tokens) == GREEDY.max_tokens
@@ -223,7 +223,7 @@ def test_the_kv_grows_in_each_stage_within_that_stages_budget(path: Path) -> Non
             stage.on_cache_resized = lambda r, why, n=stage.number: told[n].append(
                 (r.from_slots, r.to_slots, why)
             )
-        assert e.runner.on_cache_resized is a.on_cache_resized  # the old name: stage 0's
+        assert e.sequences.on_cache_resized is a.on_cache_resized  # the old name: stage 0's
         out = e.generate(words(e, 1100), GREEDY, safe_point=in_budget)
         assert len(out.tokens) == GREEDY.max_tokens
         # both K/Vs grew (1100 positions: 18 pages of 64, and the sink), each in its own
@@ -334,7 +334,7 @@ def test_the_host_tier_is_one_ram_budget_shared_by_the_stages(path: Path) -> Non
         ids = words(e, 12)
         one = load(path, cache_mib=2, host_budget_mib=9)
         try:
-            assert torch.equal(e.runner.logits_all(ids), one.runner.logits_all(ids))
+            assert torch.equal(e.sequences.logits_all(ids), one.sequences.logits_all(ids))
         finally:
             one.close()
     finally:

@@ -19,7 +19,7 @@ from strata.engine.experts.cache import ForeignLayer
 from strata.engine.experts.provider import FileExpertProvider
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.models import architecture_module
-from strata.engine.runner import Runner
+from strata.engine.sequences import Runner
 from strata.engine.stages import layer_ranges
 
 if not torch.cuda.is_available():
@@ -146,19 +146,18 @@ def test_engine_load_builds_a_decoder_per_stage(q8: Path, monkeypatch) -> None:
     reference path here, ``test_staged_steps_and_prompts…`` covers the staged prefill)."""
     from strata.engine import loader
     from strata.engine.generate import Engine
-    from strata.engine.loader import decode_path
     from strata.engine.options import EngineOptions
     from strata.engine.params import SamplingParams
 
-    monkeypatch.setattr(loader, "fast_path_unavailable", lambda index, device, options: None)
+    monkeypatch.setattr(loader, "unavailable_on_all", lambda index, devices, options: None)
     base = dict(kv_cache_type="f32", context_length=128, arena_chunk_mib=2, cache_mib=2,
                 host_budget_mib=64, fast_prefill=False)  # fmt: skip
     one = Engine.load(q8, EngineOptions(**base))  # type: ignore[arg-type]
     two = Engine.load(q8, EngineOptions(**base, devices=("cpu", "cpu"), layer_split=(3, 1)))  # type: ignore[arg-type]
     try:
-        dec = two.runner.decoder
-        assert isinstance(dec, StagedDecoder) and not two.runner.can_look_ahead()
-        assert decode_path(two.runner) == (
+        dec = two.sequences.decoder
+        assert isinstance(dec, StagedDecoder) and not two.sequences.can_look_ahead()
+        assert two.sequences.decode_path() == (
             "fused Triton kernels over 2 stages, eager (CUDA graphs need a CUDA device)"
         )
         for part, stage in zip(dec.parts, two.stages, strict=True):

@@ -20,7 +20,6 @@ from fastpath import forced_logits
 
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.generate import Engine
-from strata.engine.loader import decode_path
 from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 
@@ -51,7 +50,7 @@ def load(path: Path, devices: tuple[str, ...] | None, **kw) -> Engine:
 
 
 def generate(e: Engine, params: SamplingParams) -> list[int]:
-    e.runner.rewind(0)
+    e.sequences.rewind(0)
     return e.generate([1, 2, 3, 4, 5, 6], params).tokens
 
 
@@ -64,7 +63,7 @@ def test_two_stages_take_the_fast_path_with_a_graph_each(tiny_models, cuda, capl
     with caplog.at_level(logging.INFO, logger="strata.engine.generate"):
         e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda, layer_split=(1, 3), cache_mib=64)
     try:
-        dec = e.runner.decoder
+        dec = e.sequences.decoder
         assert dec is not None and len(dec.parts) == 2  # type: ignore[union-attr]
         for part, stage in zip(dec.parts, e.stages, strict=True):  # type: ignore[union-attr]
             assert part.graph is not None and part.device == stage.device
@@ -72,10 +71,10 @@ def test_two_stages_take_the_fast_path_with_a_graph_each(tiny_models, cuda, capl
             assert part.prefill is not None and part.prefill.graphs  # captured chunk graphs
             assert isinstance(stage.cache, ExpertCache) and stage.cache.kernel
             assert stage.cache.layers == stage.layers
-        assert decode_path(e.runner) == (
+        assert e.sequences.decode_path() == (
             "fused Triton kernels, one CUDA graph per stage per step (2 stages)"
         )
-        assert e.runner.prefill_path().startswith("matrix products on tensor cores")
+        assert e.sequences.prefill_path().startswith("matrix products on tensor cores")
         assert f"layers 0 on {cuda[0]}, 1-3 on {cuda[1]}" in caplog.text
     finally:
         e.close()
@@ -93,7 +92,7 @@ def test_two_stages_give_one_stages_logits_and_tokens(tiny_models, cuda, model, 
     one = load(path, None, **kw)
     two = load(path, cuda, layer_split=(2, 2), **kw)
     try:
-        assert one.runner.decoder is not None and two.runner.decoder is not None
+        assert one.sequences.decoder is not None and two.sequences.decoder is not None
         prompt = [1, 50, 300, 7, 9, 2000, 31] * 20  # 140 tokens: a prompt chunk on the GPU
         same(forced_logits(one, prompt, 12), forced_logits(two, prompt, 12))
         for params in (GREEDY, SEEDED):
@@ -113,13 +112,13 @@ def test_one_stages_budget_resizes_only_its_cache_mid_generation(tiny_models, cu
         want = forced_logits(one, prompt, 10)
         a, b = two.stages
         assert a.cache is not None and b.cache is not None
-        dec = two.runner.decoder
+        dec = two.sequences.decoder
         full, slots_a, plan0 = b.cache.n_slots, a.cache.n_slots, dec.parts[0].plan  # type: ignore[union-attr]
-        two.runner.rewind(0)
-        got = [two.runner.feed(prompt).cpu()]
+        two.sequences.rewind(0)
+        got = [two.sequences.feed(prompt).cpu()]
         tok = 17
         for i in range(10):
-            got.append(two.runner.feed([tok]).cpu())
+            got.append(two.sequences.feed([tok]).cpu())
             tok = (tok * 131 + 3) % 2000
             if i == 2:  # stage 1 down to its core: its evicted experts move to its RAM homes
                 small = b.kv.mapped_bytes + b.cache.mapped_bytes_for(b.cache.sizes.core_slots)

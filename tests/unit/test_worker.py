@@ -118,7 +118,7 @@ class _Runner:
 class _BudgetEngine(_Engine):
     def __init__(self, cache: _Cache, want: int) -> None:
         super().__init__(cache)
-        self.runner = _Runner(cache, want)
+        self.sequences = _Runner(cache, want)
         self.budgets: list[int] = []
 
     def set_budget(self, budget: int) -> int:
@@ -137,7 +137,7 @@ def test_the_room_a_request_gave_back_refills_the_cache_in_pieces_after_it() -> 
     worker.on_resized = lambda r, why: resized.append((r.from_slots, r.to_slots, why))
     worker.start()
     worker.ready.result(30)
-    assert engine.runner.settle_grows is False, "the worker grows the cache itself"
+    assert engine.sequences.settle_grows is False, "the worker grows the cache itself"
     first = GenerationJob([1], SamplingParams(max_tokens=1))
     worker.submit(first)
     assert first.done.result(30) == "done"
@@ -149,7 +149,7 @@ def test_the_room_a_request_gave_back_refills_the_cache_in_pieces_after_it() -> 
     # after the first request: one piece at a time, the budget asked again at each piece
     assert cache.calls[:3] == [4 + piece, 4 + 2 * piece, 4 + 3 * piece]
     assert [why for *_, why in resized[:3]] == ["room the K/V gave back"] * 3
-    assert engine.budgets[:3] == [engine.runner.budget] * 3
+    assert engine.budgets[:3] == [engine.sequences.budget] * 3
     assert cache.n_slots == 4 + 3 * piece
 
 
@@ -168,8 +168,8 @@ def test_a_pending_resize_is_not_replaced_by_the_refill_after_a_request() -> Non
     worker._refill_after_request()
     refill = worker._resizes.get(0)
     assert refill is not None and refill.reason == "room the K/V gave back"
-    assert refill.budget == engine.runner.budget and refill.futures == []
-    engine.runner.want = 40  # no room left: nothing to ask
+    assert refill.budget == engine.sequences.budget and refill.futures == []
+    engine.sequences.want = 40  # no room left: nothing to ask
     worker._resizes.clear()
     worker._refill_after_request()
     assert worker._resizes == {}

@@ -1,1 +1,0 @@
-"""Building blocks shared by the model files."""
