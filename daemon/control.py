@@ -133,11 +133,11 @@ class VramController:
         return self.worker.stage_cache(self.stage)
 
     def _stage_state(self) -> Any:
-        """What holds this stage's K/V and budget: the runner with one stage (as before the
-        split existed), else the engine's stage."""
+        """What holds this stage's K/V and budget: the engine's sequences with one stage (as
+        before the split existed), else the engine's stage runner."""
         engine = self.worker.engine
         if self.stage == 0:
-            return getattr(engine, "runner", None)
+            return getattr(engine, "sequences", None)
         return engine.stages[self.stage] if engine is not None else None
 
     def ours_bytes(self) -> int:

@@ -759,8 +759,8 @@ def _hit_rate(engine: Any) -> float | None:
     cache (every fetch a miss would read as 0.0) or before any fetch."""
     if engine is None:
         return None
-    model = getattr(getattr(engine, "runner", None), "model", None)
-    providers = getattr(model, "providers", None) or [engine.provider]
+    stages = getattr(engine, "stages", None) or []
+    providers = [stage.provider for stage in stages] or [engine.provider]
     stats = [p.stats for p in providers]
     if not any(s.cached for s in stats):
         return None

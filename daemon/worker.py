@@ -185,7 +185,7 @@ class EngineWorker:
             return
         self.state = State.READY
         # the K/V's growth resizes the cache itself: the control plane hears of it as of any
-        runner = getattr(self.engine, "runner", None)
+        runner = getattr(self.engine, "sequences", None)
         if runner is not None:
             runner.on_cache_resized = self._resized_by_kv
             runner.settle_grows = False  # the refill after a request comes in pieces instead
@@ -239,7 +239,7 @@ class EngineWorker:
         """The room a request's K/V gave back goes to the cache's tail, in pieces like any growth
         (a request arriving meanwhile starts at once) — unless a resize is already pending: the
         newer request decides the size. Each stage of a split refills its own cache."""
-        runner = getattr(self.engine, "runner", None)
+        runner = getattr(self.engine, "sequences", None)
         if runner is None:
             return
         stages = getattr(self.engine, "stages", None) or []

@@ -99,7 +99,7 @@ class CountedGraph:
 
 def test_json_schema_output_on_the_graph_path(model: Path) -> None:
     e = load(model)
-    dec = e.sequences.decoder
+    dec = e.sequences.gpu
     assert dec is not None and dec.plan.complete
     assert e.sequences.decode_path().startswith("fused Triton kernels, one CUDA graph per step")
     counted = CountedGraph(dec.graph)
@@ -122,7 +122,7 @@ def test_json_schema_output_on_the_graph_path(model: Path) -> None:
     a = e.generate(prompt, greedy, constraint=e.grammars.compile(GrammarSpec.json(SCHEMA)))
     e.close()
     eager = load(model, enforce_eager=True)
-    assert eager.sequences.decoder is not None and eager.sequences.decoder.graph is None
+    assert eager.sequences.gpu is not None and eager.sequences.gpu.graph is None
     b = eager.generate(prompt, greedy, constraint=eager.grammars.compile(GrammarSpec.json(SCHEMA)))
     assert a.tokens == b.tokens and a.finish_reason == b.finish_reason == "stop"
     eager.close()
