@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from strata.engine.cpuinfo import default_threads
+from strata.engine.devices import on_device
 from strata.engine.errors import EngineError
 from strata.engine.experts import ExpertProvider
 from strata.engine.gguf_index import GGUFIndex
@@ -76,7 +77,7 @@ def build_gpu_runners(
     runners: list[GpuRunner] = []
     try:
         for i, (kv, provider) in enumerate(zip(kvs, providers, strict=True)):
-            with torch.cuda.device(model.stage_devices[i]):
+            with on_device(model.stage_devices[i]):
                 runners.append(GpuRunner(model, i, kv, provider))
         progress("compiling the GPU decode kernels (first start only: then cached)")
 
@@ -148,7 +149,8 @@ def configure_gpu(runners: Sequence, model: MoEModel, options: EngineOptions,
     share = options.cpu_share
     auto = share is None
     if share is None:  # tuned once the graph is captured, from a start worth capturing
-        share = AUTO_CPU_SHARE_START if not ahead else 0.0
+        cuda = all(r.device.type == "cuda" for r in runners)
+        share = AUTO_CPU_SHARE_START if cuda and not ahead else 0.0
     if share and ahead:
         raise EngineError(
             f"cpu_share={share} and prefetch_experts={ahead}: the CPU's share and the copies "

@@ -82,10 +82,8 @@ class Sequences:
     @property
     def gpu(self) -> GpuRunner | None:
         """The one GPU runner of a single-stage model (greedy look-ahead runs on it), or None."""
-        from strata.engine.gpu.runner import GpuRunner
-
         only = self.stages[0]
-        return only if len(self.stages) == 1 and isinstance(only, GpuRunner) else None
+        return only if len(self.stages) == 1 and only.on_gpu else None  # type: ignore[return-value]
 
     def replace_stages(self, stages: Sequence[StageRunner]) -> None:
         """Run on ``stages`` from now on (the same K/V and layers: the loader swaps reference
@@ -324,9 +322,7 @@ class Sequences:
     def decodes_on_gpu(self) -> bool:
         """Whether decode steps run the GPU runners' kernels (else the reference operations,
         as prompt chunks)."""
-        from strata.engine.gpu.runner import GpuRunner
-
-        return all(isinstance(s, GpuRunner) for s in self.stages)
+        return all(s.on_gpu for s in self.stages)
 
     def decode_path(self) -> str:
         """How decode steps run, for the log and the bench: a line of text."""

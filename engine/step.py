@@ -91,6 +91,8 @@ class StageRunner(ABC):
     ``run`` steps a batch through its layers; ``end_step`` is the safe point after every
     stage ran it."""
 
+    on_gpu = False  # a GpuRunner: the fused kernels, the greedy look-ahead ring
+
     def __init__(self, model: MoEModel, number: int, kv: KVCache, provider: ExpertProvider) -> None:
         self.model, self.number, self.kv, self.provider = model, number, kv, provider
         self.layers: range = model.spans[number]

@@ -42,6 +42,8 @@ Pick = Callable[[torch.Tensor, int], None]
 
 
 class GpuRunner(StageRunner):
+    on_gpu = True
+
     def __init__(self, model: MoEModel, number: int, kv: KVCache, provider: ExpertProvider) -> None:
         super().__init__(model, number, kv, provider)
         shape = model.shape

@@ -23,8 +23,8 @@ import torch
 from quantdata import random_bytes
 
 from strata.engine.experts.table import MISSING
-from strata.engine.layers.norm import rms_norm
-from strata.engine.layers.rope import Rope
+from strata.engine.ops import RopeSpec
+from strata.engine.ops.reference import Rope, rms_norm
 from strata.engine.quant import repack
 from strata.engine.quant.repack import align, repacked_layout
 
@@ -168,7 +168,7 @@ def test_rope_store_matches_the_reference_layers(neox, qk_norm, kv_dtype) -> Non
     v = before[(H + HKV) * D :].view(HKV, D)
     if qk_norm:
         q, k = rms_norm(q, qn.cpu(), 1e-6), rms_norm(k, kn.cpu(), 1e-6)
-    rope, at_pos = Rope(D, 1e6, neox), torch.tensor([21])
+    rope, at_pos = Rope(D, RopeSpec(1e6, neox)), torch.tensor([21])
     q, k = rope(q, at_pos), rope(k, at_pos)
     row = 0 * page + 21 % page
     assert (qkv[: H * D].cpu() - q.reshape(-1)).abs().max() < TOL

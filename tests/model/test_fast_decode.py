@@ -3,7 +3,7 @@ its logits against the reference path's, the same bits whatever the cache holds 
 shrink and a grow mid-generation), the expert uses it counts on the device, a corrupt slot table
 refused, and the choice of path at load.
 
-On the CPU the decoder is assembled by hand (``Engine.load`` takes the fast path on a GPU only);
+On the CPU the GPU runner is assembled by hand (``Engine.load`` takes the fast path on a GPU only);
 the ``gpu`` tests in ``tests/gpu/test_fast_decode_gpu.py`` go through ``Engine.load``.
 """
 
@@ -17,7 +17,7 @@ import gguf
 import pytest
 import torch
 
-from strata.engine import fast_path, loader, synth
+from strata.engine import fast_path, synth
 from strata.engine.errors import EngineError
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.slots import SlotTagMismatch, Tag
@@ -25,7 +25,7 @@ from strata.engine.fast_path import fast_path_unavailable
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.options import EngineOptions
 from strata.engine.quant import REPACKED_TYPES
-from strata.engine.sequences import Runner
+from strata.engine.sequences import Sequences
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -66,8 +66,8 @@ def test_residency_never_changes_the_numbers(q8: Path) -> None:
 def test_a_shrink_and_a_grow_mid_generation_keep_the_numbers(q8: Path) -> None:
     steady = decode(fast_runner(q8, 1.0), 4, 5)
     runner = fast_runner(q8, 1.0)
-    cache = runner.model.provider
-    assert isinstance(cache, ExpertCache) and runner.decoder is not None
+    cache = runner.gpu.provider
+    assert isinstance(cache, ExpertCache) and runner.decodes_on_gpu
     runner.rewind(0)
     got = [runner.feed(PROMPT)]
     tok = 5
@@ -76,10 +76,10 @@ def test_a_shrink_and_a_grow_mid_generation_keep_the_numbers(q8: Path) -> None:
         tok = (tok * 31 + 7) % 500
         if i == 0:
             cache.resize(cache.sizes.core_slots)  # down to the core: most experts now miss
-            assert not runner.decoder.plan.complete
+            assert not runner.gpu.tables.plan.complete
         if i == 2:
             cache.resize(cache.max_slots)
-            assert runner.decoder.plan.complete
+            assert runner.gpu.tables.plan.complete
     for a, b in zip(steady[1:], got[1:], strict=True):
         assert torch.equal(a, b)
 
@@ -87,8 +87,8 @@ def test_a_shrink_and_a_grow_mid_generation_keep_the_numbers(q8: Path) -> None:
 def test_exchanges_with_ram_homes_mid_generation_keep_the_numbers(q8: Path) -> None:
     steady = decode(fast_runner(q8, 1.0), 4, 5)
     runner = fast_runner(q8, 0.5, host=True)
-    cache, dec = runner.model.provider, runner.decoder
-    assert isinstance(cache, ExpertCache) and dec is not None and dec.plan.complete
+    cache, dec = runner.gpu.provider, runner.gpu
+    assert isinstance(cache, ExpertCache) and dec is not None and dec.tables.plan.complete
     dec.adapt_swaps = 4
     runner.rewind(0)
     got = [runner.feed(PROMPT)]
@@ -102,7 +102,7 @@ def test_exchanges_with_ram_homes_mid_generation_keep_the_numbers(q8: Path) -> N
             assert 3 <= dec.adapt() <= 4  # and used ones beat never-used tail experts
         if i == 1:  # landed by the step after (on a GPU their copies ran beside it)
             assert not cache.exchanging and set(hot) <= cache.table.cached_keys()
-            assert dec.plan.complete
+            assert dec.tables.plan.complete
     for a, b in zip(steady[1:], got[1:], strict=True):
         assert torch.equal(a, b)
 
@@ -110,29 +110,29 @@ def test_exchanges_with_ram_homes_mid_generation_keep_the_numbers(q8: Path) -> N
 def test_copies_ahead_from_ram_homes_keep_the_numbers_and_are_counted(q8: Path) -> None:
     plain = fast_runner(q8, 0.5, host=True)
     ahead = fast_runner(q8, 0.5, host=True, prefetch=4)
-    dec = ahead.decoder
-    assert dec is not None and dec.prefetching and dec.host_count > 0
+    dec = ahead.gpu
+    assert dec is not None and dec.prefetching and dec.tables.host_count > 0
     a, b = decode(plain, 4, 9), decode(ahead, 4, 9)
     for x, y in zip(a[1:], b[1:], strict=True):
         assert torch.equal(x, y)
     ahead.flush_usage()
-    stats, L = ahead.model.provider.stats, dec.args.n_layer
+    stats, L = ahead.gpu.provider.stats, dec.model.shape.n_layer
     # each layer copies at most 4 ahead a step; the routing chose some of them (the residual
     # stream before a layer's attention predicts its experts)
     assert 0 < stats.prefetch_used <= stats.prefetched <= 4 * L * 4
     unused = stats.prefetched - stats.prefetch_used
-    assert stats.bytes_prefetched_unused == unused * dec.expert_bytes[0]
-    assert plain.model.provider.stats.prefetched == 0
+    assert stats.bytes_prefetched_unused == unused * dec.geometry.expert_bytes[0]
+    assert plain.gpu.provider.stats.prefetched == 0
 
 
 def test_copies_ahead_stop_when_no_expert_is_in_ram(q8: Path) -> None:
     runner = fast_runner(q8, 1.0, host=True, prefetch=2)
-    dec = runner.decoder
-    assert dec is not None and dec.host_count == 0 and not dec.prefetching
+    dec = runner.gpu
+    assert dec is not None and dec.tables.host_count == 0 and not dec.prefetching
     decode(runner, 2, 9)
     runner.flush_usage()
-    assert runner.model.provider.stats.prefetched == 0
-    cache = runner.model.provider
+    assert runner.gpu.provider.stats.prefetched == 0
+    cache = runner.gpu.provider
     cache.resize(cache.sizes.core_slots)  # the evicted experts go to RAM homes: copies start
     assert dec.prefetching
     decode(runner, 2, 9)
@@ -140,11 +140,11 @@ def test_copies_ahead_stop_when_no_expert_is_in_ram(q8: Path) -> None:
     assert cache.stats.prefetched > 0
 
 
-def _cpu_or_skip(runner: Runner) -> None:
-    dec = runner.decoder
+def _cpu_or_skip(runner: Sequences) -> None:
+    dec = runner.gpu
     assert dec is not None
-    if dec.cpu is None:
-        pytest.skip(f"the CPU expert kernels cannot run here: {dec.cpu_reason}")
+    if not dec.cpu.on:
+        pytest.skip(f"the CPU expert kernels cannot run here: {dec.cpu.reason}")
 
 
 @pytest.mark.parametrize("share", [0.5, 1.0])
@@ -154,14 +154,14 @@ def test_the_cpus_share_of_the_ram_experts_keeps_the_numbers_and_is_counted(
     plain = fast_runner(q8, 0.5, host=True)
     cpu = fast_runner(q8, 0.5, host=True, cpu_share=share)
     _cpu_or_skip(cpu)
-    dec = cpu.decoder
-    assert dec.mode == "cpu" and dec.host_count > 0
+    dec = cpu.gpu
+    assert dec.mode == "cpu" and dec.tables.host_count > 0
     steps = {}
     for name, runner in (("plain", plain), ("cpu", cpu)):
         runner.rewind(0)
         first = runner.feed(PROMPT).cpu()  # the reference path (it counts its own reads)
         runner.flush_usage()
-        st = runner.model.provider.stats
+        st = runner.gpu.provider.stats
         before = (st.hits, st.misses, st.bytes_from_ram, st.cpu_computed)
         out, tok = [first], 9
         for _ in range(4):
@@ -182,31 +182,31 @@ def test_the_cpus_share_of_the_ram_experts_keeps_the_numbers_and_is_counted(
         assert computed == misses > 0
     else:
         assert 0 < computed < misses
-    st = cpu.model.provider.stats
-    assert st.bytes_cpu == st.cpu_computed * dec.expert_bytes[0]
+    st = cpu.gpu.provider.stats
+    assert st.bytes_cpu == st.cpu_computed * dec.geometry.expert_bytes[0]
 
 
 def test_the_cpus_share_starts_and_stops_with_the_experts_in_ram(q8: Path) -> None:
     runner = fast_runner(q8, 1.0, host=True, cpu_share=0.5)
     _cpu_or_skip(runner)
-    dec = runner.decoder
-    assert dec.host_count == 0 and dec.mode == "plain"
-    assert dec.describe().endswith(
+    dec = runner.gpu
+    assert dec.tables.host_count == 0 and dec.mode == "plain"
+    assert dec.decode_path().endswith(
         "; the CPU computes 50% of the chosen experts in RAM (none is in RAM now: every expert "
         "has a VRAM slot)"
     )
     decode(runner, 2, 9)
     runner.flush_usage()
-    assert runner.model.provider.stats.cpu_computed == 0
-    cache = runner.model.provider
+    assert runner.gpu.provider.stats.cpu_computed == 0
+    cache = runner.gpu.provider
     cache.resize(cache.sizes.core_slots)  # the evicted experts go to RAM homes: the CPU helps
     assert dec.mode == "cpu"
-    assert dec.describe().endswith("; the CPU computes 50% of the chosen experts in RAM")
+    assert dec.decode_path().endswith("; the CPU computes 50% of the chosen experts in RAM")
     steady = decode(fast_runner(q8, 1.0), 2, 9)
     for x, y in zip(steady[1:], decode(runner, 2, 9)[1:], strict=True):
         assert float((x - y).abs().max() / x.abs().max()) < 1e-5
     runner.flush_usage()
-    assert runner.model.provider.stats.cpu_computed > 0
+    assert runner.gpu.provider.stats.cpu_computed > 0
     cache.resize(cache.max_slots)
     assert dec.mode == "plain"
 
@@ -215,18 +215,18 @@ def test_a_bad_cpu_share_is_refused_naming_it(q8: Path) -> None:
     runner = fast_runner(q8, 0.5, host=True)
     for bad in (-0.1, 1.5, "half", True):
         with pytest.raises(ValueError, match=f"cpu_share={bad!r}"):
-            runner.decoder.set_cpu_share(bad, 2)  # type: ignore[arg-type]
-    assert runner.decoder.cpu is None and runner.decoder.mode == "plain"
+            runner.gpu.set_cpu_share(bad, 2)  # type: ignore[arg-type]
+    assert runner.gpu.cpu.cpu is None and runner.gpu.mode == "plain"
 
 
 def test_the_cpus_share_and_the_copies_ahead_are_one_or_the_other(q8: Path) -> None:
     runner = fast_runner(q8, 0.5, host=True)
     both = EngineOptions(cpu_share=0.5, prefetch_experts=2, enforce_eager=True)
     with pytest.raises(EngineError, match=r"cpu_share=0\.5 and prefetch_experts=2"):
-        loader._configure_decoder(runner.decoder, runner.model, both, lambda what: None)
+        fast_path.configure_gpu([runner.gpu], runner.model, both, lambda what: None)
     with pytest.raises(EngineError, match="cpu_share=2: must be a number between"):
-        loader._configure_decoder(
-            runner.decoder, runner.model, EngineOptions(cpu_share=2), lambda what: None
+        fast_path.configure_gpu(
+            [runner.gpu], runner.model, EngineOptions(cpu_share=2), lambda what: None
         )
 
 
@@ -244,9 +244,9 @@ def test_an_automatic_cpu_share_is_none_off_a_gpu_or_beside_the_copies_ahead(q8:
         EngineOptions(enforce_eager=True),
         EngineOptions(enforce_eager=True, prefetch_experts=2),
     ):
-        loader._configure_decoder(runner.decoder, runner.model, options, lambda what: None)
-        assert runner.decoder.cpu is None and runner.decoder.cpu_share == 0
-        assert runner.decoder.mode in ("plain", "ahead")
+        fast_path.configure_gpu([runner.gpu], runner.model, options, lambda what: None)
+        assert runner.gpu.cpu.cpu is None and runner.gpu.cpu.share == 0
+        assert runner.gpu.mode in ("plain", "ahead")
 
 
 @OFF_A_GPU
@@ -254,18 +254,18 @@ def test_choosing_the_cpu_share_by_timing_needs_a_gpu(q8: Path) -> None:
     """Off a GPU (nothing to time against the link) the share stays as it was set."""
     runner = fast_runner(q8, 0.5, host=True, cpu_share=0.5)
     _cpu_or_skip(runner)
-    assert runner.decoder.tune_cpu_share() == 0.5 and runner.decoder.cpu_tuned == {}
-    assert runner.decoder.mode == "cpu"
+    assert runner.gpu.tune_cpu_share() == 0.5 and runner.gpu.cpu.tuned == {}
+    assert runner.gpu.mode == "cpu"
 
 
 def test_more_copies_ahead_than_experts_is_refused(q8: Path) -> None:
     runner = fast_runner(q8, 0.5, host=True)
-    E = runner.model.args.n_expert
+    E = runner.model.shape.routing.n_expert
     with pytest.raises(ValueError, match=f"prefetch_experts={E + 1}: must be between 0 and"):
-        runner.decoder.set_prefetch(E + 1)
+        runner.gpu.set_prefetch(E + 1)
 
 
-def argmax_steps(runner: Runner, first: int, n: int) -> list[int]:
+def argmax_steps(runner: Sequences, first: int, n: int) -> list[int]:
     """n greedy successors of ``first``, one ``feed`` and argmax at a time."""
     out, tok = [], first
     for _ in range(n):
@@ -324,7 +324,7 @@ def test_a_conversation_in_other_pages_and_one_resumed_give_the_same_bits(q8: Pa
 
 def test_look_ahead_hands_back_when_a_shrink_leaves_a_miss(q8: Path) -> None:
     runner = fast_runner(q8, 1.0)
-    cache = runner.model.provider
+    cache = runner.gpu.provider
     assert isinstance(cache, ExpertCache)
     runner.rewind(0)
     first = int(torch.argmax(runner.feed(PROMPT)))
@@ -347,9 +347,9 @@ def test_look_ahead_hands_back_when_a_shrink_leaves_a_miss(q8: Path) -> None:
 
 def test_expert_uses_counted_on_the_device_reach_the_provider(q8: Path) -> None:
     runner = fast_runner(q8, 1.0)
-    decoder = runner.decoder
+    decoder = runner.gpu
     assert decoder is not None
-    totals = runner.model.provider.totals
+    totals = runner.gpu.provider.totals
     runner.rewind(0)
     runner.feed(PROMPT)  # the reference path records what it fetches itself
     before = sum(totals.values())
@@ -357,17 +357,17 @@ def test_expert_uses_counted_on_the_device_reach_the_provider(q8: Path) -> None:
         runner.feed([tok])
     assert sum(totals.values()) == before  # counted on the device so far
     runner.flush_usage()
-    a = runner.model.args
-    assert sum(totals.values()) - before == 3 * a.n_layer * a.n_expert_used
-    assert int(decoder.counts.sum()) == 0
-    s = runner.model.provider.stats
+    shape = runner.model.shape
+    assert sum(totals.values()) - before == 3 * shape.n_layer * shape.routing.n_used
+    assert int(decoder.counters.steps.sum()) == 0
+    s = runner.gpu.provider.stats
     assert s.misses == 0 and s.hit_rate == 1.0
 
 
 def test_a_tag_mismatch_behind_the_tables_is_an_error_naming_the_expert(q8: Path) -> None:
     runner = fast_runner(q8, 1.0)
-    cache = runner.model.provider
-    decoder = runner.decoder
+    cache = runner.gpu.provider
+    decoder = runner.gpu
     assert isinstance(cache, ExpertCache) and decoder is not None
     slot = cache.table.slot_of((2, 3))
     cache.table._tags[slot] = Tag(2, 4, 999)
@@ -377,9 +377,9 @@ def test_a_tag_mismatch_behind_the_tables_is_an_error_naming_the_expert(q8: Path
 
 def test_a_position_beyond_the_context_is_refused(q8: Path) -> None:
     runner = fast_runner(q8)
-    assert runner.decoder is not None
+    assert runner.gpu is not None
     with pytest.raises(ValueError, match="position 64 is outside the context of 64"):
-        runner.decoder.step(3, 64)
+        runner.gpu.step(3, 64)
 
 
 # -- the choice of path ------------------------------------------------------------------------

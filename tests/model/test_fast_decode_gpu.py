@@ -52,7 +52,7 @@ def all_mib(path: Path, cuda: str) -> int:
 def test_the_gpu_takes_the_fast_path_and_says_so(tiny_models, cuda, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="strata.engine.generate"):
         e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda, cache_mib=64)
-    assert e.sequences.decoder is not None
+    assert e.sequences.gpu is not None
     assert e.sequences.decode_path().startswith("fused Triton kernels, one CUDA graph per step")
     assert "GPU decode: fused Triton kernels, one CUDA graph per step" in caplog.text
     assert isinstance(e.cache, ExpertCache) and e.cache.kernel
@@ -68,7 +68,7 @@ def test_fast_logits_stay_within_tolerance_of_the_reference_path(
     # the prompt through the reference path in both: this test bounds the decode steps alone
     fast = load(path, cuda, cache_mib=1 << 20, fast_prefill=False)
     ref = load(path, cuda, cache_mib=1 << 20, fast_decode=False)
-    assert fast.sequences.decoder is not None and ref.sequences.decoder is None
+    assert fast.sequences.gpu is not None and not ref.sequences.decodes_on_gpu
     prompt = [1, 50, 300, 7, 9, 2000, 31]
     a, b = forced_logits(ref, prompt, 24), forced_logits(fast, prompt, 24)
     worst = 0.0
@@ -98,7 +98,7 @@ def test_text_is_the_same_with_graphs_on_and_off(tiny_models, cuda, params) -> N
     path = tiny_models.path("qwen3moe", "Q4_K_M")
     graph = load(path, cuda, cache_mib=1 << 20)
     eager = load(path, cuda, cache_mib=1 << 20, enforce_eager=True)
-    assert graph.sequences.decoder.graph is not None and eager.sequences.decoder.graph is None
+    assert graph.sequences.gpu.graph is not None and eager.sequences.gpu.graph is None
     how = eager.sequences.decode_path()
     assert how.startswith("fused Triton kernels, eager (enforce_eager is set)"), how
     a, b = forced_logits(graph, [4, 5], 8), forced_logits(eager, [4, 5], 8)
@@ -152,10 +152,10 @@ def test_a_shrink_and_a_grow_mid_generation_change_no_token(tiny_models, cuda) -
         calls += 1
         if calls == 6:
             cache.resize(cache.sizes.core_slots)
-            assert not e.sequences.decoder.plan.complete
+            assert not e.sequences.gpu.tables.plan.complete
         elif calls == 20:
             cache.resize(cache.max_slots)
-            assert e.sequences.decoder.plan.complete
+            assert e.sequences.gpu.tables.plan.complete
 
     assert generate(e, GREEDY, resize) == steady
     assert calls > 20
@@ -165,16 +165,16 @@ def test_a_shrink_and_a_grow_mid_generation_change_no_token(tiny_models, cuda) -
 def test_kernels_that_fail_to_build_leave_the_reference_path(
     tiny_models, cuda, caplog, monkeypatch
 ) -> None:
-    from strata.engine.fast_decode import FastDecoder
+    from strata.engine.gpu.runner import GpuRunner
 
-    def broken(self, on_layer=None):
+    def broken(self, on_layer=None, mode=None):
         raise RuntimeError("no compiler for this device\nsecond line")
 
-    monkeypatch.setattr(FastDecoder, "warm_up", broken)
+    monkeypatch.setattr(GpuRunner, "warm_up", broken)
     path = tiny_models.path("qwen3moe", "Q8_0")
     with caplog.at_level(logging.WARNING, logger="strata.engine.generate"):
         e = load(path, cuda, cache_mib=64)
-    assert e.sequences.decoder is None and e.cache is not None and not e.cache.kernel
+    assert not e.sequences.decodes_on_gpu and e.cache is not None and not e.cache.kernel
     assert "GPU decode kernels failed to build (RuntimeError: no compiler for this device)" in (
         caplog.text
     )
@@ -195,10 +195,10 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(tiny_models, cuda, caplog, 
 
     monkeypatch.setattr(torch.cuda, "graph", Refuses)
     path = tiny_models.path("qwen3moe", "Q8_0")
-    with caplog.at_level(logging.WARNING, logger="strata.engine.fast_decode"):
+    with caplog.at_level(logging.WARNING, logger="strata.engine.gpu.runner"):
         e = load(path, cuda, cache_mib=64)
     monkeypatch.undo()
-    assert e.sequences.decoder is not None and e.sequences.decoder.graph is None
+    assert e.sequences.gpu is not None and e.sequences.gpu.graph is None
     assert "decode steps run without a CUDA graph: capture failed (RuntimeError" in caplog.text
     assert len(generate(e, SamplingParams(max_tokens=4, temperature=0.0))) == 4
     e.close()

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from strata.engine.sequences import Runner
+if TYPE_CHECKING:
+    from strata.engine.sequences import Sequences
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -32,7 +34,7 @@ def q8(tiny_models) -> Path:
     return tiny_models.path("qwen3moe", "Q8_0")
 
 
-def step_by_step(runner: Runner, ids: list[int]) -> torch.Tensor:
+def step_by_step(runner: Sequences, ids: list[int]) -> torch.Tensor:
     runner.rewind(0)
     return torch.stack([runner.feed([t]).cpu() for t in ids])
 
@@ -41,7 +43,7 @@ def step_by_step(runner: Runner, ids: list[int]) -> torch.Tensor:
 def test_prompt_logits_stay_within_tolerance_of_the_reference(tiny_models, model, kind) -> None:
     path = tiny_models.path(model, kind)
     fast = fast_runner(path, 1.0, prefill=True)
-    assert fast.decoder is not None and fast.decoder.prefill is not None
+    assert fast.gpu is not None and fast.gpu.prefill is not None
     ref = reference_runner(path).logits_all(PROMPT)
     got = fast.logits_all(PROMPT)
     err = worst(ref, got, TOL)
@@ -72,20 +74,20 @@ def test_residency_never_changes_a_prompts_numbers(q8: Path) -> None:
 
 
 def test_experts_in_ram_homes_give_a_prompt_the_same_numbers(q8: Path, monkeypatch) -> None:
-    from strata.engine import fast_prefill
+    from strata.engine.gpu import chunk
 
-    monkeypatch.setattr(fast_prefill, "STAGE_SLOTS", 3)  # several rounds of copies per layer
-    prompt = [(7 * i + 3) % 500 for i in range(fast_prefill.STAGE_MIN_TOKENS + 4)]
+    monkeypatch.setattr(chunk, "STAGE_SLOTS", 3)  # several rounds of copies per layer
+    prompt = [(7 * i + 3) % 500 for i in range(chunk.STAGE_MIN_TOKENS + 4)]
     staged = fast_runner(q8, None, prefill=True)  # every expert staged from the file
     want, short = staged.logits_all(prompt), staged.logits_all(prompt[:12])
     for share in (0.5, 0.0):
         runner = fast_runner(q8, share, prefill=True, host=True)
-        assert runner.decoder is not None and runner.decoder.plan.complete
-        assert runner.decoder.host_count > 0
+        assert runner.gpu is not None and runner.gpu.plan.complete
+        assert runner.gpu.tables.host_count > 0
         # long chunks copy their RAM homes into VRAM; short ones read them where they are
         assert torch.equal(runner.logits_all(prompt), want), f"cache share {share}"
         assert torch.equal(runner.logits_all(prompt[:12]), short), f"short, {share}"
-        stats = runner.model.provider.stats
+        stats = runner.stages[0].provider.stats
         assert stats.bytes_from_ram > 0 and stats.bytes_from_file == 0
 
 
@@ -99,13 +101,14 @@ def test_uneven_chunks_agree_with_one_chunk(q8: Path) -> None:
 
 def test_a_prompts_expert_uses_reach_the_provider(q8: Path) -> None:
     fast = fast_runner(q8, 1.0, prefill=True)
-    provider = fast.model.provider
+    provider = fast.stages[0].provider
     totals, stats = provider.totals, provider.stats
     before, hits = sum(totals.values()), stats.hits
     fast.rewind(0)
     fast.feed(PROMPT)
     fast.flush_usage()
-    a = fast.model.args
-    assert sum(totals.values()) - before == len(PROMPT) * a.n_layer * a.n_expert_used
-    assert a.n_layer * a.n_expert_used <= stats.hits - hits <= a.n_layer * a.n_expert
+    shape = fast.model.shape
+    n_layer, r = shape.n_layer, shape.routing
+    assert sum(totals.values()) - before == len(PROMPT) * n_layer * r.n_used
+    assert n_layer * r.n_used <= stats.hits - hits <= n_layer * r.n_expert
     assert stats.misses == 0

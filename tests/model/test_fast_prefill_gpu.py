@@ -17,8 +17,8 @@ import pytest
 import torch
 from fastpath import worst
 
-from strata.engine.fast_prefill import FastPrefill
 from strata.engine.generate import Engine
+from strata.engine.gpu.chunk import ChunkPath
 from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 
@@ -44,7 +44,7 @@ def load(path: Path, cuda: str, **kw) -> Engine:
 def test_the_gpu_prefills_on_tensor_cores_and_says_so(tiny_models, cuda, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="strata.engine.generate"):
         e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda)
-    assert e.sequences.decoder is not None and e.sequences.decoder.prefill is not None
+    assert e.sequences.gpu is not None and e.sequences.gpu.prefill is not None
     assert "GPU prefill: matrix products on tensor cores" in caplog.text
     e.close()
 
@@ -56,7 +56,7 @@ def test_prompt_logits_stay_within_tolerance_of_the_reference_path(
 ) -> None:
     path = tiny_models.path(model, kind)
     fast, ref = load(path, cuda), load(path, cuda, fast_decode=False)
-    assert fast.sequences.decoder is not None and ref.sequences.decoder is None
+    assert fast.sequences.gpu is not None and not ref.sequences.decodes_on_gpu
     a, b = ref.sequences.logits_all(PROMPT), fast.sequences.logits_all(PROMPT)
     err = worst(a, b, TOL)
     print(f"\n{model} {kind}: worst relative logit difference {err:.2e}")
@@ -89,8 +89,8 @@ def test_a_prompts_numbers_are_the_same_at_every_cache_size(tiny_models, cuda) -
     for mib in (all_mib // 2, 0):
         for host in (0, 256):  # misses staged from the file; read from host homes over PCIe
             e = load(path, cuda, cache_mib=mib, host_budget_mib=host)
-            assert e.sequences.decoder is not None
-            assert e.sequences.decoder.plan.complete == (host > 0)
+            assert e.sequences.gpu is not None
+            assert e.sequences.gpu.plan.complete == (host > 0)
             got = e.sequences.logits_all(PROMPT)
             assert torch.equal(got, want), f"cache of {mib} MiB, host tier of {host} MiB"
             e.close()
@@ -100,12 +100,11 @@ def test_chunk_graphs_give_the_numbers_of_eager_chunks(tiny_models, cuda) -> Non
     path = tiny_models.path("qwen3moe", "Q4_K_M")
     graphs = load(path, cuda, prefill_chunk_tokens=8)
     eager = load(path, cuda, prefill_chunk_tokens=8, enforce_eager=True)
-    assert graphs.sequences.decoder is not None and eager.sequences.decoder is not None
-    assert (
-        graphs.sequences.decoder.prefill is not None and eager.sequences.decoder.prefill is not None
-    )
-    assert set(graphs.sequences.decoder.prefill.graphs) == {8}
-    assert not eager.sequences.decoder.prefill.graphs
+    g, n = graphs.sequences.gpu, eager.sequences.gpu
+    assert g is not None and n is not None
+    assert g.prefill is not None and n.prefill is not None
+    assert set(g.prefill.graphs) == {8}
+    assert not n.prefill.graphs
     for prompt in (PROMPT, PROMPT[:16], PROMPT[:5]):  # 8 + 8 + 4 (padded), 8 + 8, 5 (padded)
         graphs.sequences.rewind(0)
         eager.sequences.rewind(0)
@@ -164,10 +163,10 @@ def test_prefill_kernels_that_fail_to_build_leave_the_reference_prefill(
     def broken(self) -> None:
         raise RuntimeError("no tensor-core compiler here")
 
-    monkeypatch.setattr(FastPrefill, "warm_up", broken)
+    monkeypatch.setattr(ChunkPath, "warm_up", broken)
     with caplog.at_level(logging.WARNING):
         e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda)
-    assert e.sequences.decoder is not None and e.sequences.decoder.prefill is None
+    assert e.sequences.gpu is not None and e.sequences.gpu.prefill is None
     warnings = [r for r in caplog.records if "prefill kernels failed to build" in r.getMessage()]
     assert len(warnings) == 1
     assert "RuntimeError: no tensor-core compiler here" in warnings[0].getMessage()

@@ -199,7 +199,7 @@ MODEL_CASES = [
 
 def test_the_small_model_loads(tmp_path: Path, small_model: bytes) -> None:
     engine = Engine.load(write(tmp_path, small_model), EngineOptions(threads=1))
-    assert engine.sequences.model.args.n_layer == 2
+    assert engine.sequences.model.shape.n_layer == 2
     engine.close()
 
 

@@ -16,6 +16,11 @@ import jsonschema
 import pytest
 import torch
 
+# Triton's interpreter on the CPU, set before any kernel module is imported (whichever imports
+# Triton first decides; the reference path's steps may import it before the fast-path test runs)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from strata.engine import synth
 from strata.engine.generate import Engine
 from strata.engine.grammar import GrammarError, GrammarSpec, TokenMask
@@ -86,7 +91,7 @@ def test_token_mask_sets_exactly_the_cleared_bits_to_minus_infinity(n_vocab: int
 def test_the_grammar_vocabulary_spells_every_token_and_hides_the_specials(engine: Engine) -> None:
     ll = engine.grammars.ll
     tok = engine.tokenizer
-    assert ll.vocab_size == engine.sequences.model.args.vocab_size
+    assert ll.vocab_size == engine.sequences.model.shape.vocab_size
     # every end-of-generation token ends a grammar (llguidance 1.6 takes one: the turn's end)
     ends = set(getattr(ll, "eos_tokens", [ll.eos_token]))
     assert ends == set(tok.eog_ids) or ends == {tok.token_id("<|im_end|>")}
@@ -246,9 +251,7 @@ def test_a_special_marker_is_kept_in_the_text(tmp_path: Path) -> None:
 def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
     """The same constrained tokens from the fused kernels (Triton's interpreter on the CPU) as
     from the reference path: the mask goes onto the logits the decode step leaves, and a masked
-    greedy run still steps ahead of the host (``Runner.greedy`` with the constraint)."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    greedy run still steps ahead of the host (``Sequences.greedy`` with the constraint)."""
     pytest.importorskip("triton", reason="Triton is not installed")
     from fastpath import fast_runner, reference_runner
 
@@ -258,7 +261,7 @@ def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
     out, ahead = [], []
     for runner in (reference_runner(path), fast_runner(path, 1.0)):
         e = Engine(base.index, base.tokenizer, base.template, runner)
-        if runner.decoder is not None:
+        if runner.decodes_on_gpu:
             greedy = runner.greedy
 
             def counted(*args, greedy=greedy):  # the run ahead, seen taking the constraint

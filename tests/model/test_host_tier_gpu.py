@@ -67,9 +67,9 @@ def test_the_decode_graph_reads_misses_from_page_locked_homes(tiny_models, cuda,
     want, full = every_expert_in_vram(path, cuda)
     for mib in (full // 2, 0):
         e = load(path, cuda, cache_mib=mib, host_budget_mib=256, prefetch_experts=ahead)
-        cache, dec = e.cache, e.sequences.decoder
+        cache, dec = e.cache, e.sequences.gpu
         assert cache is not None and cache.tier is not None and cache.tier.pinned
-        assert dec is not None and dec.plan.complete and dec.graph is not None
+        assert dec is not None and dec.tables.plan.complete and dec.graph is not None
         assert e.sequences.can_look_ahead()
         assert cache.file_experts == 0 and len(cache.tier.table) == cache.max_slots - cache.n_slots
         before = e.provider.stats.bytes_from_ram
@@ -98,8 +98,8 @@ def test_the_cpus_share_inside_the_decode_graph_keeps_the_logits(tiny_models, cu
     want, full = every_expert_in_vram(path, cuda)
     for mib in (full // 2, 0):
         e = load(path, cuda, cache_mib=mib, host_budget_mib=256, cpu_share=0.5, threads=4)
-        dec = e.sequences.decoder
-        assert dec is not None and dec.cpu is not None, dec.cpu_reason if dec else None
+        dec = e.sequences.gpu
+        assert dec is not None and dec.cpu.on, dec.cpu.reason if dec else None
         assert dec.mode == "cpu" and dec.graph is dec.graphs["cpu"] and e.sequences.can_look_ahead()
         got = run(e)
         for i, (a, b) in enumerate(zip(want[1], got[1], strict=True)):
@@ -111,9 +111,10 @@ def test_the_cpus_share_inside_the_decode_graph_keeps_the_logits(tiny_models, cu
         print(f"\n{kind} cache {mib} MiB: {st.cpu_computed} of {st.misses} RAM experts on the CPU"
               f", {swaps} exchanges")  # fmt: skip
         assert 0 < st.cpu_computed < st.misses, f"cache {mib} MiB, {swaps} exchanges"
-        mb = dec.cpu.mailbox
+        pool = dec.cpu.cpu
+        mb = pool.mailbox
         assert mb is not None
-        told = f"fault {mb.fault}, posted {mb.posted}, answered {mb.answered}, {dec.cpu.stats()}"
+        told = f"fault {mb.fault}, posted {mb.posted}, answered {mb.answered}, {pool.stats()}"
         assert mb.fault == 0 and mb.answered == mb.posted > 0, told
         e.close()
 
@@ -123,17 +124,17 @@ def test_an_automatic_cpu_share_is_chosen_by_timing_and_keeps_the_logits(
 ) -> None:
     """``cpu_share`` unset: at load, a few steps at each candidate share are timed and the
     fastest is kept (and said in the log); the logits stay those of every expert in VRAM."""
-    from strata.engine.fast_decode import CPU_SHARE_CANDIDATES
+    from strata.engine.gpu.cpu_share import CPU_SHARE_CANDIDATES
 
     path = tiny_models.path("qwen3moe", "Q8_0")
     want, full = every_expert_in_vram(path, cuda)
-    with caplog.at_level(logging.INFO, logger="strata.engine.fast_decode"):
+    with caplog.at_level(logging.INFO, logger="strata.engine.gpu.runner"):
         e = load(path, cuda, cache_mib=full // 2, host_budget_mib=256, threads=2, cpu_share=None)
-    dec = e.sequences.decoder
-    assert dec is not None and set(dec.cpu_tuned) == set(CPU_SHARE_CANDIDATES)
-    assert dec.cpu_share in CPU_SHARE_CANDIDATES and "chosen by timing" in caplog.text
-    assert (dec.cpu is None) == (dec.cpu_share == 0)
-    print(f"\nautomatic cpu_share {dec.cpu_share}: ms per step {dec.cpu_tuned}")
+    dec = e.sequences.gpu
+    assert dec is not None and set(dec.cpu.tuned) == set(CPU_SHARE_CANDIDATES)
+    assert dec.cpu.share in CPU_SHARE_CANDIDATES and "chosen by timing" in caplog.text
+    assert (not dec.cpu.on) == (dec.cpu.share == 0)
+    print(f"\nautomatic cpu_share {dec.cpu.share}: ms per step {dec.cpu.tuned}")
     got = run(e)
     for i, (a, b) in enumerate(zip(want[1], got[1], strict=True)):
         err = float((a - b).abs().max() / a.abs().max())
@@ -145,18 +146,18 @@ def test_a_step_whose_wait_for_the_cpu_gave_up_stops_the_request(tiny_models, cu
     """A wait that gave up (its fault set, as a timed-out wait sets it) makes the step's
     output wrong: the request stops with an error saying why, the CPU share goes off, and the
     next request reads every RAM expert over PCIe, with the right tokens."""
-    from strata.engine.fast_decode import CpuShareFault
+    from strata.engine.gpu.cpu_share import CpuShareFault
 
     path = tiny_models.path("qwen3moe", "Q8_0")
     want, full = every_expert_in_vram(path, cuda)
     e = load(path, cuda, cache_mib=full // 2, host_budget_mib=256, cpu_share=0.5, threads=2)
-    dec = e.sequences.decoder
+    dec = e.sequences.gpu
     assert dec is not None and dec.mode == "cpu"
-    mb = dec.cpu.mailbox
+    mb = dec.cpu.cpu.mailbox
     mb.buf[mb.layout.fault] = 1
     with pytest.raises(CpuShareFault, match="waited more than 2 s"):
         e.generate([1, 2, 3, 4, 5], GREEDY)
-    assert dec.cpu is None and dec.mode == "plain"
+    assert not dec.cpu.on and dec.mode == "plain"
     e.sequences.rewind(0)
     assert run(e)[0] == want[0]
     e.close()
@@ -165,7 +166,7 @@ def test_a_step_whose_wait_for_the_cpu_gave_up_stops_the_request(tiny_models, cu
 def test_resizes_move_experts_between_vram_and_ram_and_change_no_token(tiny_models, cuda):
     path = tiny_models.path("qwen3moe", "Q4_K_M")
     e = load(path, cuda, cache_mib=1 << 20, elastic_tail_mib=1 << 20, host_budget_mib=256)
-    cache, dec = e.cache, e.sequences.decoder
+    cache, dec = e.cache, e.sequences.gpu
     assert cache is not None and cache.tier is not None and dec is not None
     steady = run(e)
     graph = dec.graph
@@ -177,7 +178,7 @@ def test_resizes_move_experts_between_vram_and_ram_and_change_no_token(tiny_mode
         if calls == 4:
             r = cache.resize(cache.sizes.core_slots)
             assert r.to_host == r.from_slots - r.to_slots and r.to_file == 0
-            assert dec.plan.complete  # every evicted expert found a home
+            assert dec.tables.plan.complete  # every evicted expert found a home
         elif calls == 12:
             r = cache.resize(cache.max_slots)
             assert r.from_host == r.to_slots - r.from_slots
@@ -204,8 +205,9 @@ def test_exchanges_copy_beside_the_steps_and_land_at_the_next_safe_point(tiny_mo
     path = tiny_models.path("qwen3moe", "Q8_0")  # (Q4_K_M is made by llama-cpp-python)
     want, full = every_expert_in_vram(path, cuda)
     e = load(path, cuda, cache_mib=full // 2, host_budget_mib=256, verify_experts=True)
-    cache, dec = e.cache, e.sequences.decoder
-    assert cache is not None and cache.tier is not None and dec is not None and dec.plan.complete
+    cache, dec = e.cache, e.sequences.gpu
+    assert cache is not None and cache.tier is not None and dec is not None
+    assert dec.tables.plan.complete
     graph, started, landed = dec.graph, [], []
 
     def safe_point() -> None:
@@ -226,7 +228,7 @@ def test_exchanges_copy_beside_the_steps_and_land_at_the_next_safe_point(tiny_mo
     text = e.generate([1, 2, 3, 4, 5], GREEDY, safe_point=safe_point).tokens
     assert text == want[0] and len(started) == 2 and landed == [2]
     assert cache.swaps == 8 and cache.corrupt == 0  # every landed copy checksummed against load
-    assert dec.graph is graph and dec.plan.complete
+    assert dec.graph is graph and dec.tables.plan.complete
     got = run(e)
     assert same(got, want)
     vram, host = cache.table.cached_keys(), cache.tier.table.cached_keys()
@@ -246,7 +248,7 @@ def test_without_room_evicted_experts_go_back_to_the_file(tiny_models, cuda) -> 
     assert cache is not None and cache.tier is not None
     r = cache.resize(0)
     assert r.to_host == cache.tier.n_slots and r.to_file == r.from_slots - r.to_host
-    assert not e.sequences.decoder.plan.complete  # the misses on the file are staged again
+    assert not e.sequences.gpu.tables.plan.complete  # the misses on the file are staged again
     assert same(run(e), want)
     e.close()
 

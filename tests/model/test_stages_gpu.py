@@ -20,6 +20,7 @@ from fastpath import forced_logits
 
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.generate import Engine
+from strata.engine.gpu.runner import GpuRunner
 from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 
@@ -54,6 +55,14 @@ def generate(e: Engine, params: SamplingParams) -> list[int]:
     return e.generate([1, 2, 3, 4, 5, 6], params).tokens
 
 
+def gpu_stages(e: Engine) -> list[GpuRunner]:
+    """The engine's stages, each a GPU runner (several: no single ``gpu``)."""
+    assert e.sequences.gpu is None and e.sequences.decodes_on_gpu
+    stages = [s for s in e.stages if isinstance(s, GpuRunner)]
+    assert len(stages) == len(e.stages) > 1
+    return stages
+
+
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert torch.equal(x, y), f"step {i}: logits differ by {float((x - y).abs().max()):.2e}"
@@ -63,14 +72,16 @@ def test_two_stages_take_the_fast_path_with_a_graph_each(tiny_models, cuda, capl
     with caplog.at_level(logging.INFO, logger="strata.engine.generate"):
         e = load(tiny_models.path("qwen3moe", "Q4_K_M"), cuda, layer_split=(1, 3), cache_mib=64)
     try:
-        dec = e.sequences.decoder
-        assert dec is not None and len(dec.parts) == 2  # type: ignore[union-attr]
-        for part, stage in zip(dec.parts, e.stages, strict=True):  # type: ignore[union-attr]
-            assert part.graph is not None and part.device == stage.device
-            assert part.kv is stage.kv and part.provider is stage.cache
-            assert part.prefill is not None and part.prefill.graphs  # captured chunk graphs
+        stages = gpu_stages(e)
+        assert len(stages) == 2
+        assert [s.device for s in stages] == [torch.device(c) for c in cuda]
+        for stage in stages:
+            assert stage.graph is not None and stage.kv.n_layer == len(stage.layers)
+            assert stage.kv.device == stage.device
+            assert stage.prefill is not None and stage.prefill.graphs  # captured chunk graphs
             assert isinstance(stage.cache, ExpertCache) and stage.cache.kernel
             assert stage.cache.layers == stage.layers
+            assert stage.on_cache_change in stage.cache.listeners  # its tables follow its cache
         assert e.sequences.decode_path() == (
             "fused Triton kernels, one CUDA graph per stage per step (2 stages)"
         )
@@ -92,7 +103,7 @@ def test_two_stages_give_one_stages_logits_and_tokens(tiny_models, cuda, model, 
     one = load(path, None, **kw)
     two = load(path, cuda, layer_split=(2, 2), **kw)
     try:
-        assert one.sequences.decoder is not None and two.sequences.decoder is not None
+        assert one.sequences.gpu is not None and len(gpu_stages(two)) == 2
         prompt = [1, 50, 300, 7, 9, 2000, 31] * 20  # 140 tokens: a prompt chunk on the GPU
         same(forced_logits(one, prompt, 12), forced_logits(two, prompt, 12))
         for params in (GREEDY, SEEDED):
@@ -110,10 +121,9 @@ def test_one_stages_budget_resizes_only_its_cache_mid_generation(tiny_models, cu
     try:
         prompt = [4, 5, 6, 7]
         want = forced_logits(one, prompt, 10)
-        a, b = two.stages
+        a, b = gpu_stages(two)
         assert a.cache is not None and b.cache is not None
-        dec = two.sequences.decoder
-        full, slots_a, plan0 = b.cache.n_slots, a.cache.n_slots, dec.parts[0].plan  # type: ignore[union-attr]
+        full, slots_a, plan0 = b.cache.n_slots, a.cache.n_slots, a.plan
         two.sequences.rewind(0)
         got = [two.sequences.feed(prompt).cpu()]
         tok = 17
@@ -124,13 +134,13 @@ def test_one_stages_budget_resizes_only_its_cache_mid_generation(tiny_models, cu
                 small = b.kv.mapped_bytes + b.cache.mapped_bytes_for(b.cache.sizes.core_slots)
                 b.cache.resize(two.set_budget(small, stage=1))
                 assert b.cache.n_slots < full and b.budget == small
-                assert dec.parts[1].host_count > 0 and dec.parts[1].plan.complete  # type: ignore[union-attr]
+                assert b.tables.host_count > 0 and b.plan.complete
             if i == 6:  # and back
                 b.cache.resize(two.set_budget(b.kv.mapped_bytes + 1024 * MiB, stage=1))
                 assert b.cache.n_slots == full
         same(want, got)
         assert a.cache.n_slots == slots_a  # stage 0 never moved
-        assert dec.parts[0].plan is plan0  # type: ignore[union-attr]
+        assert a.plan is plan0
     finally:
         one.close()
         two.close()
