@@ -19,6 +19,7 @@ def test_the_filler_leaves_n_gib_free_and_gives_it_all_back(cuda_device: int) ->
     torch.cuda.init()
     torch.cuda.empty_cache()
     before, _ = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_allocated(device)  # what earlier tests of the run left with torch
     gib = min(4.0, before / GiB / 2)  # a card well inside what is free
     with card.emulated_card(gib, device) as filler:
         free, _ = torch.cuda.mem_get_info(device)
@@ -27,7 +28,7 @@ def test_the_filler_leaves_n_gib_free_and_gives_it_all_back(cuda_device: int) ->
         assert r["free_bytes"] is not None and abs(r["free_bytes"] - free) <= card.TOLERANCE
         assert r["filler_bytes"] > 0 and r["within_tolerance"]
         # what the engine would get: torch allocations stop near N GiB, not at the device's size
-        assert torch.cuda.memory_allocated(device) == 0, "the filler is not torch's"
+        assert torch.cuda.memory_allocated(device) == held, "the filler is not torch's"
     after, _ = torch.cuda.mem_get_info(device)
     assert abs(after - before) <= 64 * 2**20, (before, after)
 
