@@ -15,15 +15,17 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
 from strata.engine.experts import ExpertProvider
 from strata.engine.experts.cache import ExpertCache
 from strata.engine.experts.slots import ExpertKey
+from strata.engine.experts.table import ExpertTablePlan
 from strata.engine.gpu.ahead import CopiesAhead
 from strata.engine.gpu.buffers import ExpertGeometry, StepBuffers
-from strata.engine.gpu.chunk import ChunkParts, ChunkPath
+from strata.engine.gpu.chunk import ChunkOps, ChunkParts, ChunkPath
 from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.cpu_share import CPU_SHARE_CANDIDATES, CpuShare, CpuShareFault
 from strata.engine.gpu.decode import AHEAD, CPU, PLAIN, DecodeOps, DecodeParts
@@ -83,7 +85,8 @@ class GpuRunner(StageRunner):
         return self.buf.logits
 
     @property
-    def plan(self):
+    def plan(self) -> ExpertTablePlan:
+        """The expert tables' plan (where each expert of the stage is read from)."""
         return self.tables.plan
 
     # -- how a step runs -----------------------------------------------------------------------
@@ -235,8 +238,8 @@ class GpuRunner(StageRunner):
         self.counters.dirty = True
         return self.prefill.run(seq.tensor(self.device), seq.start, batch.last_only, x)
 
-    def _chunk_forward(self, ops: object) -> torch.Tensor:
-        return self.model.forward(ops, self.layers, ops.b.x)  # type: ignore[attr-defined]
+    def _chunk_forward(self, ops: ChunkOps) -> torch.Tensor:
+        return self.model.forward(ops, self.layers, ops.b.x)
 
     def end_step(self) -> None:
         if self._last == StepKind.DECODE:
@@ -378,7 +381,9 @@ class GpuRunner(StageRunner):
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def _uncounted(self):
+    def _uncounted(self) -> AbstractContextManager[None]:
+        """Steps run inside count nothing (``UseCounters.uncounted``), copies ahead and the
+        CPU's share included."""
         self.ahead.zero()
         self.cpu.zero()
         return self.counters.uncounted(self.provider, self.device)
