@@ -17,6 +17,8 @@ group is the breadth around them:
   not exist;
 - requests in progress beyond ``max_requests_in_progress`` (uploads that never finish).
 
+The daemon's context is short (``CONTEXT``): bodies without ``max_tokens`` generate to its end.
+
 ``TEST_FUZZ_RANDOM`` (default 60) adds that many random mutations of valid bodies (a fixed
 seed) to the corpus; raise it to fuzz longer locally:
 
@@ -45,6 +47,7 @@ pytestmark = pytest.mark.fuzz
 RANDOM_CASES = int(os.environ.get("TEST_FUZZ_RANDOM", "60"))
 SLOTS = 4  # max_requests_in_progress of the daemon under test
 LONGEST_MESSAGE = 600  # an error message never echoes a large input back
+CONTEXT = 256  # the daemon's context_length
 
 CHAT, COMPLETIONS, VRAM = "/v1/chat/completions", "/v1/completions", "/v1/vram"
 VALUES: list[Any] = [None, True, False, "x", "", [], {}, [1], {"a": 1}, 1.5, -1, 0, 10**30,
@@ -240,9 +243,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StrataDaemon]:
+    # a short context: a body without max_tokens generates to the context's end (three of the
+    # corpus's do), which at the model's own context took half a minute each on CI's cores
     d = StrataDaemon(tmp_path_factory.mktemp("daemon"),
                      ["--model", str(model), "--device", "cpu", "--host", "127.0.0.1",
-                      "--max-requests-in-progress", str(SLOTS)])  # fmt: skip
+                      "--max-requests-in-progress", str(SLOTS),
+                      "--context-length", str(CONTEXT)])  # fmt: skip
     yield d
     d.stop()
 
