@@ -91,9 +91,9 @@ def build_gpu_runners(
         raise
     except Exception as e:  # a compiler or driver that cannot build a kernel
         log.debug("building the GPU runner failed", exc_info=True)
-        reason = f"{type(e).__name__}: {e}".splitlines()[0]
         log.warning(
-            "the GPU decode kernels failed to build (%s): decoding on the reference path", reason
+            "the GPU decode kernels failed to build (%s): decoding on the reference path",
+            _first_line(e),
         )
         for r in runners:
             r.close()
@@ -124,11 +124,10 @@ def _build_chunks(runners: Sequence, progress: Callable[[str], None],
         raise
     except Exception as e:  # the same, for the tensor-core kernels alone
         log.debug("building the prefill kernels failed", exc_info=True)
-        reason = f"{type(e).__name__}: {e}".splitlines()[0]
         log.warning(
             "the GPU prefill kernels failed to build (%s): prompt chunks take the reference "
             "path (dequantise, then multiply)",
-            reason,
+            _first_line(e),
         )
         for r in runners:
             r.prefill = None
@@ -175,3 +174,7 @@ def configure_gpu(runners: Sequence, model: MoEModel, options: EngineOptions,
         for r in runners:
             with r.on():
                 r.tune_cpu_share()
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0]

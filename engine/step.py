@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -136,7 +137,7 @@ class StageRunner(ABC):
     def close(self) -> None:  # noqa: B027 (a runner with no device state has nothing to close)
         """Let the device state go (the K/V and the provider are closed by their owner)."""
 
-    def on(self) -> object:
+    def on(self) -> AbstractContextManager[object]:
         """A context making this stage's device current (kernels launch on the current GPU)."""
         return on_device(self.device)
 
@@ -198,7 +199,12 @@ def run_stages(stages: Sequence[StageRunner], batch: Batch) -> torch.Tensor:
     """``batch`` through every stage in order, the hidden state handed from one to the next
     (across two GPUs a peer copy ordered after the first stage's work); the last stage's
     logits. Then each stage's safe point."""
-    x: torch.Tensor | None = None
+    if len(stages) == 1:  # one device: no hand-off, and no device switch on the decode path
+        only = stages[0]
+        x = only.run(batch)
+        only.end_step()
+        return x
+    x = None
     for stage in stages:
         with stage.on():
             x = stage.run(batch, None if x is None else x.to(stage.device))
