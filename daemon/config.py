@@ -236,6 +236,26 @@ class StrataConfig(BaseSettings):
     max_stop_sequences: int = Field(
         4, ge=1, le=64, description="most stop strings one request may give (OpenAI's limit: 4)"
     )
+    model_alias: list[str] | None = Field(
+        None,
+        description="other names that select the model over HTTP, listed by /v1/models "
+        "(comma-separated)",
+    )
+    serve_any_model_name: bool = Field(
+        True,
+        description="a request naming another model is served by the loaded one (as "
+        "llama-server does); false: a 404 naming the models served",
+    )
+    reasoning_format: Literal["auto", "deepseek", "deepseek-legacy", "none"] = Field(
+        "auto",
+        description="how a reply's thought is returned when the request does not say: "
+        "auto/deepseek (reasoning_content), deepseek-legacy (both), none (left in content)",
+    )
+    enable_thinking: bool = Field(
+        True,
+        description="whether a chat template that can switch thinking off thinks when the "
+        "request does not say",
+    )
     max_request_kib: int = Field(
         1024, ge=1, le=1_048_576, description="largest HTTP request body in KiB"
     )
@@ -324,6 +344,17 @@ class StrataConfig(BaseSettings):
                 raise ValueError(f"expected whole numbers of layers >= 1, got {item!r}")
             counts.append(item)
         return counts
+
+    @field_validator("model_alias", mode="before")
+    @classmethod
+    def _alias_list(cls, value: Any) -> Any:
+        items = _as_list(value)
+        if items is None:
+            return value
+        for item in items:
+            if not isinstance(item, str) or not item.strip():
+                raise ValueError(f"expected model names, got {item!r} (no empty name)")
+        return [item.strip() for item in items] or None
 
     @field_validator("simulated_vram_files", mode="before")
     @classmethod

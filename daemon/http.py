@@ -45,15 +45,14 @@ from strata.daemon.openai_api import (
     Reply,
     error_body,
     invalid,
-    model_entry,
-    model_not_found,
-    models_list,
     parse_chat,
     parse_completion,
     prepare,
     retry_after_s,
     sse,
 )
+from strata.daemon.openai_models import ModelNames
+from strata.daemon.openai_reasoning import ReasoningDefaults
 from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.daemon.status_feed import event_stream
 from strata.engine.errors import ContextOverflow, EngineError
@@ -137,11 +136,17 @@ def create_app(daemon: Any) -> FastAPI:
         except (AttributeError, OSError):
             return int(daemon.started)
 
+    reasoning = ReasoningDefaults(config.reasoning_format, config.enable_thinking)
+
+    def names() -> ModelNames:
+        path = getattr(daemon, "model_path", None)
+        return ModelNames.of(daemon.model_id, path.name if path else "", config.model_alias,
+                             config.serve_any_model_name)  # fmt: skip
+
     async def generate(request: Request, req: Parsed, received: float) -> Response:
         eng = engine()
-        if req.model != daemon.model_id:
-            raise model_not_found(req.model, daemon.model_id)
-        ready = await asyncio.to_thread(prepare, req, eng)
+        names().check(req.model)
+        ready = await asyncio.to_thread(prepare, req, eng, reasoning)
         gen = await generations.submit(
             ready.prompt, ready.params, received, req.stream, request.receive,
             ready.constraint, ready.show_special,
@@ -166,14 +171,12 @@ def create_app(daemon: Any) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         engine()
-        return models_list(daemon.model_id, created())
+        return names().listing(created())
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
         engine()
-        if model != daemon.model_id:
-            raise model_not_found(model, daemon.model_id)
-        return model_entry(daemon.model_id, created())
+        return names().entry(model, created())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -22,20 +22,31 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from strata.daemon.api_errors import (  # ApiError and error_body: imported from here too
-    ApiError,
+    ApiError,  # noqa: F401
     error_body,  # noqa: F401
     invalid,
     json_type,
     unsupported,
     wrong_type,
 )
+from strata.daemon.openai_messages import check_text as _check_text
+from strata.daemon.openai_messages import parse_messages as _messages
+from strata.daemon.openai_models import model_not_found  # noqa: F401 (imported from here too)
+from strata.daemon.openai_reasoning import (
+    ReasoningAsk,
+    ReasoningDefaults,
+    ReasoningPlan,
+    parse_reasoning,
+    plan_reasoning,
+    template_variables,
+)
 from strata.daemon.openai_tools import (
     OutputPlan,
     ResponseFormat,
     ToolChoice,
     ToolContext,
-    assistant_tool_calls,
     chat_logprobs,
+    compile_output,
     completion_logprobs,
     parse_chat_logprobs,
     parse_completion_logprobs,
@@ -47,6 +58,7 @@ from strata.daemon.openai_tools import (
 )
 from strata.engine.errors import ContextOverflow, EngineError, TokenizerError
 from strata.engine.params import SamplingParams
+from strata.engine.reasoning import family_for
 from strata.engine.tool_calls import ToolCall, ToolSpec
 
 if TYPE_CHECKING:
@@ -54,21 +66,6 @@ if TYPE_CHECKING:
     from strata.engine.grammar import Constraint
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-# -- errors -------------------------------------------------------------------------------------
-
-
-def model_not_found(asked: str, served: str) -> ApiError:
-    # the name is the client's: cut, so that a reply never echoes a large input back
-    shown = repr(asked) if len(asked) <= 120 else f"{asked[:120]!r}… ({len(asked)} characters)"
-    return ApiError(
-        404,
-        f"the model {shown} does not exist; this server serves {served!r}",
-        "invalid_request_error",
-        "model",
-        "model_not_found",
-    )
 
 
 # -- fields the engine cannot honour: each is refused unless its value asks for nothing ---------
@@ -120,7 +117,6 @@ _CHAT_RULES: dict[str, Rule] = {
     "audio": (_absent, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
     "prediction": (_absent, "predicted outputs are not supported"),
-    "reasoning_effort": (_absent, "reasoning_effort is not supported"),
     "web_search_options": (_absent, "web search is not supported"),
 }
 _COMPLETION_RULES: dict[str, Rule] = {
@@ -128,6 +124,14 @@ _COMPLETION_RULES: dict[str, Rule] = {
     "echo": (_falsy, "echo is not supported"),
     "best_of": (_one, "only best_of = 1 is supported"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
+    # a raw prompt goes through no chat template: nothing could think or be steered
+    **{
+        name: (
+            _absent,
+            f"{name} applies to chat completions only (a raw prompt has no chat template)",
+        )
+        for name in ("chat_template_kwargs", "reasoning_format", "reasoning_effort", "think")
+    },
 }
 
 
@@ -153,6 +157,7 @@ class _Sampling(_Strict):
     min_p: float | None = None  # llama.cpp extension
     repeat_penalty: float | None = None  # llama.cpp extension
     repeat_last_n: int | None = None  # llama.cpp extension
+    ignore_eos: bool | None = None  # llama.cpp extension: never end at an end-of-generation token
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -167,6 +172,11 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     logprobs: Any = None
     top_logprobs: Any = None
+    # reasoning (checked by _reasoning_fields: the errors name the inner fields)
+    chat_template_kwargs: Any = None
+    reasoning_format: Any = None
+    reasoning_effort: Any = None
+    think: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -180,9 +190,6 @@ _EXPECTED = {
     "messages": "a list of messages",
     "stream_options": 'an object like {"include_usage": true}',
 }
-
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
 NO_TOOLS = ToolChoice("none")
@@ -206,6 +213,7 @@ class Parsed:
     tool_choice: ToolChoice = NO_TOOLS
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    reasoning: ReasoningAsk = field(default_factory=lambda: ReasoningAsk())
 
 
 DEFAULT_MAX_STOP = 4  # OpenAI's limit (the option max_stop_sequences)
@@ -243,6 +251,7 @@ def parse_chat(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
         tool_choice=parse_tool_choice(req.tool_choice, tools),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         response_format=parse_response_format(req.response_format),
+        reasoning=parse_reasoning(req),
     )
 
 
@@ -341,7 +350,7 @@ def _include_usage(req: _Sampling) -> bool:
 
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n",
-                    "seed")  # fmt: skip
+                    "seed", "ignore_eos")  # fmt: skip
 
 
 MAX_STOP_CHARS = 256  # longest stop string: the matcher's work per token grows with it
@@ -374,126 +383,45 @@ def _stops(stop: str | list[str], max_stop: int) -> tuple[str, ...]:
     return stops
 
 
-def _messages(items: list[Any]) -> list[dict[str, Any]]:
-    if not items:
-        raise invalid("messages: at least one message is needed", "messages")
-    out = [_message(m, f"messages[{i}]") for i, m in enumerate(items)]
-    names = {c["id"]: c["function"]["name"] for m in out for c in m.get("tool_calls", ())}
-    for m in out:  # a tool result names its function where the client left that out
-        if m["role"] == "tool" and "name" not in m and m["tool_call_id"] in names:
-            m["name"] = names[m["tool_call_id"]]
-    return out
-
-
-def _message(m: Any, where: str) -> dict[str, Any]:
-    if not isinstance(m, dict):
-        raise wrong_type(where, "an object", m)
-    role = m.get("role")
-    if role is None:
-        raise invalid(f"{where}.role: missing required field", f"{where}.role")
-    if not isinstance(role, str):
-        raise wrong_type(f"{where}.role", "a string", role)
-    if role == "function":
-        raise unsupported(f"{where}.role", "the deprecated role 'function' is not supported; "
-                          "use 'tool'")  # fmt: skip
-    if role not in _ROLES:
-        raise invalid(
-            f"{where}.role: unknown role {role!r} (expected one of {', '.join(_ROLES)})",
-            f"{where}.role",
-            "invalid_value",
-        )
-    for name in ("function_call", "audio"):
-        if not _empty(m.get(name)):
-            raise unsupported(f"{where}.{name}", f"{name} in messages are not supported")
-    calls = m.get("tool_calls")
-    if not _empty(calls) and role != "assistant":
-        raise invalid(f"{where}.tool_calls: only assistant messages have tool calls",
-                      f"{where}.tool_calls")  # fmt: skip
-    has_calls = not _empty(calls)
-    content = _content(m.get("content", ...), role, f"{where}.content", has_calls)
-    out: dict[str, Any] = {"role": _ROLE_ALIASES.get(role, role), "content": content}
-    if has_calls:
-        out["tool_calls"] = assistant_tool_calls(calls, f"{where}.tool_calls")
-    if role == "tool":
-        call_id = m.get("tool_call_id")
-        if call_id is None:
-            raise invalid(f"{where}.tool_call_id: missing required field", f"{where}.tool_call_id")
-        if not isinstance(call_id, str):
-            raise wrong_type(f"{where}.tool_call_id", "a string", call_id)
-        out["tool_call_id"] = call_id
-    name = m.get("name")
-    if name is not None:
-        if not isinstance(name, str):
-            raise wrong_type(f"{where}.name", "a string", name)
-        _check_text(name, f"{where}.name")
-        out["name"] = name
-    return out
-
-
-def _content(content: Any, role: str, where: str, calls: bool = False) -> str:
-    if calls and content is ...:
-        content = None
-    if content is ... or (content is None and role != "assistant"):
-        raise invalid(f"{where}: missing required field", where)
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        _check_text(content, where)
-        return content
-    if not isinstance(content, list):
-        raise wrong_type(where, "a string or a list of content parts", content)
-    texts = []
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            if isinstance(kind, str):
-                raise unsupported(f"{at}.type", f"content parts of type {kind!r} are not supported")
-            raise wrong_type(at, 'a content part like {"type": "text", "text": "..."}', part)
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise wrong_type(f"{at}.text", "a string", text)
-        _check_text(text, f"{at}.text")
-        texts.append(text)
-    return "".join(texts)
-
-
-def _check_text(text: str, where: str) -> None:
-    # JSON may carry lone surrogates ("\ud800"): valid JSON, but not Unicode text
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise invalid(
-            f"{where}: not valid Unicode text (a lone surrogate at character {e.start})", where
-        ) from None
-
-
 # -- from a parsed request to the engine's inputs ------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Prepared:
     """A request ready for the engine: the prompt, the sampling, the grammar that constrains the
-    output (None: none), how to read calls out of the reply (None: no tools), and the special
-    tokens the output keeps as text (a call marker)."""
+    output (None: none), how to read calls out of the reply (None: no tools), the special
+    tokens the output keeps as text (a call marker, a thought's tags), and how the reply's
+    thought is split from its answer (None: it is not)."""
 
     prompt: list[int]
     params: SamplingParams
     constraint: Constraint | None = None
     tools: ToolContext | None = None
     show_special: frozenset[int] = frozenset()
+    reasoning: ReasoningPlan | None = None
 
 
-def prepare(req: Parsed, engine: Any) -> Prepared:
+def prepare(req: Parsed, engine: Any, defaults: ReasoningDefaults | None = None) -> Prepared:
     """Token ids, sampling parameters and the output's plan; may take a while for a long prompt
-    or a large schema (run it off the loop). Raises :class:`ApiError` naming the field."""
+    or a large schema (run it off the loop). ``defaults``: the daemon's reasoning options.
+    Raises :class:`ApiError` naming the field."""
+    defaults = defaults or ReasoningDefaults()
     plan = OutputPlan(req.messages, None, None, None, frozenset())
+    reasoning: ReasoningPlan | None = None
     if req.kind == "chat":
         plan = plan_output(engine, req.messages, req.tools, req.tool_choice,
                            req.parallel_tool_calls, req.response_format)  # fmt: skip
-    elif req.response_format is not None:
-        plan = plan_output(engine, [], (), req.tool_choice, True, req.response_format)
-    prompt = _prompt_ids(req, engine, plan)
+        prompt, reasoning = _chat_ids(req.reasoning, engine, plan, defaults)
+    else:
+        if req.response_format is not None:
+            plan = plan_output(engine, [], (), req.tool_choice, True, req.response_format)
+        prompt = _prompt_ids(req, engine)
+    if plan.spec is not None:  # after an open thought, the grammar waits for its end
+        opened = reasoning is not None and reasoning.opened
+        plan = compile_output(engine.grammars, plan, reasoning.family.close if opened else None)
+    show = plan.show_special
+    if reasoning is not None:  # a tag that is a special token must still reach the splitter
+        show |= _special_ids(engine, (reasoning.family.open, reasoning.family.close))
     where = "messages" if req.kind == "chat" else "prompt"
     if not prompt:
         raise invalid(f"{where}: the prompt is empty", where)
@@ -529,15 +457,30 @@ def prepare(req: Parsed, engine: Any) -> Prepared:
         name = str(e).partition(":")[0]
         param = req.max_tokens_param if name == "max_tokens" else name
         raise invalid(str(e).replace(name, param, 1), param, "invalid_value") from None
-    return Prepared(prompt, params, plan.constraint, plan.tools, plan.show_special)
+    return Prepared(prompt, params, plan.constraint, plan.tools, show, reasoning)
 
 
-def _prompt_ids(req: Parsed, engine: Any, plan: OutputPlan) -> list[int]:
-    if req.kind == "chat":
-        try:
-            return engine.encode_chat(plan.messages, plan.template_tools)
-        except EngineError as e:  # the template refused the messages, or the file has none
-            raise invalid(f"messages: {e}", "messages") from None
+def _chat_ids(
+    ask: ReasoningAsk, engine: Any, plan: OutputPlan, defaults: ReasoningDefaults
+) -> tuple[list[int], ReasoningPlan | None]:
+    template = engine.template
+    family = family_for(template.source if template is not None else None)
+    variables = template_variables(ask, family, defaults)
+    try:
+        text = engine.render_chat(plan.messages, plan.template_tools, variables)
+    except EngineError as e:  # the template refused the messages, or the file has none
+        raise invalid(f"messages: {e}", "messages") from None
+    # The template writes BOS itself where the model wants one; encode never doubles it.
+    return engine.tokenizer.encode(text), plan_reasoning(ask, family, text, defaults)
+
+
+def _special_ids(engine: Any, texts: Sequence[str]) -> frozenset[int]:
+    tok = engine.tokenizer
+    ids = (tok.token_id(t) for t in texts)
+    return frozenset(i for i in ids if i is not None and tok.is_special(i))
+
+
+def _prompt_ids(req: Parsed, engine: Any) -> list[int]:
     if req.token_ids is not None:
         size = engine.tokenizer.vocab_size
         for i, t in enumerate(req.token_ids):
@@ -592,12 +535,16 @@ class Reply:
         calls: list[ToolCall] | None = None,
         logprobs: dict[str, Any] | None = None,
         cached_tokens: int = 0,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         """The whole reply; chat ``calls`` become ``message.tool_calls`` (``text`` None: no
         content beside them); ``logprobs``: the choice's, in the endpoint's shape;
-        ``cached_tokens``: prompt tokens whose K/V an earlier request left."""
+        ``cached_tokens``: prompt tokens whose K/V an earlier request left; ``reasoning``: the
+        thought (``message.reasoning_content``, as llama-server and DeepSeek send it)."""
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = tool_calls_json(calls)
             choice = {"index": 0, "message": message, "logprobs": logprobs,
@@ -615,13 +562,17 @@ class Reply:
         first: bool = False,
         tool_calls: list[dict[str, Any]] | None = None,
         logprobs: dict[str, Any] | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         """One streamed chunk: ``text`` None with a ``finish_reason`` is the closing chunk;
-        ``tool_calls``: ``delta.tool_calls`` entries (id and name first, then arguments)."""
+        ``tool_calls``: ``delta.tool_calls`` entries (id and name first, then arguments);
+        ``reasoning``: a piece of the thought (``delta.reasoning_content``)."""
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
+            if reasoning is not None:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
             if tool_calls:
@@ -662,14 +613,6 @@ def sse(obj: dict[str, Any] | str) -> bytes:
 
 
 SSE_DONE = sse("[DONE]")
-
-
-def models_list(model_id: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_entry(model_id, created)]}
-
-
-def model_entry(model_id: str, created: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "strata"}
 
 
 def retry_after_s(mean_generation_s: float | None) -> int:

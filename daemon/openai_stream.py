@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from strata.daemon.openai_api import Prepared, Reply, logprobs_json
 from strata.daemon.openai_tools import token_chars
+from strata.engine.reasoning import Part, split
 from strata.engine.tool_calls import ArgumentsDelta, CallStart, Event, ToolCall
 
 if TYPE_CHECKING:
@@ -32,11 +33,14 @@ def reply_body(
 ) -> dict[str, Any]:
     """The whole (non-streamed) reply."""
     text: str | None = r.text
+    thought: str | None = None
+    if ready.reasoning is not None:  # the thought first: calls and content are the answer's
+        thought, text = split(r.text, ready.reasoning.splitter())
     calls: list[ToolCall] | None = None
     finish = r.finish_reason
     tools = ready.tools
-    if tools is not None:
-        text, calls = tools.format.parse(r.text, tools.tools)
+    if tools is not None and text is not None:
+        text, calls = tools.format.parse(text, tools.tools)
         if not tools.parallel and len(calls) > 1:
             log.info("%d calls while parallel_tool_calls is false: the first is kept", len(calls))
             calls = calls[:1]
@@ -44,7 +48,7 @@ def reply_body(
             finish = "tool_calls"
     lp = logprobs_json(reply.kind, r.logprobs, tokenizer)
     return reply.body(
-        text, finish, r.prompt_tokens, r.completion_tokens, calls, lp, r.cached_tokens
+        text, finish, r.prompt_tokens, r.completion_tokens, calls, lp, r.cached_tokens, thought
     )
 
 
@@ -59,6 +63,7 @@ class ReplyStream:
         if self.tools is not None:
             self.parser = self.tools.format.parser(self.tools.tools, self.tools.guaranteed)
         self.logprobs = ready.params.logprobs is not None
+        self.splitter = ready.reasoning.splitter() if ready.reasoning is not None else None
         self._waiting: list[TokenLogprob] = []  # logprobs for the next chunk that goes out
         self._offset = 0  # the characters of the tokens sent so far (a completion's text_offset)
 
@@ -67,15 +72,32 @@ class ReplyStream:
 
     def piece(self, piece: Piece) -> list[Chunk]:
         self._waiting.extend(piece.logprobs)
+        if self.splitter is not None:
+            return self._parts(self.splitter.feed(piece.text))
+        return self._answer(piece.text)
+
+    def _answer(self, text: str) -> list[Chunk]:
+        """Chunks of answer text (through the call parser, with tools)."""
         if self.parser is not None:
-            return self._events(self.parser.feed(piece.text))
-        if not piece.text and not self._waiting:
+            return self._events(self.parser.feed(text))
+        if not text and not self._waiting:
             return []
-        return [self.reply.chunk(piece.text, logprobs=self._take())]
+        return [self.reply.chunk(text, logprobs=self._take())]
+
+    def _parts(self, parts: Sequence[Part]) -> list[Chunk]:
+        """A thought's pieces as ``delta.reasoning_content``, the answer's as usual."""
+        out: list[Chunk] = []
+        for kind, text in parts:
+            if kind == "reasoning":
+                out.append(self.reply.chunk(None, reasoning=text, logprobs=self._take()))
+            else:
+                out += self._answer(text)
+        return out
 
     def end(self, r: GenerationResult) -> list[Chunk]:
         """What is held back, the closing chunk (and the usage chunk, when asked for)."""
-        out = self._events(self.parser.finish()) if self.parser is not None else []
+        out = self._parts(self.splitter.finish()) if self.splitter is not None else []
+        out += self._events(self.parser.finish()) if self.parser is not None else []
         if self._waiting and self.logprobs:  # a stop string's tokens: no text went with them
             out.append(self.reply.chunk("" if self.reply.kind == "chat" else None,
                                         logprobs=self._take()))  # fmt: skip

@@ -336,9 +336,26 @@ class ToolContext:
 class OutputPlan:
     messages: list[dict[str, Any]]  # what the template gets
     template_tools: list[dict[str, Any]] | None  # the tools it gets (None: none)
-    constraint: Constraint | None
+    constraint: Constraint | None  # set by compile_output
     tools: ToolContext | None  # None: no calls are parsed
     show_special: frozenset[int]
+    spec: GrammarSpec | None = None  # the grammar, before compile_output
+    spec_param: str = "tools"  # the field an error in it names
+
+
+def compile_output(grammars: Grammars, plan: OutputPlan, after: str | None = None) -> OutputPlan:
+    """The plan with its grammar compiled. ``after``: the prompt left a thought open that this
+    text closes; the grammar applies from there on (the thought is the model's own), and calls
+    then stream once complete (nothing guarantees them before)."""
+    spec = plan.spec
+    if spec is None:
+        return plan
+    if after is not None:
+        spec = spec.after(after)
+    tools = plan.tools
+    if tools is not None and spec.trigger is not None:
+        tools = replace(tools, guaranteed=False)
+    return replace(plan, constraint=_compile(grammars, spec, plan.spec_param), tools=tools)
 
 
 def plan_output(
@@ -364,11 +381,9 @@ def plan_output(
         rendered = messages
         if _has_tool_turns(messages) and not engine.template_renders_tools:
             rendered = generic_messages(messages, ())
-        constraint = None
-        if response_format is not None:
-            constraint = _compile(grammars, _format_spec(response_format),
-                                  "response_format.json_schema.schema")  # fmt: skip
-        return OutputPlan(rendered, None, constraint, None, frozenset())
+        spec = _format_spec(response_format) if response_format is not None else None
+        return OutputPlan(rendered, None, None, None, frozenset(), spec,
+                          "response_format.json_schema.schema")  # fmt: skip
     fmt = format_for(engine.template.source if engine.template else None,
                      engine.template_renders_tools)  # fmt: skip
     for i, t in enumerate(tools):  # a broken schema is refused even where nothing enforces it
@@ -398,10 +413,9 @@ def plan_output(
         # (the arguments of a strict function as its schema says, of another any object)
         loose = [t if t.strict else replace(t, parameters={"type": "object"}) for t in tools]
         spec = fmt.grammar(loose, parallel, marker, lazy=True)
-    constraint = _compile(grammars, spec, "tools") if spec is not None else None
     guaranteed = spec is not None and spec.trigger is None
-    return OutputPlan(rendered, template_tools, constraint,
-                      ToolContext(fmt, tools, parallel, guaranteed), show)  # fmt: skip
+    return OutputPlan(rendered, template_tools, None,
+                      ToolContext(fmt, tools, parallel, guaranteed), show, spec)  # fmt: skip
 
 
 def _has_tool_turns(messages: Sequence[dict[str, Any]]) -> bool:

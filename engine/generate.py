@@ -135,22 +135,31 @@ class Engine:
         return self.tokenizer.encode(text)
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text; ``tools`` (OpenAI's tool objects) go to the template as ``tools``,
-        as transformers and llama.cpp pass them."""
+        as transformers and llama.cpp pass them; ``variables`` (``enable_thinking``,
+        ``reasoning_effort``, a request's ``chat_template_kwargs``) become template variables."""
         if self.template is None:
             raise EngineError(
                 f"{self.index.path.name} has no chat template (tokenizer.chat_template)"
             )
-        extra = {"tools": list(tools)} if tools else {}
+        extra = dict(variables or {})
+        if tools:
+            extra["tools"] = list(tools)
         return self.template.render(list(messages), add_generation_prompt=True, **extra)
 
     def encode_chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
         # The template writes BOS itself where the model wants one; encode never doubles it.
-        return self.tokenizer.encode(self.render_chat(messages, tools))
+        return self.tokenizer.encode(self.render_chat(messages, tools, variables))
 
     @property
     def template_renders_tools(self) -> bool:

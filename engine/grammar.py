@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -74,10 +75,64 @@ class GrammarSpec:
     def json(cls, schema: dict[str, Any]) -> GrammarSpec:
         return cls("json_schema", schema)
 
+    def after(self, text: str) -> GrammarSpec:
+        """The same grammar, lazy: free output until ``text`` (the end of a thought), then this
+        grammar, blank space allowed before it. A grammar already lazy keeps its own trigger."""
+        if self.trigger is not None:
+            return self
+        if self.kind == "json_schema":
+            body = f"start: {json_schema_lark(self.source)}\n"
+        else:
+            body = str(self.source)
+        # our Lark grammars name their first rule "start": it becomes the rule after the space
+        inner = re.sub(r"^start:", "after_thought:", body, flags=re.MULTILINE)
+        return GrammarSpec("lark", f"start: BLANK? after_thought\nBLANK: /[ \\t\\n]+/\n{inner}",
+                           trigger=text)  # fmt: skip
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` as llama.cpp reads it: an object schema that lists ``properties`` and says
+    nothing of ``additionalProperties`` admits no other keys (JSON Schema itself would admit any;
+    clients such as LangChain and the ``openai`` helpers send such schemas and expect only the
+    listed keys back). Applied to every object schema inside (properties, items, definitions,
+    alternatives), except the members of an ``allOf`` and an object that has one: closing those
+    one by one would forbid each other's keys. Returns a copy; ``schema`` is left as it is."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: closed(v) for k, v in value.items()}
+        elif key in _SCHEMA_VALUES:
+            out[key] = closed(value)
+        else:
+            out[key] = value  # const, enum, examples, allOf: data or parts left as they are
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and "unevaluatedProperties" not in schema
+        and "allOf" not in schema
+        and schema.get("type", "object") in ("object", ["object"])
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+# the keywords whose value is a schema or a list of schemas, and those whose value maps names to
+# schemas (JSON Schema 2020-12 and draft 7)
+_SCHEMA_VALUES = frozenset({"items", "prefixItems", "additionalItems", "anyOf", "oneOf", "not",
+                            "additionalProperties", "if", "then", "else", "contains"})  # fmt: skip
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties",
+                          "dependentSchemas"})  # fmt: skip
+
 
 def json_schema_lark(schema: dict[str, Any]) -> str:
-    """``schema`` as a Lark expression (``%json {...}``) written with ``JSON_FORMAT``."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_FORMAT}, ensure_ascii=False)
+    """``schema`` as a Lark expression (``%json {...}``) written with ``JSON_FORMAT``, read as
+    llama.cpp reads it (:func:`closed`)."""
+    return "%json " + json.dumps({**closed(schema), "x-guidance": JSON_FORMAT},
+                                 ensure_ascii=False)  # fmt: skip
 
 
 def lark_string(text: str) -> str:
@@ -155,7 +210,7 @@ def _json_grammar(schema: Any, options: dict[str, Any]) -> str:
     if not isinstance(schema, dict | bool):
         raise GrammarError(f"a JSON Schema is an object, not {type(schema).__name__}")
     try:
-        return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        return llg.LLMatcher.grammar_from_json_schema(closed(schema), overrides=options)
     except ValueError as e:
         raise GrammarError(_short(str(e))) from None
 

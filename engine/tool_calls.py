@@ -201,6 +201,8 @@ def format_for(template: str | None, renders_tools: bool) -> ToolFormat:
 
 # the start of a call object as JSON_FORMAT writes it (a grammar's calls always begin so)
 _HEADER = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+# the same, as any model may space it (a call cut off before it was complete)
+_LOOSE_HEADER = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 _ARGS_NAME = re.compile(r"([A-Za-z0-9_.-]+)\[ARGS\]$")  # Mistral's newer name[ARGS]{...}
 
 
@@ -234,6 +236,7 @@ class CallParser:
         self._args_at: int | None = None  # streamed: where in the object the arguments start
         self._args_end: int | None = None  # streamed: and where they ended
         self._id: str | None = None
+        self._name: str | None = None  # the name of the call being read, once known
 
     def feed(self, text: str) -> list[Event]:
         return _merged(self._feed(text))
@@ -256,14 +259,18 @@ class CallParser:
         return out
 
     def finish(self) -> list[Event]:
-        """The output is over: what was held back comes out (an unfinished call as content)."""
+        """The output is over: what was held back comes out. A call cut off after its name is
+        a call with the arguments written so far; one cut off before is content."""
         if self._failed:
             return []
         if not self._in_calls:
             held, self._held = self._held, ""
             return [held] if held else []
+        out: list[Event] = []
         if self._obj is not None:
-            self._fail(f"the output ended inside a call: {self._obj[:80]!r}")
+            if self._cut_off(out):
+                return _merged(out)
+            self._fail(f"the output ended inside a call before its name: {self._obj[:80]!r}")
         elif not self.calls:
             self._fail(f"no call after {self.fmt.marker or 'the opening'}")
         rest, self._region = self._region, ""
@@ -349,7 +356,7 @@ class CallParser:
                 name, at = json.loads(m.group(1)), m.end()
             if name not in self.names:
                 return  # _complete says why
-            self._id = self.fmt.new_id()
+            self._id, self._name = self.fmt.new_id(), name
             out.append(CallStart(len(self.calls), self._id, name))
             self._sent = self._args_at = at
             self._args_end = None
@@ -358,6 +365,35 @@ class CallParser:
             self._sent = len(obj)
             if self._depth == 1 and self._args_of is None:  # the arguments' object closed
                 self._args_end = len(obj)
+
+    def _cut_off(self, out: list[Event]) -> bool:
+        """The output ended inside a call (``max_tokens``): a call whose name is known is still
+        a call, its arguments as far as they were written (the stream sent the same pieces);
+        False when the name is not known yet."""
+        obj = self._obj
+        assert obj is not None
+        if self._sent is None:  # nothing of it went out: its name from what was written
+            if self._args_of is not None:
+                name, at = self._args_of, 0
+            else:
+                m = _LOOSE_HEADER.match(obj)
+                if m is None:
+                    return False
+                name, at = json.loads(m.group(1)), m.end()
+            if name not in self.names:
+                return False
+            self._id = self.fmt.new_id()
+            out.append(CallStart(len(self.calls), self._id, name))
+            self._sent = self._args_at = at
+            self._name = name
+        end = self._args_end or len(obj)
+        if end > self._sent:
+            out.append(ArgumentsDelta(len(self.calls), obj[self._sent : end]))
+        assert self._args_at is not None and self._id is not None and self._name is not None
+        self.calls.append(ToolCall(self._id, self._name, obj[self._args_at : end].strip()))
+        log.info("the output ended inside a call of %r: its arguments are cut off", self._name)
+        self._obj, self._region = None, ""
+        return True
 
     def _complete(self, out: list[Event]) -> None:
         obj, self._obj = self._obj, None

@@ -44,7 +44,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StrataDaemon]:
-    d = StrataDaemon(tmp_path_factory.mktemp("daemon"), ["--model", str(model), "--device", "cpu"])
+    # names are strict here: another model's name is a 404 (the default serves any name)
+    args = ["--model", str(model), "--device", "cpu", "--no-serve-any-model-name"]
+    d = StrataDaemon(tmp_path_factory.mktemp("daemon"), args)
     yield d
     d.stop()
 

@@ -220,7 +220,7 @@ def test_reply_stream_sends_call_deltas_and_logprobs_with_their_text() -> None:
     req = parse_chat(body(messages=[{"role": "user", "content": "x"}], stream=True))
     reply = Reply.new(req, "m", "fp")
     tools = ToolContext(HermesFormat(), (ToolSpec("f", {"type": "object"}),), False, True)
-    ready = SimpleNamespace(tools=tools, params=SamplingParams(logprobs=0))
+    ready = SimpleNamespace(tools=tools, params=SamplingParams(logprobs=0), reasoning=None)
     stream = ReplyStream(reply, ready, ByteTokenizer())  # type: ignore[arg-type]
     assert stream.start()[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
@@ -242,8 +242,8 @@ def test_reply_stream_sends_call_deltas_and_logprobs_with_their_text() -> None:
     end = stream.end(GenerationResult("", [], "stop", 3))
     assert end[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # a second call while parallel_tool_calls is false is dropped, the first is kept
-    stream = ReplyStream(reply, SimpleNamespace(tools=tools, params=SamplingParams()),
-                         ByteTokenizer())  # type: ignore[arg-type]  # fmt: skip
+    ready = SimpleNamespace(tools=tools, params=SamplingParams(), reasoning=None)
+    stream = ReplyStream(reply, ready, ByteTokenizer())  # type: ignore[arg-type]
     text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>' * 2
     calls = [c for c in stream.piece(Piece(text)) if c["choices"][0]["delta"].get("tool_calls")]
     assert {c["choices"][0]["delta"]["tool_calls"][0]["index"] for c in calls} == {0}

@@ -108,7 +108,7 @@ def test_a_guaranteed_call_streams_its_arguments_as_they_come() -> None:
     ("text", "why"),
     [
         ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', "not one of the tools"),
-        ('<tool_call>\n{"name": "read_file", "arguments": {"path": ', "ended inside a call"),
+        ('<tool_call>\n{"name": "read_f', "ended inside a call before its name"),
         ('<tool_call>\n{"name": "read_file", "arguments": [1]}\n</tool_call>', "not an object"),
         ("<tool_call>\n{name: read_file}\n</tool_call>", "not JSON"),
         ('<tool_call>\n{"arguments": {}}\n</tool_call>', "without a name"),
@@ -122,6 +122,22 @@ def test_malformed_output_stays_content_and_the_log_says_why(
     content, calls = H.parse("Sure. " + text, TOOLS)
     assert calls == [] and content == ("Sure. " + text).strip()
     assert why in caplog.text and "kept as content" in caplog.text
+
+
+@pytest.mark.parametrize("guaranteed", [False, True])
+def test_a_call_cut_off_after_its_name_is_a_call_whole_or_streamed(guaranteed: bool) -> None:
+    text = 'Sure. <tool_call>\n{"name": "read_file", "arguments": {"path": "/et'
+    content, calls = H.parse(text, TOOLS)
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [
+        ("read_file", '{"path": "/et')
+    ]
+    p = H.parser(TOOLS, guaranteed)
+    events = [e for i in range(0, len(text), 5) for e in p.feed(text[i : i + 5])] + p.finish()
+    starts = [e for e in events if isinstance(e, CallStart)]
+    args = "".join(e.text for e in events if isinstance(e, ArgumentsDelta))
+    assert [s.name for s in starts] == ["read_file"] and args == '{"path": "/et'
+    assert [c.arguments for c in p.calls] == [args] and p.calls[0].id == starts[0].id
+    assert "".join(e for e in events if isinstance(e, str)).strip() == "Sure."
 
 
 def test_text_that_only_looks_like_a_marker_is_content() -> None:

@@ -1,0 +1,71 @@
+"""Which names select the loaded model over HTTP, and ``/v1/models``.
+
+The model's id (its GGUF file's stem), its file name, and the aliases of the ``model_alias``
+option select it. With ``serve_any_model_name`` (on by default, as llama-server serves any
+name) a request naming another model — ``gpt-4o`` from a client with OpenAI's defaults, or
+``""`` — is served by the loaded one too; off, such a request is a 404 naming the models
+served. ``/v1/models`` lists the id, then each alias, as models of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from strata.daemon.api_errors import ApiError
+
+
+def model_not_found(asked: str, served: str | Sequence[str]) -> ApiError:
+    """The 404 of a name no model served answers to; ``served``: the names it answers to."""
+    # the name is the client's: cut, so that a reply never echoes a large input back
+    shown = repr(asked) if len(asked) <= 120 else f"{asked[:120]!r}… ({len(asked)} characters)"
+    names = [served] if isinstance(served, str) else list(served)
+    text = repr(names[0]) if len(names) == 1 else "one model named " + ", ".join(map(repr, names))
+    return ApiError(
+        404,
+        f"the model {shown} does not exist; this server serves {text}",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The names of the one model served."""
+
+    id: str
+    file_name: str = ""
+    aliases: tuple[str, ...] = ()
+    serve_any: bool = True
+
+    @classmethod
+    def of(cls, model_id: str, file_name: str, aliases: Sequence[str] | None,
+           serve_any: bool) -> ModelNames:  # fmt: skip
+        # the id first, each alias once (an alias equal to the id adds nothing)
+        listed = tuple(dict.fromkeys(a for a in (aliases or ()) if a != model_id))
+        return cls(model_id, file_name, listed, serve_any)
+
+    def selects(self, name: str) -> bool:
+        """Whether ``name`` is one of the model's own names (id, alias, file name)."""
+        return name == self.id or name in self.aliases or (bool(name) and name == self.file_name)
+
+    def check(self, name: str) -> None:
+        """Raises the 404 when ``name`` is not served."""
+        if not self.serve_any and not self.selects(name):
+            raise model_not_found(name, [self.id, *self.aliases])
+
+    def listing(self, created: int) -> dict[str, Any]:
+        names = (self.id, *self.aliases)
+        return {"object": "list", "data": [model_entry(n, created) for n in names]}
+
+    def entry(self, name: str, created: int) -> dict[str, Any]:
+        """``GET /v1/models/{name}``: a name the model answers to (any, with serve_any: a
+        client checks its configured model before using it)."""
+        self.check(name)
+        return model_entry(name if self.selects(name) else self.id, created)
+
+
+def model_entry(model_id: str, created: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "strata"}
