@@ -18,24 +18,13 @@ import torch
 
 from strata.engine.grammar import Constraint
 from strata.engine.params import SamplingParams
-from strata.engine.sampling import Sampler
+from strata.engine.sampling import Sampler, TokenLogprob
 from strata.engine.sequences import KVFull, SafePoint, Sequences
 from strata.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "cancelled"]
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability and its ``top`` alternatives (id, log-probability),
-    most likely first: log-softmax of the logits after the grammar mask, before the repeat
-    penalty, temperature and truncation (the model's distribution over what was allowed)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -78,20 +67,7 @@ class TokenEvent:
 
 
 Logprobs = tuple[TokenLogprob, ...]
-
-
-def token_logprob(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
-    """``token``'s log-probability under ``logits`` [V] and the ``top_n`` most likely tokens
-    (those the grammar masked out, at -inf, are never listed). One copy to the host."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    if top_n > 0:
-        vals, ids = torch.topk(lp, min(top_n, lp.numel()))
-        both = torch.cat([lp[token : token + 1], vals]).tolist()
-        top = tuple(
-            (int(i), v) for i, v in zip(ids.tolist(), both[1:], strict=True) if v != float("-inf")
-        )
-        return TokenLogprob(token, both[0], top)
-    return TokenLogprob(token, float(lp[token]))
+Choice = tuple[int, TokenLogprob | None]  # a token and its log-probabilities, when asked for
 
 
 class _Cancelled(Exception):
@@ -117,19 +93,20 @@ class Generation:
         self.sequences, self.tokenizer, self.params = sequences, tokenizer, params
         self.prompt, self.history = list(prompt), list(prompt)
         self.cancelled, self.safe_point, self.constraint = cancelled, safe_point, constraint
-        self.sampler = Sampler(params)
+        # under ignore_eos the end-of-generation tokens are never chosen
+        banned = tokenizer.eog_ids if params.ignore_eos else ()
+        self.sampler = Sampler(params, prompt, banned)
         self.result = GenerationResult("", [], "length", len(prompt), seed=self.sampler.seed)
         if params.logprobs is not None:
             self.result.logprobs = []
         self.text = TextEmitter(tokenizer, params.stop, show_special)
-        # greedy without a repeat penalty needs nothing from the host between steps but a
-        # grammar's mask: the GPU runner then runs one step ahead (Sequences.greedy), and the
-        # token comes from it (under a grammar, step n+1 runs while the host computes its mask
-        # from token n). Not with logprobs (they need the logits on the host).
-        self.look_ahead = params.greedy and params.repeat_penalty == 1.0 and params.logprobs is None
-        self._ahead: Iterator[int] | None = None  # the look-ahead's tokens
+        # a step needs nothing from the host but a grammar's mask: where the GPU runner can,
+        # it runs one step ahead (Sequences.ahead), choosing each token on the device with the
+        # request's sampler (under a grammar, step n+1 runs while the host computes its mask
+        # from token n)
+        self._ahead: Iterator[Choice] | None = None  # the look-ahead's tokens
         self._logits: torch.Tensor | None = None  # the next token's, when sampled on the host
-        self._token: int | None = None  # the next token, when the look-ahead chose it
+        self._token: Choice | None = None  # the next token, when the look-ahead chose it
         self._started = False
         self._ending: FinishReason | None = None  # the reason, once the last token is out
         self._done = False
@@ -155,16 +132,17 @@ class Generation:
             return self._finish("length")  # the budget has no room for one more position
         if self.cancelled is not None and self.cancelled():
             return self._finish("cancelled")
-        token = self._token if self._token is not None else self._sample()
-        if token is None:
+        choice = self._token if self._token is not None else self._sample()
+        if choice is None:
             return self._finish("stop")  # the grammar cannot go on
+        token, entry = choice
         now = time.monotonic()
         if self._t_first is None:
             self._t_first = now
             self.result.first_token_s = now - self._t0
         if token in self.tokenizer.eog_ids:
             return self._finish("stop")
-        return self._record(token, now)
+        return self._record(token, entry, now)
 
     # -- the steps --------------------------------------------------------------------------
 
@@ -190,7 +168,7 @@ class Generation:
             self.result.prefill_s = time.monotonic() - self._t0
         return True
 
-    def _sample(self) -> int | None:
+    def _sample(self) -> Choice | None:
         """The next token from the host's logits (masked by the grammar first), or None where
         the grammar has no way on."""
         assert self._logits is not None
@@ -199,16 +177,14 @@ class Generation:
             self._logits = self.sequences.mask_logits(self._logits, self.constraint)
             if self.constraint.error is not None:
                 return None
-        return self.sampler(self._logits, self.history)
+        return self.sampler.choose(self._logits)
 
-    def _record(self, token: int, now: float) -> TokenEvent:
-        """``token`` into the result, the history, the grammar and the text; whether it ends the
-        generation is the next step's."""
-        result, top_n = self.result, self.params.logprobs
-        entry = None
-        if top_n is not None:  # (no look-ahead then: the logits are this token's)
-            assert self._logits is not None and result.logprobs is not None
-            entry = token_logprob(self._logits, token, top_n)
+    def _record(self, token: int, entry: TokenLogprob | None, now: float) -> TokenEvent:
+        """``token`` (and its log-probabilities, when asked for) into the result, the history,
+        the grammar and the text; whether it ends the generation is the next step's."""
+        result = self.result
+        if entry is not None:
+            assert result.logprobs is not None
             result.logprobs.append(entry)
         result.tokens.append(token)
         result.token_times.append(now)
@@ -231,9 +207,11 @@ class Generation:
     def _advance(self) -> bool:
         """The last token fed (its logits for the host to sample), or the look-ahead's next
         token taken; False where the K/V has no room for one more position."""
-        if self._ahead is None and self.look_ahead and self.sequences.can_look_ahead():
+        if self._ahead is None and self.sequences.can_look_ahead():
             left = self.params.max_tokens - len(self.result.tokens)
-            self._ahead = self.sequences.greedy(self._last, left, self._boundary, self.constraint)
+            self._ahead = self.sequences.ahead(
+                self._last, left, self._boundary, self.constraint, self.sampler
+            )
         if self._ahead is not None:
             nxt = next(self._ahead, None)
             if nxt is not None:

@@ -24,6 +24,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     # None: no log-probabilities; N: each generated token's, with the N most likely alternatives
     logprobs: int | None = None
+    # the end-of-generation tokens are never chosen (llama.cpp's ignore_eos): for benchmarks
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         checks = (
@@ -45,6 +47,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not ok or _nan(value):
                 raise ValueError(f"{name}: invalid value {value!r} (expected {expected})")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: invalid value {self.ignore_eos!r} (expected a boolean)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop: invalid value {self.stop!r} (expected non-empty strings)")
 

@@ -21,6 +21,7 @@ from strata.engine.step import Batch, StageRunner, run_stages
 if TYPE_CHECKING:
     from strata.engine.gpu.runner import GpuRunner
     from strata.engine.grammar import Constraint, TokenMask
+    from strata.engine.sampling import Sampler, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -353,34 +354,57 @@ class Sequences:
         safe_point: SafePoint | None = None,
         constraint: Constraint | None = None,
     ) -> Iterator[int]:
-        """Greedy decoding from ``token``, one step ahead of the caller: each ``next()`` feeds the
-        token given last (``token``, then each one yielded) and yields its argmax successor,
-        while the step after it already runs. ``limit``: most tokens to yield. It ends early,
-        leaving the last yielded token *unfed*, when steps can no longer run ahead (a shrink left
-        an expert without a readable home, the context is full): the caller then goes on with
-        ``feed``. A token it yields and the caller never asks past is never fed either. The same
-        tokens as ``feed`` and an argmax would give, bit for bit (the same kernels).
+        """``ahead`` with the step's own argmax choosing each token: the tokens alone."""
+        for nxt, _ in self.ahead(token, limit, safe_point, constraint):
+            yield nxt
+
+    def ahead(
+        self,
+        token: int,
+        limit: int,
+        safe_point: SafePoint | None = None,
+        constraint: Constraint | None = None,
+        sampler: Sampler | None = None,
+    ) -> Iterator[tuple[int, TokenLogprob | None]]:
+        """Decoding from ``token``, one step ahead of the caller: each ``next()`` feeds the
+        token given last (``token``, then each one yielded) and yields its successor (with its
+        log-probabilities when ``sampler`` asks for them), while the step after it already runs.
+        ``limit``: most tokens to yield. It ends early, leaving the last yielded token *unfed*,
+        when steps can no longer run ahead (a shrink left an expert without a readable home, the
+        context is full): the caller then goes on with ``feed``. A token it yields and the caller
+        never asks past is never fed either.
+
+        ``sampler`` (None, or one that is plain greedy: the step's argmax) chooses each token on
+        the device right after its step (``gpu.sampled``), from the same state its host path
+        draws with: the same tokens as ``feed`` and ``sampler.choose`` would give, bit for bit.
 
         ``constraint`` (accepted up to ``token``; the caller accepts each token yielded before
-        asking for the next): the argmax is over the tokens its grammar allows. Step n + 1 still
+        asking for the next): only the tokens its grammar allows are chosen. Step n + 1 still
         runs while the caller handles token n; its mask, which needs token n, is computed
         meanwhile and applied to its logits on the device before its token is chosen. A grammar
         that fails ends the run with the token yielded last unfed (``feed`` then shows the
         error)."""
         dec = self.gpu
         if dec is None or not dec.can_look_ahead:
-            raise RuntimeError("greedy look-ahead needs the GPU runner with every expert home")
+            raise RuntimeError("decoding ahead needs the GPU runner with every expert home")
         pos = len(self.tokens)
         if pos + 1 > self.n_ctx:
             raise ContextOverflow(f"{pos + 1} tokens do not fit the context of {self.n_ctx} tokens")
-        masked = None if constraint is None else self._masked_pick(constraint, dec)
-        pick = None if masked is None else masked()
+        sampled = sampler is not None and sampler.on_device
+        if sampled:
+            assert sampler is not None
+            dec.sample_with(sampler.state_on(dec.logits.device, dec.logits.numel()))
+        else:
+            dec.sample_with(None)
+        chooser = self._chooser(constraint, dec, sampled)
+        pick = chooser()
         if constraint is not None and constraint.error is not None:
             return
         self.make_room(pos + 1)
         dec.begin(token, pos)
         dec.launch(0, pick)
         self._fed(token, dec)
+        masked = constraint is not None
         n = 0
         try:
             while True:
@@ -390,8 +414,8 @@ class Sequences:
                     and dec.can_look_ahead
                     and self._room_ahead(len(self.tokens) + 1)
                 )
-                if ahead and masked is None:
-                    dec.launch(n + 1)  # feeds step n's token: runs while the caller handles it
+                if ahead and not masked:
+                    dec.launch(n + 1, pick)  # feeds step n's token; runs while the caller has it
                 elif ahead:
                     dec.run_ahead()  # its token waits for the mask that token n decides
                 nxt = dec.result(n)
@@ -400,31 +424,45 @@ class Sequences:
                 yield nxt
                 if not ahead:
                     return
-                if masked is not None:
-                    pick = masked()
+                if masked:
+                    pick = chooser()
                     if constraint is not None and constraint.error is not None:
                         return
                     dec.finish(n + 1, pick)
-                self._fed(nxt, dec)
+                self._fed(nxt[0], dec)
                 n += 1
         finally:
+            dec.sample_with(None)
             dec.adapt()
 
-    def _masked_pick(
-        self, constraint: Constraint, dec: GpuRunner
+    def _chooser(
+        self, constraint: Constraint | None, dec: GpuRunner, sampled: bool
     ) -> Callable[[], Callable[[torch.Tensor, int], None] | None]:
-        """A function that computes the grammar's mask for the next step on the host and returns
-        how to choose that step's token on the device (None when the step is free)."""
+        """A function that computes the grammar's mask for the next step on the host (when there
+        is a grammar) and returns how to choose that step's token on the device (None: the
+        step's own argmax)."""
         from strata.engine.kernels.step import choose
 
-        mask = self._mask_for(dec.logits)
+        mask = None if constraint is None else self._mask_for(dec.logits)
 
-        def pick(logits: torch.Tensor, slot: int) -> None:
+        def pick(logits: torch.Tensor, slot: int, masks: bool) -> None:
             # as mask_logits: the mask's buffers may have been made there, in inference mode
             with torch.inference_mode():
-                choose(mask.apply(logits), dec.buf.tok, dec.buf.ring, slot)
+                if masks:
+                    assert mask is not None
+                    mask.apply(logits)
+                if sampled:
+                    dec.sampled.run()
+                else:
+                    choose(logits, dec.buf.tok, dec.buf.ring, slot)
 
-        return lambda: pick if constraint.fill(mask.host) else None
+        def chooser() -> Callable[[torch.Tensor, int], None] | None:
+            masks = mask is not None and constraint is not None and constraint.fill(mask.host)
+            if not masks and not sampled:
+                return None
+            return lambda logits, slot: pick(logits, slot, masks)
+
+        return chooser
 
     def _room_ahead(self, end: int) -> bool:
         """Pages up to ``end`` for a step run ahead; False (the look-ahead ends, and ``feed``

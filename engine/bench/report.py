@@ -207,6 +207,23 @@ def card_lines(card: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
+def sampled_lines(rows: Sequence[Row]) -> list[str]:
+    """Each budget's sampled decode beside the greedy one."""
+    out = []
+    for r in rows:
+        g = (r.get("decode") or {}).get("sampled")
+        if not g:
+            continue
+        ratio = g.get("vs_greedy")
+        s = g.get("sampler") or {}
+        how = ", ".join(f"{k} {v:g}" for k, v in s.items())
+        out.append(
+            f"{r['budget']}: decode sampled ({how}, seeded) {_spread(g.get('tok_s'))} tok/s, "
+            f"{'—' if ratio is None else f'{ratio:.2f}×'} the greedy"
+        )
+    return out
+
+
 def grammar_lines(rows: Sequence[Row]) -> list[str]:
     """``--grammar``: each budget's decode under the grammar beside the plain one."""
     out = []
@@ -267,6 +284,7 @@ def text_report(result: Mapping[str, Any]) -> str:
         lines += ["", *strata_table(result), ""]
     else:
         lines += ["", "Strata: not measured (--only-llama-cpp)"]
+    lines += sampled_lines(result["strata"])
     lines += grammar_lines(result["strata"])
     lines += _skipped_lines(result["strata"])
     lines += resize_lines(result.get("resize"))

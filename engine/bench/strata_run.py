@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,10 @@ NVML_WAIT_S = 10.0
 
 # --grammar: JSON lines of tool calls, without end (so that every run has its decode_tokens):
 # short strings, numbers, booleans and names from a list, so the mask changes at most steps
+# the sampled decode row's sampler: a chat client's usual settings, every filter on, seeded
+BENCH_SAMPLED = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, min_p=0.05,
+                               repeat_penalty=1.1)  # fmt: skip
+
 BENCH_GRAMMAR = GrammarSpec(
     "lark",
     "start: line+\nline: "
@@ -184,10 +189,12 @@ class StrataBench:
         at_step: int | None = None,
         action: Callable[[], Any] | None = None,
         grammar: bool = False,
+        sampled: bool = False,
     ) -> Row:
         """One generation of ``n_tokens``; its counts cover the decode steps only. ``action``
         runs at the safe point after decode step ``at_step`` (the resize test's shrink);
-        ``grammar``: under ``BENCH_GRAMMAR`` (the masks' host time is kept)."""
+        ``grammar``: under ``BENCH_GRAMMAR`` (the masks' host time is kept); ``sampled``: with
+        ``BENCH_SAMPLED`` instead of greedy."""
         prompt = self._prompt(DECODE_PROMPT_TOKENS)
         runner = self.engine.sequences
         runner.rewind(0)
@@ -204,7 +211,11 @@ class StrataBench:
                 marks["action"] = action()
 
         self._sync()
-        params = SamplingParams(max_tokens=n_tokens, temperature=0.0, seed=self.settings.seed)
+        params = (
+            replace(BENCH_SAMPLED, max_tokens=n_tokens, seed=self.settings.seed)
+            if sampled
+            else SamplingParams(max_tokens=n_tokens, temperature=0.0, seed=self.settings.seed)
+        )
         constraint = self.engine.grammars.compile(BENCH_GRAMMAR) if grammar else None
         r = self.engine.generate(prompt, params, safe_point=safe_point, constraint=constraint)
         gaps = np.diff(r.token_times).tolist()
@@ -256,6 +267,7 @@ class StrataBench:
         prefill: dict[int, list[Row]] = {p: [] for p in sizes}
         decode: list[Row] = []
         constrained: list[Row] = []
+        sampled: list[Row] = []
         row["reps_run"], row["reps_reason"] = 0, None
         for rep in range(s.reps):
             if rep > 0 and self.over_time():
@@ -265,6 +277,7 @@ class StrataBench:
                 prefill[p].append(self.prefill_run(p))
             if decode_fits:
                 decode.append(self.decode_run(s.decode_tokens))
+                sampled.append(self.decode_run(s.decode_tokens, sampled=True))
                 if s.grammar:
                     constrained.append(self.decode_run(s.decode_tokens, grammar=True))
             row["reps_run"] = rep + 1
@@ -280,10 +293,27 @@ class StrataBench:
                 f"context of {n_ctx} tokens",
             }
         )
+        if decode_fits:
+            row["decode"]["sampled"] = self._sampled_row(sampled, row["decode"])
         if s.grammar and decode_fits:
             row["decode"]["grammar"] = self._grammar_row(constrained, row["decode"])
         row["memory"] = self._memory_end()
         return row
+
+    def _sampled_row(self, runs: list[Row], greedy: Row) -> Row:
+        """The decode with ``BENCH_SAMPLED`` beside the greedy one: tok/s and their ratio."""
+        rate = stats.summary(stats.decode_rates(runs))
+        base = (greedy.get("tok_s") or {}).get("median")
+        p = BENCH_SAMPLED
+        return {
+            "runs": runs,
+            "tok_s": rate,
+            "vs_greedy": rate["median"] / base if rate and base else None,
+            "sampler": {
+                name: getattr(p, name)
+                for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")
+            },
+        }
 
     def _grammar_row(self, runs: list[Row], plain: Row) -> Row:
         """The decode under BENCH_GRAMMAR beside the plain one: tok/s, the masks' host time

@@ -29,10 +29,12 @@ from strata.engine.gpu.chunk import ChunkOps, ChunkParts, ChunkPath
 from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.cpu_share import CPU_SHARE_CANDIDATES, CpuShare, CpuShareFault
 from strata.engine.gpu.decode import AHEAD, CPU, PLAIN, DecodeOps, DecodeParts
+from strata.engine.gpu.sampled import SampledSteps
 from strata.engine.gpu.staging import MissStaging, file_of
 from strata.engine.gpu.tables import ExpertTables, FastPathError
 from strata.engine.kv import KVCache
 from strata.engine.models.base import MoEModel
+from strata.engine.sampling import SamplingState, TokenLogprob
 from strata.engine.step import Batch, StageRunner, StepKind
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class GpuRunner(StageRunner):
         self.tables = ExpertTables(L, r.n_expert, self.layers.start, buf.anchor)
         self.counters = UseCounters(L, r.n_expert, self.layers.start, g.expert_bytes, dev)
         self.ahead = CopiesAhead(buf, g, L, r.n_expert, r.n_used)
+        self.sampled = SampledSteps(buf)
         self.cpu = CpuShare(buf, g, L, r.n_used)
         self.staging = MissStaging(buf, g, model.index, r.n_used)
         self.file = file_of(provider)
@@ -353,24 +356,38 @@ class GpuRunner(StageRunner):
         else:
             self._forward(None)
 
+    def sample_with(self, state: SamplingState | None) -> None:
+        """Steps run ahead choose their tokens with ``state``'s sampler (``gpu.sampled``; a
+        graph of its own where steps have one), or by their own argmax (None)."""
+        if state is None:
+            self.sampled.unbind()
+        else:
+            self.sampled.bind(state, graphs=bool(self.graphs))
+
     def finish(self, n: int, pick: Pick | None = None) -> None:
         """Queue the copy of step n's token to the host. ``pick(logits, slot)`` first chooses
-        that token another way than the step's plain argmax (a grammar's mask), writing it as
-        the next input and into ring slot n % 2."""
+        that token another way than the step's plain argmax (a grammar's mask, the request's
+        sampler), writing it as the next input and into ring slot n % 2."""
         b, slot = self.buf, n % 2
         if pick is not None:
             pick(b.logits, slot)
-        b.ring_host[slot : slot + 1].copy_(b.ring[slot : slot + 1], non_blocking=True)
+        if self.sampled.bound:
+            self.sampled.copy(slot)
+        else:
+            b.ring_host[slot : slot + 1].copy_(b.ring[slot : slot + 1], non_blocking=True)
         if b.ring_done is not None:
             b.ring_done[slot].record()
 
-    def result(self, n: int) -> int:
-        """The greedy token of step n (waits for that step only)."""
+    def result(self, n: int) -> tuple[int, TokenLogprob | None]:
+        """The token of step n, and its log-probabilities where the sampler gives them (waits
+        for that step only)."""
         b, slot = self.buf, n % 2
         if b.ring_done is not None:
             b.ring_done[slot].synchronize()
         self._check_cpu()
-        return int(b.ring_host[slot])
+        if self.sampled.bound:
+            return self.sampled.read(slot)
+        return int(b.ring_host[slot]), None
 
     def accept(self) -> None:
         """A step of a greedy run whose token the host took (a safe point): count it as

@@ -24,7 +24,9 @@ from strata.engine.experts.slots import SlotTagMismatch, Tag
 from strata.engine.fast_path import fast_path_unavailable
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.options import EngineOptions
+from strata.engine.params import SamplingParams
 from strata.engine.quant import REPACKED_TYPES
+from strata.engine.sampling import Sampler
 from strata.engine.sequences import Sequences
 
 if not torch.cuda.is_available():
@@ -292,6 +294,30 @@ def test_greedy_look_ahead_gives_the_tokens_of_step_by_step_decoding(q8: Path) -
     assert [next(steps), next(steps)] == want[:2]
     steps.close()
     assert runner.tokens == [*PROMPT, first, want[0]]
+
+
+def test_sampled_look_ahead_gives_the_tokens_of_the_host_sampler(q8: Path) -> None:
+    # the request's sampler runs after each step run ahead (on the device, the step's logits)
+    # and on the host's steps alike: the same tokens and log-probabilities, bit for bit
+    params = SamplingParams(max_tokens=6, temperature=0.7, top_k=40, top_p=0.95, min_p=0.05,
+                            repeat_penalty=1.1, seed=11, logprobs=2)  # fmt: skip
+    runner = fast_runner(q8, 1.0)
+    runner.rewind(0)
+    host = Sampler(params, PROMPT)
+    first, _ = host.choose(runner.feed(PROMPT))
+    want = [host.choose(runner.feed([tok]))[0] for tok in [first]]
+    for _ in range(4):
+        want.append(host.choose(runner.feed([want[-1]]))[0])
+    runner.rewind(len(PROMPT))
+    ahead = Sampler(params, PROMPT)
+    assert ahead.choose(runner.feed(PROMPT))[0] == first
+    got = list(runner.ahead(first, 5, sampler=ahead))
+    assert [t for t, _ in got] == want
+    assert all(e is not None and e.token == t and len(e.top) == 2 for t, e in got)
+    assert ahead.state is not None and host.state is not None
+    assert torch.equal(ahead.state.recent, host.state.recent)
+    assert int(ahead.state.draws) == int(host.state.draws) == 6
+    assert not runner.gpu.sampled.bound  # the run let the request's state go
 
 
 def test_a_conversation_in_other_pages_and_one_resumed_give_the_same_bits(q8: Path) -> None:

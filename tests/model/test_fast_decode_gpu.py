@@ -20,6 +20,7 @@ from strata.engine.experts.cache import ExpertCache
 from strata.engine.generate import Engine
 from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
+from strata.engine.sampling import Sampler
 
 pytestmark = pytest.mark.gpu
 MiB = 2**20
@@ -91,9 +92,12 @@ def generate(e: Engine, params: SamplingParams, safe_point=None) -> list[int]:
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=40, temperature=1.0, top_k=0, top_p=0.95, min_p=0.0, seed=5)
+# every filter on, the repeat penalty's window and the log-probabilities too
+CHAT = SamplingParams(max_tokens=40, temperature=0.7, top_k=40, top_p=0.95, min_p=0.05,
+                      repeat_penalty=1.1, seed=6, logprobs=3)  # fmt: skip
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, CHAT], ids=["greedy", "seeded", "chat"])
 def test_text_is_the_same_with_graphs_on_and_off(tiny_models, cuda, params) -> None:
     path = tiny_models.path("qwen3moe", "Q4_K_M")
     graph = load(path, cuda, cache_mib=1 << 20)
@@ -120,6 +124,46 @@ def test_greedy_look_ahead_matches_one_step_at_a_time(tiny_models, cuda) -> None
         tok = int(torch.argmax(e.sequences.feed([tok])))
         one_by_one.append(tok)
     assert ahead == one_by_one
+    e.close()
+
+
+def test_sampled_look_ahead_matches_the_host_sampler(tiny_models, cuda) -> None:
+    # the sampler as a graph after each step run ahead, and eagerly after each host step: the
+    # same tokens and log-probabilities
+    e = load(tiny_models.path("qwen3moe", "Q6_K"), cuda, cache_mib=1 << 20)
+    assert e.sequences.can_look_ahead()
+    e.sequences.rewind(0)
+    r = e.generate([1, 2, 3, 4, 5, 6], CHAT)
+    e.sequences.rewind(0)
+    host = Sampler(CHAT, [1, 2, 3, 4, 5, 6])
+    tok, entry = host.choose(e.sequences.feed([1, 2, 3, 4, 5, 6]))
+    tokens, entries = [tok], [entry]
+    while len(tokens) < len(r.tokens):
+        tok, entry = host.choose(e.sequences.feed([tok]))
+        tokens.append(tok)
+        entries.append(entry)
+    assert r.tokens == tokens
+    assert r.logprobs == entries
+    e.close()
+
+
+def test_a_seeded_request_is_the_same_across_a_shrink(tiny_models, cuda) -> None:
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    e = load(path, cuda, cache_mib=all_mib(path, cuda), host_budget_mib=0)
+    steady = generate(e, CHAT)
+    cache = e.cache
+    assert cache is not None
+    calls = 0
+
+    def resize() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 6:  # the steps run ahead stop, the host's steps draw from the same state
+            cache.resize(cache.sizes.core_slots)
+        elif calls == 20:
+            cache.resize(cache.max_slots)
+
+    assert generate(e, CHAT, resize) == steady
     e.close()
 
 

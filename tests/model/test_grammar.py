@@ -251,7 +251,7 @@ def test_a_special_marker_is_kept_in_the_text(tmp_path: Path) -> None:
 def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
     """The same constrained tokens from the fused kernels (Triton's interpreter on the CPU) as
     from the reference path: the mask goes onto the logits the decode step leaves, and a masked
-    greedy run still steps ahead of the host (``Sequences.greedy`` with the constraint)."""
+    greedy run still steps ahead of the host (``Sequences.ahead`` with the constraint)."""
     pytest.importorskip("triton", reason="Triton is not installed")
     from fastpath import fast_runner, reference_runner
 
@@ -262,13 +262,13 @@ def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
     for runner in (reference_runner(path), fast_runner(path, 1.0)):
         e = Engine(base.index, base.tokenizer, base.template, runner)
         if runner.decodes_on_gpu:
-            greedy = runner.greedy
+            run_ahead = runner.ahead
 
-            def counted(*args, greedy=greedy):  # the run ahead, seen taking the constraint
+            def counted(*args, run_ahead=run_ahead):  # the run ahead, seen taking the constraint
                 ahead.append(args[3])
-                yield from greedy(*args)
+                yield from run_ahead(*args)
 
-            runner.greedy = counted  # type: ignore[method-assign]
+            runner.ahead = counted  # type: ignore[method-assign]
         c = e.grammars.compile(GrammarSpec.json(schema))
         r = e.generate([1, 5, 9, 100, 7], SamplingParams(max_tokens=8, temperature=0),
                        constraint=c)  # fmt: skip
@@ -277,8 +277,8 @@ def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
         assert runner._token_mask is not None
     assert out[0] == out[1]
     assert ahead and all(a is not None for a in ahead)
-    # a sampled constrained request first (step by step: its mask is made in inference mode),
-    # then a greedy one that runs ahead with the same mask (on a GPU, writing the mask's device
+    # a sampled constrained request first (its sampler runs after each step run ahead), then a
+    # greedy one that runs ahead with the same mask (on a GPU, writing the mask's device
     # words outside inference mode failed): the same tokens as before
     e.sequences._token_mask = None
     sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
