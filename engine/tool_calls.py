@@ -202,7 +202,8 @@ def format_for(template: str | None, renders_tools: bool) -> ToolFormat:
 # the start of a call object as JSON_FORMAT writes it (a grammar's calls always begin so)
 _HEADER = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
 # the same, as any model may space it (a call cut off before it was complete)
-_LOOSE_HEADER = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+_LOOSE_NAME = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_LOOSE_ARGS = re.compile(r'\s*,\s*"arguments"\s*:\s*')
 _ARGS_NAME = re.compile(r"([A-Za-z0-9_.-]+)\[ARGS\]$")  # Mistral's newer name[ARGS]{...}
 
 
@@ -367,19 +368,21 @@ class CallParser:
                 self._args_end = len(obj)
 
     def _cut_off(self, out: list[Event]) -> bool:
-        """The output ended inside a call (``max_tokens``): a call whose name is known is still
-        a call, its arguments as far as they were written (the stream sent the same pieces);
-        False when the name is not known yet."""
+        """The output ended inside a call (``max_tokens``): a call whose name was written is
+        still a call, its arguments as far as they were written (the stream sent the same
+        pieces; none when it ended before them); False when the name is not complete."""
         obj = self._obj
         assert obj is not None
         if self._sent is None:  # nothing of it went out: its name from what was written
             if self._args_of is not None:
                 name, at = self._args_of, 0
             else:
-                m = _LOOSE_HEADER.match(obj)
+                m = _LOOSE_NAME.match(obj)
                 if m is None:
                     return False
-                name, at = json.loads(m.group(1)), m.end()
+                name = json.loads(m.group(1))
+                args = _LOOSE_ARGS.match(obj, m.end())  # none yet: the arguments are empty
+                at = args.end() if args is not None else len(obj)
             if name not in self.names:
                 return False
             self._id = self.fmt.new_id()
