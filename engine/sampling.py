@@ -127,6 +127,23 @@ class SamplingState:
             self.at.fill_(len(last) % self.window)
         self.out = torch.zeros(2 + 2 * max(self.top_n, 0), dtype=torch.float64, device=dev)
 
+    _VALUES = ("seed", "draws", "keep", "top_p", "min_p", "temperature", "penalty", "recent",
+               "at", "banned", "out")  # fmt: skip
+
+    @property
+    def key(self) -> tuple:
+        """What fixes the shapes of ``sample``'s operations: states of one key can share a
+        captured graph (``load`` one into the other)."""
+        return (self.vocab, self.candidates, self.window, self.top_n, self.banned.numel(),
+                self.out.device)  # fmt: skip
+
+    def load(self, other: SamplingState) -> None:
+        """Take ``other``'s knobs and running state (of the same ``key``), in place."""
+        if other.key != self.key:
+            raise ValueError(f"a sampler state of {other.key} cannot load into {self.key}")
+        for name in self._VALUES:
+            getattr(self, name).copy_(getattr(other, name))
+
     def snapshot(self) -> tuple[torch.Tensor, ...]:
         return tuple(t.clone() for t in (self.draws, self.recent, self.at))
 

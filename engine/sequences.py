@@ -393,7 +393,8 @@ class Sequences:
         sampled = sampler is not None and sampler.on_device
         if sampled:
             assert sampler is not None
-            dec.sample_with(sampler.state_on(dec.logits.device, dec.logits.numel()))
+            # the request draws from the state the steps use (a kept graph's) from now on
+            sampler.state = dec.sample_with(sampler.state_on(dec.logits.device, dec.logits.numel()))
         else:
             dec.sample_with(None)
         chooser = self._chooser(constraint, dec, sampled)

@@ -262,6 +262,8 @@ class StrataBench:
         row["warmup"] = {
             "prefill": self.prefill_run(min(sizes)) if sizes else None,
             "decode": self.decode_run(warm_tokens) if decode_fits else None,
+            # (the sampler's graph is captured by its first request: not in the timed runs)
+            "sampled": self.decode_run(warm_tokens, sampled=True) if decode_fits else None,
         }
         self.progress(f"{budget.label}: rep 1/{s.reps}")
         prefill: dict[int, list[Row]] = {p: [] for p in sizes}

@@ -356,13 +356,14 @@ class GpuRunner(StageRunner):
         else:
             self._forward(None)
 
-    def sample_with(self, state: SamplingState | None) -> None:
+    def sample_with(self, state: SamplingState | None) -> SamplingState | None:
         """Steps run ahead choose their tokens with ``state``'s sampler (``gpu.sampled``; a
-        graph of its own where steps have one), or by their own argmax (None)."""
+        graph of its own where steps have one), or by their own argmax (None). Returns the state
+        they draw from (a kept graph's, holding ``state``'s values)."""
         if state is None:
             self.sampled.unbind()
-        else:
-            self.sampled.bind(state, graphs=bool(self.graphs))
+            return None
+        return self.sampled.bind(state, graphs=bool(self.graphs))
 
     def finish(self, n: int, pick: Pick | None = None) -> None:
         """Queue the copy of step n's token to the host. ``pick(logits, slot)`` first chooses
@@ -539,6 +540,7 @@ class GpuRunner(StageRunner):
         """Hand over the last counts and let the graphs, the CPU's threads and the cache go."""
         self.flush_usage()
         self.graphs = {}
+        self.sampled.close()
         if self.prefill is not None:
             self.prefill.graphs = {}
         self.cpu.close()

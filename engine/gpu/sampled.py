@@ -32,9 +32,14 @@ def place(token: torch.Tensor, tok: torch.Tensor, ring: torch.Tensor, step: torc
     _place_kernel[(1,)](token, tok, ring, step, num_warps=1)
 
 
+MAX_GRAPHS = 4  # sampler graphs kept, by the shapes they were captured for
+
+
 class SampledSteps:
     """The GPU runner's sampled tail of a step: ``bind`` a request's state, ``run`` after each
-    step (``GpuRunner.finish``), ``read`` its row once the step's event has passed. Everything
+    step (``GpuRunner.finish``), ``read`` its row once the step's event has passed. A graph is
+    captured once per shape of sampler (``SamplingState.key``) and kept, with the state it reads,
+    for the next request of that shape, which loads its own values into that state. Everything
     here runs in inference mode (the request's state may have been made there)."""
 
     def __init__(self, buf: StepBuffers) -> None:
@@ -42,24 +47,43 @@ class SampledSteps:
         self.state: SamplingState | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.host: torch.Tensor | None = None  # two pinned rows: the ring of sampled outputs
+        # captured graphs by key, oldest first: (the state each reads, the graph, its rows)
+        self.kept: dict[tuple, tuple[SamplingState, torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
     def bound(self) -> bool:
         return self.state is not None
 
     @torch.inference_mode()
-    def bind(self, state: SamplingState, graphs: bool) -> None:
-        """Sample with ``state`` after each step from now on; captured as a graph when
-        ``graphs`` (its draws and window stay as they were: the warm-up's are undone)."""
+    def bind(self, state: SamplingState, graphs: bool) -> SamplingState:
+        """Sample with ``state``'s knobs and running state after each step from now on, as a
+        graph when ``graphs``. Returns the state the steps use from now on: a kept graph's, with
+        ``state``'s values loaded, or ``state`` itself; the request draws from it on its host
+        steps too."""
         if state is self.state:
-            return
+            return state
         self.unbind()
         dev = self.buf.logits.device
+        kept = self.kept.pop(state.key, None) if graphs else None
+        if kept is not None:
+            kept[0].load(state)
+            self.kept[state.key] = kept  # the newest now
+            self.state, self.graph, self.host = kept
+            return kept[0]
         self.state = state
         self.host = torch.zeros(2, state.out.numel(), dtype=torch.float64,
                                 pin_memory=dev.type == "cuda")  # fmt: skip
-        if not graphs or dev.type != "cuda":
-            return
+        if graphs and dev.type == "cuda":
+            self.graph = self._capture(state, dev)
+            if self.graph is not None:
+                if len(self.kept) >= MAX_GRAPHS:
+                    self.kept.pop(next(iter(self.kept)))
+                self.kept[state.key] = (state, self.graph, self.host)
+        return state
+
+    def _capture(self, state: SamplingState, dev: torch.device) -> torch.cuda.CUDAGraph | None:
+        """``state``'s sampler as a graph (its draws and window stay as they were: the
+        warm-up's are undone); None where it cannot be captured (it then runs eagerly)."""
         saved = state.snapshot()
         try:
             side = torch.cuda.Stream(dev)
@@ -70,21 +94,24 @@ class SampledSteps:
             state.restore(saved)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._body()
-            self.graph = graph
+                self._body(state)
+            return graph
         except Exception as e:  # an op that cannot be captured: the same ops, eagerly
             log.warning("sampled steps run without a CUDA graph: %s", e)
             torch.cuda.synchronize(dev)
             state.restore(saved)
-            self.graph = None
+            return None
 
     def unbind(self) -> None:
         self.state, self.graph, self.host = None, None, None
 
-    def _body(self) -> None:
-        assert self.state is not None
+    def close(self) -> None:
+        self.unbind()
+        self.kept.clear()
+
+    def _body(self, state: SamplingState) -> None:
         b = self.buf
-        place(sample(self.state, b.logits), b.tok, b.ring, b.step_no)
+        place(sample(state, b.logits), b.tok, b.ring, b.step_no)
 
     @torch.inference_mode()
     def run(self) -> None:
@@ -92,7 +119,8 @@ class SampledSteps:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._body()
+            assert self.state is not None
+            self._body(self.state)
 
     @torch.inference_mode()
     def copy(self, slot: int) -> None:

@@ -444,3 +444,24 @@ def test_the_fast_path_is_chosen_only_where_it_can_serve(q8: Path, tmp_path: Pat
     assert reason == "Triton is unavailable (no backend)"
     monkeypatch.undo()
     assert fast_path_unavailable(index, cuda, EngineOptions()) is None
+
+
+def test_the_next_request_of_a_sampler_shape_reuses_its_state_and_draws_its_own(q8: Path) -> None:
+    # the GPU runner keeps a sampler's graph and state by shape: a second request of the same
+    # shape loads its own seed and window into that state and draws what it would alone
+    params = SamplingParams(max_tokens=5, temperature=0.9, top_k=20, seed=21, logprobs=1)
+    other = replace(params, seed=22)
+    runner = fast_runner(q8, 1.0)
+
+    def run(p: SamplingParams) -> tuple[list[int], Sampler]:
+        runner.rewind(0)
+        s = Sampler(p, PROMPT)
+        first, _ = s.choose(runner.feed(PROMPT))
+        return [first, *(t for t, _ in runner.ahead(first, 4, sampler=s))], s
+
+    alone, _ = run(other)
+    _, s2 = run(params)
+    again, s3 = run(other)
+    assert again == alone
+    if runner.gpu.sampled.kept:  # (a GPU with graphs: the interpreter runs them eagerly)
+        assert s3.state is s2.state

@@ -166,10 +166,12 @@ SAMPLERS = {
     "top_k_full": SamplingParams(temperature=1.0, top_k=300, top_p=1.0, min_p=0.0, seed=2),
     "top_p": SamplingParams(temperature=1.0, top_k=0, top_p=0.6, min_p=0.0, seed=3),
     "min_p": SamplingParams(temperature=1.3, top_k=0, top_p=1.0, min_p=0.1, seed=4),
-    "repeat_penalty": SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-                                     repeat_penalty=1.8, seed=5),  # fmt: skip
-    "bench": SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05,
-                            repeat_penalty=1.1, seed=6),  # fmt: skip
+    "repeat_penalty": SamplingParams(
+        temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.8, seed=5
+    ),
+    "bench": SamplingParams(
+        temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1, seed=6
+    ),
 }
 
 
