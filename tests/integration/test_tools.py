@@ -241,7 +241,10 @@ def test_named_tool_choice_calls_that_function_whatever_the_seed(demo: StrataDae
             check_call(call, TOOLS)
 
 
-def test_max_tokens_inside_a_call_is_length_with_the_text_as_content(demo: StrataDaemon) -> None:
+def test_max_tokens_before_a_calls_name_is_length_with_the_text_as_content(
+    demo: StrataDaemon,
+) -> None:
+    # cut off after its name, a call is a call (test_clients); before it, nothing names one
     client = _client(demo)
     r = client.chat.completions.create(model=model_of(client), messages=ASK, tools=TOOLS,
                                        tool_choice="required", max_tokens=6)  # fmt: skip
