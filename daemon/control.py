@@ -13,6 +13,18 @@ How a request is carried out (``VramController.requests``, the status's ``vram_r
 * ``refused``: Strata watches no GPU and holds no VRAM (the CPU): a request for more than 0 MiB
   is refused with :class:`NoDevice`. Never a success that changed nothing.
 
+The run-time reserve is a standing request ("keep N MiB free"), so it has two outcomes besides a
+refusal (:meth:`VramController.reserve_state`, the status's ``reserve_state``):
+
+* ``met``: the room is free (``room``), or the cache shrank by the amount (``shrink``);
+* ``pending``: the reserve is set and in force, but the room is not free yet: other programs hold
+  more than Strata can give back (known at once: even at its core the cache leaves too little),
+  the cache is still shrinking after ``borrow_timeout_ms``, or the model is still loading. The
+  answer says so at once, with the numbers, and the reserve is met once the room exists.
+
+A reserve that is refused (``NoDevice``, ``NotEnoughVram``) is never left in force: the one before
+it is restored. A lease, by contrast, is granted or not at all (``Timeout``, no lease left).
+
 A model split over several devices (``devices``) has one controller per device: its own monitor,
 policy state, lease book and reserve, steering that device's stage (its cache and K/V). The books
 share one cookie sequence (a cookie names one lease of the daemon) and the controllers one list of
@@ -22,6 +34,7 @@ listeners, whose events carry ``device``, the stage's number.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from strata.daemon.leases import (
+    InvalidArgument,
     Lease,
     LeaseBook,
     LeaseError,
@@ -36,6 +50,7 @@ from strata.daemon.leases import (
     NoDevice,
     NotEnoughVram,
     Timeout,
+    is_int,
     max_freeable_mib,
 )
 from strata.daemon.policy import (
@@ -70,8 +85,9 @@ class ControlConfig:
 @dataclass(frozen=True)
 class Outcome:
     """How a VRAM request was carried out: ``how`` is ``room`` (free on the device, seen),
-    ``shrink`` (no monitor: the cache shrank by the amount) or ``none`` (nothing was asked: a
-    reserve of 0 MiB); ``message`` says it in words, with the numbers."""
+    ``shrink`` (no monitor: the cache shrank by the amount), ``pending`` (a reserve that is set
+    and in force but not met yet) or ``none`` (nothing was asked: a reserve of 0 MiB);
+    ``message`` says it in words, with the numbers."""
 
     how: str
     message: str
@@ -403,22 +419,113 @@ class VramController:
         return "Strata holds no expert cache it could shrink"
 
     async def set_reserve(self, mib: int) -> Outcome:
-        """The run-time reserve; returns once it is carried out (Timeout otherwise; the reserve
-        stays set either way), saying how."""
+        """The run-time reserve; returns once it is met, at once when it is known that it
+        cannot be met now, or after ``borrow_timeout_ms``: then ``how`` is ``pending`` and the
+        reserve stays in force (module docstring). A refused reserve leaves the one before."""
         LeaseBook.check_request(mib, mib, allow_zero=True)
         view = self.book.view()
         holds = max([0, *view.holds.values()])
         room = base_room(self.policy, mib, view.holds)[0] + view.borrowed_mib
         self._admit(mib, max(mib, holds) + view.borrowed_mib, room, f"a reserve of {mib} MiB")
         before = self._mapped_mib()
+        previous = self.book.reserve_mib
         self.book.set_reserve(mib)
         log.info("run-time reserve set to %d MiB", mib)
         self._emit("status_changed")
         if mib == 0:  # nothing asked: nothing to wait for (the cache grows back as room lasts)
             await self.check("request")
             return self._outcome("none", "a reserve of 0 MiB", before)
-        how = await self._carry_out(f"reserve of {mib} MiB")
-        return self._outcome(how, f"a reserve of {mib} MiB", before)
+        what = f"a reserve of {mib} MiB"
+        try:
+            how = await self._carry_out(f"reserve of {mib} MiB", reserve=True)
+        except Timeout:
+            how = "pending"
+        except BaseException:
+            # refused after all (no cache to give back, no device): not left in force
+            self.book.set_reserve(previous)
+            log.info("run-time reserve back to %d MiB: %d MiB refused", previous, mib)
+            self._emit("status_changed")
+            self._kick()
+            raise
+        if how == "pending" and self.reserve_state()[0] == "met":  # met since, after all
+            how = "room" if self.watched else "shrink"
+        outcome = self._outcome(how, what, before)
+        if how == "pending":
+            log.info("%s", outcome.message)
+        return outcome
+
+    def reserve_state(self) -> tuple[str, str | None]:
+        """Whether the run-time reserve is met now: ``("none", None)`` without one, else
+        ``("met" | "pending", words with the numbers)`` (the status's ``reserve_state`` and
+        ``reserve_message``)."""
+        mib = self.book.reserve_mib
+        if mib == 0:
+            return "none", None
+        cache = self._cache()
+        decision = self.last_decision
+        sample = self.last_sample if self.watched else None
+        if sample is not None:
+            needed = self._explicit_room()
+            free = _mib(sample.free_bytes)
+            device = self._device_words()
+            if free >= needed:
+                return "met", f"{free} MiB free on {device}, {needed} MiB asked"
+            best = self._best_free_mib()
+            if best is not None and best < needed:
+                tenants = _mib(sample.tenants_bytes)
+                return "pending", (
+                    f"only {free} MiB free on {device}, {needed} MiB needed: other programs hold "
+                    f"{tenants} MiB and Strata's cache cannot go below its core, so it is met "
+                    f"once they free {needed - best} MiB"
+                )
+            if self.worker.engine is None:
+                return "pending", (
+                    f"only {free} MiB free on {device}, {needed} MiB needed; the model is still "
+                    "loading"
+                )
+            return "pending", (
+                f"only {free} MiB free on {device}, {needed} MiB needed; Strata's cache is "
+                f"shrinking ({self._mapped_mib()} MiB now)"
+            )
+        if self.worker.engine is None or cache is None or _closed(cache):
+            return "pending", "the model is still loading; the cache shrinks once it exists"
+        if decision is None:
+            return "pending", "not checked yet"
+        slots = cache.slots_for_bytes(decision.target_mib * MiB - self._kv_bytes()[0])
+        if cache.arena.mapped_bytes <= cache.mapped_bytes_for(slots):
+            return "met", (
+                f"no monitor sees the device ({self.unwatched_why()}): the cache shrank by what "
+                "is asked; whether that memory is free on the GPU is not checked"
+            )
+        return "pending", (
+            f"no monitor sees the device ({self.unwatched_why()}): the cache is shrinking "
+            f"({self._mapped_mib()} MiB now, {decision.target_mib} MiB to reach)"
+        )
+
+    def _explicit_room(self) -> int:
+        """What the reserve, the holds and the leases ask to be free (the automatic reserve
+        aside: a reserve below it asks nothing more and is met once its own room is free)."""
+        view = self.book.view()
+        decision = self.last_decision
+        owed = sum(decision.budget.owed_mib.values()) if decision is not None else None
+        return max([view.reserve_mib, *view.holds.values()]) + (
+            owed if owed is not None else view.borrowed_mib
+        )
+
+    def _best_free_mib(self) -> int | None:
+        """What would be free on the device with the cache and the K/V at their least, as the
+        last decision saw the other programs (None: no decision yet)."""
+        decision = self.last_decision
+        cache = self._cache()
+        if decision is None or cache is None or _closed(cache):
+            return None
+        core = _core_mib(cache) + -(-self._kv_bytes()[1] // MiB)
+        b = decision.budget
+        return b.available_mib + b.room_mib - core  # usable - tenants - fixed - core
+
+    def _device_words(self) -> str:
+        device = self.monitor.device_name
+        return f"{device} ({self.where})" if self.where is not None else device
 
     async def set_hold(self, source: str, mib: int | None) -> None:
         """A hold from another source (GameMode); None clears it."""
@@ -496,10 +603,12 @@ class VramController:
         view = self.book.view()
         return base_room(self.policy, view.reserve_mib, view.holds)[0] + view.borrowed_mib
 
-    async def _carry_out(self, what: str) -> str:
+    async def _carry_out(self, what: str, reserve: bool = False) -> str:
         """Wait until the book's demand is carried out: the room free on a watched device
         (``room``), or the cache at its target where nothing watches (``shrink``). Timeout
-        after ``borrow_timeout_ms``; NoDevice / NotEnoughVram where it never can be."""
+        after ``borrow_timeout_ms``; NoDevice / NotEnoughVram where it never can be. With
+        ``reserve``: the room the reserve, holds and leases ask (:meth:`_explicit_room`) is
+        enough, and ``pending`` at once where even the cache's core leaves too little."""
         timeout = self.control.borrow_timeout_ms / 1000
         deadline = self.clock() + timeout
         while True:
@@ -508,8 +617,13 @@ class VramController:
             sample = self.last_sample if self.watched else None
             if decision is not None and sample is not None:
                 free, needed = _mib(sample.free_bytes), decision.room_kept_mib
+                if reserve:
+                    needed = self._explicit_room()
                 if free >= needed:
                     return "room"
+                best = self._best_free_mib()
+                if reserve and best is not None and best < needed:
+                    return "pending"  # known now: the other programs hold too much
             elif decision is not None:  # unwatched: the cache at its target is all there is
                 assert cache is not None
                 slots = cache.slots_for_bytes(decision.target_mib * MiB - self._kv_bytes()[0])
@@ -568,6 +682,11 @@ class VramController:
         )  # fmt: skip
         if how == "none":
             text = f"the run-time reserve is cleared ({cache}; it grows back as room lasts)"
+        elif how == "pending":
+            text = (
+                f"{what} is set but not met yet: {self.reserve_state()[1]}; it stays in force "
+                f"until changed ({cache})"
+            )
         elif how == "room":
             device = self.monitor.device_name
             if self.where is not None:
@@ -603,15 +722,62 @@ class ControlGroup:
         return decisions[0]
 
 
+class BadVramRequest(InvalidArgument):
+    """A ``POST /v1/vram`` body that is not ``{"reserve_mib": N[, "device": D]}``; ``param``
+    names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def parse_vram_request(raw: bytes) -> tuple[int, int | None]:
+    """``(reserve_mib, device)`` from a ``POST /v1/vram`` body, or :class:`BadVramRequest`
+    saying what is wrong in words (never a parser's own text)."""
+    example = '{"reserve_mib": 4000}'
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadVramRequest(f"the body is not JSON: expected {example}", "reserve_mib") from None
+    if not isinstance(body, dict):
+        raise BadVramRequest(
+            f"expected a JSON object such as {example}, got {type(body).__name__}", "reserve_mib"
+        )
+    for key in body:
+        if key not in ("reserve_mib", "device"):
+            raise BadVramRequest(
+                f"unknown field {key!r}: the body takes reserve_mib and device", str(key)
+            )
+    if "reserve_mib" not in body:
+        raise BadVramRequest(
+            "reserve_mib is missing: the MiB to keep free (0 clears the reserve)", "reserve_mib"
+        )
+    mib = body["reserve_mib"]
+    if not is_int(mib) or not 0 <= mib < 2**64:
+        raise BadVramRequest(
+            "reserve_mib: expected a whole number of MiB, 0 or more (0 clears the reserve), "
+            f"got {json.dumps(mib)}",
+            "reserve_mib",
+        )
+    device = body.get("device")
+    if device is not None and (not is_int(device) or device < 0):
+        raise BadVramRequest(
+            f"device: expected a device number (0, 1, …), got {json.dumps(device)}", "device"
+        )
+    return mib, device
+
+
 def _closed(cache: Any) -> bool:
     return bool(getattr(cache.arena, "closed", False))
 
 
 __all__ = [
+    "BadVramRequest",
     "ControlConfig",
     "ControlGroup",
     "LeaseError",
     "LeaseNotFound",
     "Outcome",
     "VramController",
+    "parse_vram_request",
 ]

@@ -27,7 +27,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -35,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from strata import __version__
 from strata.daemon import page
 from strata.daemon.bounded import Bounded
+from strata.daemon.control import BadVramRequest, parse_vram_request
 from strata.daemon.generation import Generation, Generations, NotServing, QueueFull
 from strata.daemon.leases import InvalidArgument, LeaseError, NoDevice, NotEnoughVram, Timeout
 from strata.daemon.metrics import CONTENT_TYPE, Metrics
@@ -67,14 +67,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # nginx's status for a request its client abandoned (never sent: it is gone)
 
 __all__ = ["as_api_error", "create_app", "error_body"]
-
-
-class VramRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reserve_mib: StrictInt = Field(ge=0)
-    # the device of a split model, by number; absent: device 0 (as before devices existed).
-    # Any whole number passes here: one the daemon lacks is named with the devices there are.
-    device: StrictInt | None = None
 
 
 class HttpLoad:
@@ -199,19 +191,19 @@ def create_app(daemon: Any) -> FastAPI:
     @app.post("/v1/vram")
     async def post_vram(request: Request) -> JSONResponse:
         try:
-            body = VramRequest.model_validate_json(await request.body())
-        except ValueError as e:
-            raise invalid(f"invalid body: {_first_error(e)}", "reserve_mib") from None
-        if body.device is not None:
+            reserve_mib, device = parse_vram_request(await request.body())
+        except BadVramRequest as e:
+            raise invalid(str(e), e.param) from None
+        if device is not None:
             try:
-                daemon.controller_for(body.device)
+                daemon.controller_for(device)
             except InvalidArgument as e:
                 raise invalid(str(e), "device", "unknown_device") from None
         try:
-            if body.device is None:
-                outcome = await daemon.reserve(body.reserve_mib)
+            if device is None:
+                outcome = await daemon.reserve(reserve_mib)
             else:
-                outcome = await daemon.reserve(body.reserve_mib, body.device)
+                outcome = await daemon.reserve(reserve_mib, device)
         except Timeout as e:
             raise ApiError(504, str(e), "timeout", "reserve_mib", "timeout") from None
         except NotEnoughVram as e:
@@ -223,7 +215,8 @@ def create_app(daemon: Any) -> FastAPI:
         except LeaseError as e:
             raise invalid(str(e), "reserve_mib") from None
         # what was done, and how: "room" (free on the device), "shrink" (no monitor: the cache
-        # shrank by the amount), "none" (a reserve of 0)
+        # shrank by the amount), "pending" (set and in force, the room not free yet: the
+        # status's reserve_state says the same), "none" (a reserve of 0)
         done = {"how": outcome.how, "message": outcome.message}
         return JSONResponse({"result": done, **daemon.status()})
 
@@ -324,15 +317,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     for kind in (ApiError, QueueFull, NotServing, StarletteHTTPException,
                  RequestValidationError, EngineError, ClientDisconnect, Exception):  # fmt: skip
         app.add_exception_handler(kind, handle)
-
-
-def _first_error(e: ValueError) -> str:
-    errors = getattr(e, "errors", None)
-    if callable(errors):
-        first = errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        return f"{where}: {first.get('msg')}"
-    return str(e)
 
 
 # -- middleware ---------------------------------------------------------------------------------

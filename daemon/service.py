@@ -242,6 +242,7 @@ class Daemon:
             "ours_mib": sample.ours_bytes // MiB if sample else None,
             "tenants_mib": sample.tenants_bytes // MiB if sample else None,
             "reserve_mib": book.reserve_mib,
+            **_reserve_status(c),
             "elastic_reserve_mib": self.config.elastic_reserve_mib,
             "holds": dict(book.holds),
             "room_kept_mib": decision.room_kept_mib if decision else None,
@@ -301,12 +302,19 @@ class Daemon:
             "ours_mib": sample.ours_bytes // MiB if sample else None,
             "tenants_mib": sample.tenants_bytes // MiB if sample else None,
             "reserve_mib": c.book.reserve_mib,
+            **_reserve_status(c),
             "holds": dict(c.book.holds),
             "room_kept_mib": decision.room_kept_mib if decision else None,
             "borrowed_mib": c.book.borrowed_mib,
             "leases": _leases(c),
             "resizes": c.resizes,
         }
+
+
+def _reserve_status(c: VramController) -> dict[str, Any]:
+    """Whether the run-time reserve is met: ``none``, ``met`` or ``pending`` and why."""
+    state, message = c.reserve_state()
+    return {"reserve_state": state, "reserve_message": message}
 
 
 def _leases(c: VramController) -> list[dict[str, Any]]:

@@ -12,7 +12,10 @@
     strata-ctl watch                     resizes, leases and property changes as they happen
 
 Exit codes: 0 success (``borrow``: the command's own code), 1 the daemon is not running or refused
-the request, 2 a bad command line. Errors are one line on stderr, never a traceback.
+the request (a refused reserve is not left in force), 2 a bad command line, 3 (``reserve``) the
+reserve is set and in force but not met yet: the room is not free (other programs hold it, or the
+cache is still shrinking); the line says why. Errors are one line on stderr, never a traceback.
+``--json`` prints each command's answer as JSON (``reserve``: ``result`` and the status).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from strata.ipc.dbus import (
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_PENDING = 3  # `reserve`: set and in force, the room not free yet
 EXIT_NOT_FOUND = 127  # the command of `borrow` does not exist, as in a shell
 CALL_TIMEOUT_S = 30.0  # activation may start the daemon; Borrow waits at most 24 s in it
 
@@ -130,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     reserve = sub.add_parser("reserve", help="set the run-time reserve in MiB (0 clears it)")
     reserve.add_argument("mib", metavar="MIB", type=lambda t: _mib(t, allow_zero=True))
     reserve.add_argument("--device", metavar="N", type=_device, help=DEVICE_HELP)
+    reserve.add_argument("--json", **json_flag)
     reserve.set_defaults(run=cmd_reserve)
 
     borrow = sub.add_parser(
@@ -266,6 +271,7 @@ async def cmd_leases(args: argparse.Namespace, client: Client) -> int:
 
 
 async def cmd_reserve(args: argparse.Namespace, client: Client) -> int:
+    """Exit 0 once the reserve is met (or cleared), 3 when it is set but pending, 1 refused."""
     device = args.device
     before = _device_status(await client.status(), device).get("cache_mib")
     if device is None:
@@ -274,9 +280,23 @@ async def cmd_reserve(args: argparse.Namespace, client: Client) -> int:
     else:
         await client.call("SetReserveOn", "ut", [device, args.mib])
         where = f" on device {device}"
-    status = _device_status(await client.status(), device)
-    print(f"run-time reserve{where}: {args.mib} MiB: {carried_out(status, before, args.mib)}")
-    return 0
+    full = await client.status()
+    status = _device_status(full, device)
+    pending = args.mib > 0 and status.get("reserve_state") == "pending"
+    if pending:
+        how = "pending"
+        words = (
+            f"set, not met yet: {status.get('reserve_message')}; it stays in force until changed"
+        )
+    else:
+        how = "none" if args.mib == 0 else status.get("vram_requests", "room")
+        words = carried_out(status, before, args.mib)
+    if args.json:
+        result = {"how": how, "message": words, "reserve_mib": args.mib, "device": device or 0}
+        print(json.dumps({"result": result, **full}, indent=2))
+    else:
+        print(f"run-time reserve{where}: {args.mib} MiB: {words}")
+    return EXIT_PENDING if pending else 0
 
 
 def carried_out(status: dict[str, Any], before: Any, mib: int) -> str:
@@ -467,6 +487,8 @@ def format_status(s: dict[str, Any]) -> str:
     reserve += "".join(f", {_size(mib)} {name}" for name, mib in sorted(holds.items()))
     if s.get("room_kept_mib") is not None:
         reserve += f"; room kept free {s['room_kept_mib']} MiB"
+    if s.get("reserve_state") == "pending":
+        reserve += f"; the run-time reserve is not met yet: {s.get('reserve_message')}"
     leases = _all_leases(s)
     rows = [
         ("state", s.get("state", "unknown")),

@@ -187,14 +187,23 @@ function showStatus(s) {
   const mon = s.monitor || {};
   $("device").textContent = s.device + (mon.healthy === false && mon.problem ? ` (${mon.problem})` : "");
   const watched = s.total_mib != null;
+  // no GPU at all (the CPU, no VRAM monitor): no GPU memory to draw, and no reserve the daemon
+  // would accept (it refuses every one above 0 MiB)
+  const noGpu = s.vram_requests === "refused";
+  $("memory-title").textContent = noGpu ? "Memory (CPU only, no GPU)" : "GPU memory";
   $("no-monitor").hidden = watched;
   $("no-monitor").textContent = watched
     ? ""
-    : "No VRAM monitor: only Strata's own cache is known, not what other programs hold.";
+    : noGpu
+      ? "Strata computes on the CPU and holds no VRAM: the picture shows its expert cache in RAM."
+      : "No VRAM monitor: only Strata's own cache is known, not what other programs hold.";
+  $("reserve-section").hidden = noGpu;
   $("hit-rate").textContent = s.hit_rate == null ? "–" : `${(s.hit_rate * 100).toFixed(1)} %`;
   $("resizes").textContent = String(s.resizes);
   $("busy").textContent = s.busy ? `generating${s.queued ? `, ${s.queued} waiting` : ""}` : "idle";
-  $("reserve-now").textContent = mib(s.reserve_mib);
+  const pending = s.reserve_state === "pending";
+  $("reserve-now").textContent = mib(s.reserve_mib) + (pending ? " (not met yet)" : "");
+  $("reserve-now").title = pending ? s.reserve_message || "" : "";
   $("borrowed").textContent = s.leases.length ? `(${mib(s.borrowed_mib)} lent)` : "";
   showLegend(s);
   showLeases(s.leases);
@@ -442,6 +451,8 @@ async function setReserve(value) {
     });
     if (!res.ok) throw new ApiError(await errorText(res));
     const body = await res.json();
+    // "pending": set and in force, the room not free yet (the status's reserve_state)
+    if (body.result.how === "pending") result.className = "result pending";
     result.textContent = body.result.message;
   } catch (e) {
     result.className = "result error";

@@ -14,6 +14,7 @@ printed: run with ``-s`` to see them.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -41,6 +42,7 @@ from tests.integration.harness import (
     daemon_env,
     grew_after_the_stable_time,
     simulated_device_args,
+    strata_ctl,
     write_simulated,
 )
 
@@ -335,10 +337,15 @@ def test_borrower_that_vanishes_while_its_borrow_waits_leaves_nothing(
     asyncio.run(scenario())
 
 
-def test_borrow_that_times_out_leaves_nothing_and_a_reserve_stays_set(
+def test_borrow_that_times_out_leaves_nothing_and_an_unmeetable_reserve_is_pending(
     tmp_path: Path, bus: PrivateBus, tiny_model: Path, daemons: list[StrataDaemon]
 ) -> None:
-    start(tmp_path, bus, tiny_model, daemons, "--borrow-timeout-ms", "1000")
+    """A lease that cannot be granted times out and leaves nothing; a reserve that cannot be met
+    (the other program's 64 MiB leave 512 MiB at most) is set and pending, and D-Bus, the status,
+    ``strata-ctl`` (exit 3, and its words) and HTTP all say so, then ``met`` once the room is
+    free (the other program left)."""
+    d = start(tmp_path, bus, tiny_model, daemons, "--borrow-timeout-ms", "1000")
+    env = daemon_env(tmp_path, bus_env(bus))
 
     async def scenario() -> None:
         c = await BusClient.connect(bus.address)
@@ -350,14 +357,34 @@ def test_borrow_that_times_out_leaves_nothing_and_a_reserve_stays_set(
         assert f"{UNSATISFIABLE} MiB" in text and "after 1000 ms" in text, text
         status = await c.status()
         assert status["leases"] == [] and status["borrowed_mib"] == 0
-        name, _ = error_of(await c.call("SetReserve", "t", [UNSATISFIABLE]))
-        assert name == "org.strata.Error.Timeout"
-        assert await c.prop("ReserveMiB") == UNSATISFIABLE  # documented: the reserve stays set
-        await c.strata("SetReserve", "t", [0])
-        assert await c.prop("ReserveMiB") == 0
+        await c.strata("SetReserve", "t", [UNSATISFIABLE])  # no error: it is set
+        assert await c.prop("ReserveMiB") == UNSATISFIABLE
+        status = await c.status()
+        assert status["reserve_state"] == "pending", status
+        assert f"{UNSATISFIABLE} MiB needed" in status["reserve_message"]
+        assert "other programs hold 64 MiB" in status["reserve_message"]
         c.close()
 
     asyncio.run(scenario())
+    r = strata_ctl("reserve", str(UNSATISFIABLE), env=env)
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.startswith(f"run-time reserve: {UNSATISFIABLE} MiB: set, not met yet: only ")
+    assert "stays in force" in r.stdout
+    assert "not met yet" in strata_ctl("status", env=env).stdout
+    r = strata_ctl("--json", "reserve", str(UNSATISFIABLE), env=env)
+    answer = json.loads(r.stdout)
+    assert r.returncode == 3 and answer["result"]["how"] == "pending"
+    assert answer["reserve_state"] == "pending"
+    reply = httpx.post(d.url + "/v1/vram", json={"reserve_mib": UNSATISFIABLE}, timeout=30)
+    assert reply.status_code == 200 and reply.json()["result"]["how"] == "pending", reply.text
+    assert "is set but not met yet" in reply.json()["result"]["message"]
+    assert reply.json()["reserve_state"] == "pending"
+    write_simulated(tmp_path / "device.json", TOTAL_MIB, [])  # the other program leaves
+    d.wait_for(lambda s: s["reserve_state"] == "met", 30, "the reserve met")
+    r = strata_ctl("--json", "reserve", "0", env=env)
+    answer = json.loads(r.stdout)
+    assert r.returncode == 0 and answer["result"]["how"] == "none", r.stdout
+    assert answer["reserve_mib"] == 0 and answer["reserve_state"] == "none"
 
 
 def test_returning_someone_elses_cookie_fails_and_revoke_ends_any_lease(

@@ -266,9 +266,40 @@ def test_a_reserve_set_on_the_page_shows_in_strata_ctl_and_in_the_picture(
     message = wait_until(lambda: "not set" in text(page, "reserve-result")
                          and text(page, "reserve-result"),
                          f"the error shown (shown: {text(page, 'reserve-result')!r})")  # fmt: skip
-    assert "reserve_mib" in message and "greater than or equal to 0" in message, message
+    assert "reserve_mib: expected a whole number of MiB, 0 or more" in message, message
+    assert "got -5" in message and "Input should" not in message, message
+    # one that cannot be met (the game's memory leaves too little even at the cache's core):
+    # set and pending, as the status and strata-ctl say it, never "not set"
+    s = strata.status()
+    at_core = s["total_mib"] - GAME_MIB - s["core_mib"] - s["kv_mib"]
+    field.clear()
+    field.send_keys(str(at_core + GAME_MIB // 2))
+    page.find_element("id", "reserve-set").click()
+    message = wait_until(lambda: "not met yet" in text(page, "reserve-result")
+                         and text(page, "reserve-result"),
+                         f"the pending reserve (shown: {text(page, 'reserve-result')!r})")  # fmt: skip
+    assert "not set" not in message and "stays in force" in message, message
+    wait_until(lambda: text(page, "reserve-now").endswith("(not met yet)"), "the reserve pending")
+    assert strata.status()["reserve_state"] == "pending"
     page.find_element("id", "reserve-clear").click()
     wait_until(lambda: strata.status()["reserve_mib"] == 0, "the reserve cleared")
+    wait_until(lambda: text(page, "reserve-now") == "0 MiB", "the page shows it cleared")
+
+
+def test_on_the_cpu_the_page_says_memory_and_offers_no_reserve(
+    browser: Any, tmp_path: Path, logs_on_failure: list[StrataDaemon]
+) -> None:
+    d = StrataDaemon(tmp_path, ["--device", "cpu", "--vram-monitor", "none", "--port", "0"])
+    logs_on_failure.append(d)
+    try:
+        browser.get(d.url + "/")
+        wait_until(lambda: text(browser, "state") == "ready", "the page shows the daemon ready")
+        wait_until(lambda: "CPU" in text(browser, "memory-title"), "the title says the CPU")
+        assert "GPU memory" not in text(browser, "memory-title")
+        assert not browser.find_element("id", "reserve-form").is_displayed()
+        assert "holds no VRAM" in text(browser, "no-monitor")
+    finally:
+        d.stop()
 
 
 def lease_rows(browser: Any) -> list[list[str]]:
