@@ -108,7 +108,9 @@ class GameModeWatcher:
                 self.games.add(pid)
             else:
                 self.games.discard(pid)
-            log.info("GameMode: game %d %s", pid, msg.member[4:].lower())
+            # one line per process at debug: `gamemoderun sh -c …` registers dozens of them;
+            # the hold's summary line (below) is the one at info
+            log.debug("GameMode: game %d %s", pid, msg.member[4:].lower())
             self._sync()
         return None
 
@@ -154,7 +156,7 @@ class GameModeWatcher:
             if want is None:
                 log.info("GameMode reports no game: dropping the %d MiB hold", self.mib)
             else:
-                log.info("GameMode reports games %s: holding %d MiB", sorted(self.games), want)
+                log.info("GameMode reports %s: holding %d MiB", _games(self.games), want)
             try:
                 await self.daemon.set_hold(HOLD_SOURCE, want)
             except Exception:
@@ -164,6 +166,15 @@ class GameModeWatcher:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _games(pids: set[int], shown: int = 5) -> str:
+    """``"3 games (pids 10, 11, 12)"``, the first ``shown`` PIDs named, the rest counted."""
+    ordered = sorted(pids)
+    named = ", ".join(str(pid) for pid in ordered[:shown])
+    more = f", … {len(ordered) - shown} more" if len(ordered) > shown else ""
+    noun = "game" if len(ordered) == 1 else "games"
+    return f"{len(ordered)} {noun} (pid {named}{more})"
 
 
 async def start_gamemode(daemon: Daemon, edge: DbusEdge | None, mib: int) -> GameModeWatcher | None:
