@@ -215,3 +215,13 @@ def test_a_grammar_masked_token_is_never_listed() -> None:
     token, entry = Sampler(params).choose(logits)
     assert token in (0, 2) and entry is not None
     assert [i for i, _ in entry.top] == [0, 2]
+
+
+def test_ignore_eos_never_chooses_a_banned_token() -> None:
+    logits = torch.tensor([5.0, 1.0, 0.0, -1.0])  # token 0 is by far the likeliest
+    greedy = Sampler(SamplingParams(temperature=0.0, ignore_eos=True), banned=[0])
+    assert greedy.on_device and greedy(logits) == 1
+    hot = Sampler(SamplingParams(temperature=2.0, top_k=0, seed=4), banned=[0])
+    assert all(hot(logits) != 0 for _ in range(200))
+    with pytest.raises(ValueError, match="^ignore_eos: invalid value"):
+        SamplingParams(ignore_eos="yes")  # type: ignore[arg-type]

@@ -247,3 +247,12 @@ def test_reply_stream_sends_call_deltas_and_logprobs_with_their_text() -> None:
     text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>' * 2
     calls = [c for c in stream.piece(Piece(text)) if c["choices"][0]["delta"].get("tool_calls")]
     assert {c["choices"][0]["delta"]["tool_calls"][0]["index"] for c in calls} == {0}
+
+
+def test_ignore_eos_reaches_the_sampler_and_a_wrong_type_is_refused() -> None:
+    eng = FakeEngine()
+    ready = prepare(parse_completion(body(prompt="a b", ignore_eos=True)), eng)
+    assert ready.params.ignore_eos
+    assert not prepare(parse_completion(body(prompt="a b")), eng).params.ignore_eos
+    e = refused(parse_completion, body(prompt="a", ignore_eos="often"))
+    assert e.param == "ignore_eos"
