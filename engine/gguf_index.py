@@ -66,20 +66,75 @@ class ExpertBlob:
         return sum(r.nbytes for r in self.runs)
 
 
+HEADER_BYTES = 24  # magic, version, tensor count, metadata count
+VERSIONS = (2, 3)  # the GGUF versions the gguf package reads
+
+
+def _check_file(path: Path) -> None:
+    """What is wrong with ``path`` before any parser sees it, in words: missing, a directory, not a
+    GGUF file (its first bytes), a truncated header, a version not read here."""
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.gguf"))[:3]
+        hint = f" (it holds {', '.join(inside)}, …)" if inside else ""
+        raise ModelLoadError(f"{path}: is a directory, not a model file: name the .gguf file{hint}")
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such model file")
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: not a regular file, so not a model file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot be read ({e.strerror or e})") from None
+    size = path.stat().st_size
+    if size == 0:
+        raise ModelLoadError(f"{path}: not a GGUF file: it is empty (0 bytes)")
+    if not b"GGUF".startswith(head[:4]) or (len(head) >= 4 and head[:4] != b"GGUF"):
+        raise ModelLoadError(
+            f"{path}: not a GGUF file: it starts with {head[:4]!r}, a GGUF file with b'GGUF'"
+        )
+    if size < HEADER_BYTES:
+        raise ModelLoadError(
+            f"{path}: truncated GGUF file: {size} bytes, shorter than the "
+            f"{HEADER_BYTES}-byte header"
+        )
+    version = int.from_bytes(head[4:8], "little")
+    if version not in VERSIONS:
+        raise ModelLoadError(
+            f"{path}: GGUF version {version}, which Strata cannot read (it reads versions "
+            f"{' and '.join(map(str, VERSIONS))}): damaged, or from a newer writer"
+        )
+
+
+def _reader_error(e: Exception, path: Path) -> str:
+    """The gguf reader's error in words: its IndexError, numpy's ``cannot reshape`` and short
+    reads all mean the header, the metadata or a tensor runs past the end of the file."""
+    why = str(e)
+    size = path.stat().st_size
+    if "cannot reshape array" in why:  # numpy's words for a tensor cut off by the end
+        return "truncated GGUF file: a tensor's data runs past the end of the file"
+    if isinstance(e, IndexError) or any(words in why for words in _NUMPY_SHORT_READ):
+        return (
+            f"truncated or damaged GGUF file: its metadata or tensor list runs past the end of "
+            f"the file ({size} bytes)"
+        )
+    return f"not a readable GGUF file ({why})"  # the gguf reader's own words name the damage
+
+
+# numpy's words for a view that runs past the end of the mapped file
+_NUMPY_SHORT_READ = ("out of bounds", "larger dtype", "buffer is smaller", "size must be a divisor")
+
+
 class GGUFIndex:
     """A mapped GGUF file: ``metadata``, ``tensors`` and ``experts`` ((layer, expert) → blob)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelLoadError(f"{self.path}: no such model file")
+        _check_file(self.path)
         try:
             reader = gguf.GGUFReader(self.path, "c")
         except (ValueError, OSError, KeyError, IndexError) as e:
-            why = str(e)
-            if "cannot reshape array" in why:  # numpy's words for a tensor cut off by the end
-                why = "a tensor's data runs past the end of the file: truncated or damaged"
-            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({why})") from None
+            raise ModelLoadError(f"{self.path}: {_reader_error(e, self.path)}") from None
         self._data: np.memmap = reader.data
         self.metadata: dict[str, Any] = {
             name: field.contents() for name, field in reader.fields.items() if field.types

@@ -66,11 +66,13 @@ def test_the_well_formed_file_reads(tmp_path: Path) -> None:
 
 
 CASES = [
-    ("zero bytes", b"", "not a readable GGUF file"),
-    ("a text file", b"model = 'qwen'\n" * 20, "not a readable GGUF file"),
-    ("bad magic", gguf_bytes(magic=b"GGML"), "not a readable GGUF file"),
-    ("unknown version", gguf_bytes(version=99), "not a readable GGUF file"),
-    ("truncated header", gguf_bytes()[:40], "not a readable GGUF file"),
+    ("zero bytes", b"", "not a GGUF file: it is empty (0 bytes)"),
+    ("a text file", b"model = 'qwen'\n" * 20, "not a GGUF file: it starts with b'mode'"),
+    ("bad magic", gguf_bytes(magic=b"GGML"), "not a GGUF file: it starts with b'GGML'"),
+    ("unknown version", gguf_bytes(version=99), "GGUF version 99, which Strata cannot read"),
+    ("four bytes", b"GGUF", "truncated GGUF file: 4 bytes, shorter than the 24-byte header"),
+    ("truncated header", gguf_bytes()[:40], "truncated or damaged GGUF file: its metadata"),
+    ("a hundred bytes", gguf_bytes()[:100], "runs past the end of the file (100 bytes)"),
     ("truncated data", gguf_bytes(data_bytes=300), "past the end of the file"),
     ("offset past the end", gguf_bytes([("a.weight", (32,), int(Q.F32), 4096)]), "past the end"),
     ("misaligned offset", gguf_bytes([("a.weight", (32,), int(Q.F32), 4)]), "alignment 32"),
@@ -82,7 +84,7 @@ CASES = [
     ("duplicate names", gguf_bytes([("a.weight", (32,), int(Q.F32), 0),
                                     ("a.weight", (32,), int(Q.F32), 128)]), "duplicated"),
     ("absurd string length", gguf_bytes(arch=struct.pack("<Q", 2**62) + b"qwen"),
-     "not a readable GGUF file"),
+     "runs past the end of the file"),
     # a.weight says F16 (128 bytes) over the 256 bytes of F32 it has: b.weight's data then
     # starts where a.weight's would not end
     ("size not matching the type", gguf_bytes([("a.weight", (32, 2), int(Q.F16), 0),
@@ -107,6 +109,17 @@ def test_a_damaged_file_is_refused_naming_why(tmp_path: Path, case, data, reason
     message = str(e.value)
     assert str(path) in message and reason in message, message
     assert len(message.splitlines()) == 1 and len(message) < 400
+    assert "index 0" not in message and "reshape" not in message  # never numpy's words
+
+
+def test_a_directory_is_named_as_one(tmp_path: Path) -> None:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "qwen.gguf").write_bytes(gguf_bytes())
+    with pytest.raises(ModelLoadError, match=r"models: is a directory, not a model file.*qwen"):
+        GGUFIndex(folder)
+    with pytest.raises(ModelLoadError, match="no such model file"):
+        GGUFIndex(tmp_path / "missing.gguf")
 
 
 def test_a_file_without_its_architecture_is_named(tmp_path: Path) -> None:
@@ -213,3 +226,4 @@ def test_damaged_metadata_is_refused_at_load_naming_it(
     message = str(e.value)
     assert str(path) in message and reason in message, message
     assert len(message.splitlines()) == 1 and len(message) < 400
+    assert "index 0" not in message and "reshape" not in message  # never numpy's words
