@@ -175,33 +175,61 @@ def sample(st: SamplingState, logits: torch.Tensor) -> torch.Tensor:
         x = _penalised(st, x)
     if st.candidates == 0:
         token = torch.argmax(x).view(1)
+        st.out[0:1].copy_(token)
+        _remember(st, token)
     else:
         if st.candidates < x.numel():
             vals, ids = torch.topk(x, st.candidates)
         else:
             vals, ids = torch.sort(x, descending=True)
-        vals = vals.masked_fill(st.rank >= st.keep, float("-inf"))  # top-k
-        p = torch.softmax(vals, dim=-1)
-        # top-p: keep a token while the mass before it is below p (the first always stays)
-        before = p.cumsum(0) - p
-        vals = vals.masked_fill((before >= st.top_p) & (st.rank > 0), float("-inf"))
-        p = torch.softmax(vals, dim=-1)  # min-p, against the best (the first, sorted)
-        vals = vals.masked_fill(p < st.min_p * p[0], float("-inf"))
-        probs = torch.softmax(vals / st.temperature, dim=-1)
-        pick = _draw(probs, uniform(st.seed, st.draws), st.rank)
-        st.draws.add_(1)
-        token = ids.gather(0, pick)
-    st.out[0:1].copy_(token)
+        if x.is_cuda and st.candidates <= CANDIDATES and _kernel() is not None:
+            _kernel().draw(vals, ids, st, _GOLDEN, _MIX1, _MIX2)  # type: ignore[union-attr]
+        else:
+            _draw_torch(st, vals, ids)
+        token = st.out[0:1].long()
     if st.top_n >= 0:
         st.out[1:2].copy_(lp.gather(0, token))
         if st.top_n > 0:
             top, top_ids = torch.topk(lp, st.top_n)
             st.out[2 : 2 + st.top_n].copy_(top_ids)
             st.out[2 + st.top_n :].copy_(top)
+    return token
+
+
+def _kernel():  # the one-launch draw (``kernels.sample``) where Triton works; else None
+    from strata.engine.kernels import unavailable
+
+    if unavailable() is not None:
+        return None
+    from strata.engine.kernels import sample as kernel
+
+    return kernel
+
+
+def _draw_torch(st: SamplingState, vals: torch.Tensor, ids: torch.Tensor) -> None:
+    """One draw among ``vals`` [C] (sorted best first) and their token ``ids``, in torch
+    operations: the token into ``st.out[0]`` and the window, the draw counted (what
+    ``kernels.sample.draw`` does in one launch)."""
+    vals = vals.masked_fill(st.rank >= st.keep, float("-inf"))  # top-k
+    p = torch.softmax(vals, dim=-1)
+    # top-p: keep a token while the mass before it is below p (the first always stays)
+    before = p.cumsum(0) - p
+    vals = vals.masked_fill((before >= st.top_p) & (st.rank > 0), float("-inf"))
+    p = torch.softmax(vals, dim=-1)  # min-p, against the best (the first, sorted)
+    vals = vals.masked_fill(p < st.min_p * p[0], float("-inf"))
+    probs = torch.softmax(vals / st.temperature, dim=-1)
+    pick = _draw(probs, uniform(st.seed, st.draws), st.rank)
+    st.draws.add_(1)
+    token = ids.gather(0, pick)
+    st.out[0:1].copy_(token)
+    _remember(st, token)
+
+
+def _remember(st: SamplingState, token: torch.Tensor) -> None:
+    """``token`` into the repeat-penalty window (a ring of the last ``window`` tokens)."""
     if st.window:
         st.recent.scatter_(0, st.at, token)
         st.at.add_(1).remainder_(st.window)
-    return token
 
 
 def _penalised(st: SamplingState, x: torch.Tensor) -> torch.Tensor:

@@ -437,3 +437,36 @@ def test_attention_reference_is_the_layers_formula() -> None:
         kk, vv = k[:, h // (H // HKV)], v[:, h // (H // HKV)]
         want.append(torch.softmax(kk @ q[h] / math.sqrt(D), 0) @ vv)
     assert torch.allclose(at.attention_reference(q, k, v), torch.cat(want), atol=1e-6)
+
+
+# -- the sampler's one-launch draw ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_the_draw_kernel_chooses_what_its_torch_twin_does(window: int) -> None:
+    # 16 candidates sorted best first, every filter on: the same token, draw count and window
+    # as the torch operations, over several draws of one state
+    from strata.engine import sampling
+    from strata.engine.kernels import sample as sk
+
+    gen = torch.Generator().manual_seed(5)
+    for case in range(4):
+        params = sampling.SamplingParams(
+            temperature=0.5 + case * 0.4, top_k=[0, 5, 12, 3][case], top_p=[1.0, 0.9, 0.6, 0.95][case],
+            min_p=[0.0, 0.05, 0.1, 0.2][case], repeat_penalty=1.1 if window else 1.0,
+            repeat_last_n=window, seed=100 + case,
+        )  # fmt: skip
+        states = [sampling.SamplingState(params, 100 + case, [1, 2], 64, DEVICE) for _ in range(2)]
+        for a in states:
+            a.candidates = 16
+            a.rank = torch.arange(16, device=DEVICE)
+            a.keep.fill_(params.top_k if params.top_k else 16)
+        for _ in range(5):
+            vals = torch.sort(torch.randn(16, generator=gen) * 3, descending=True).values
+            ids = torch.randperm(64, generator=gen)[:16]
+            vals, ids = vals.to(DEVICE), ids.to(DEVICE)
+            sampling._draw_torch(states[0], vals, ids)
+            sk.draw(vals, ids, states[1], sampling._GOLDEN, sampling._MIX1, sampling._MIX2)
+            for name in ("out", "draws", "recent", "at"):
+                got, want = getattr(states[1], name), getattr(states[0], name)
+                assert torch.equal(got.cpu(), want.cpu()), (case, name, got, want)
