@@ -452,9 +452,9 @@ def test_the_draw_kernel_chooses_what_its_torch_twin_does(window: int) -> None:
     gen = torch.Generator().manual_seed(5)
     for case in range(4):
         params = sampling.SamplingParams(
-            temperature=0.5 + case * 0.4, top_k=[0, 5, 12, 3][case], top_p=[1.0, 0.9, 0.6, 0.95][case],
-            min_p=[0.0, 0.05, 0.1, 0.2][case], repeat_penalty=1.1 if window else 1.0,
-            repeat_last_n=window, seed=100 + case,
+            temperature=0.5 + case * 0.4, top_k=[0, 5, 12, 3][case],
+            top_p=[1.0, 0.9, 0.6, 0.95][case], min_p=[0.0, 0.05, 0.1, 0.2][case],
+            repeat_penalty=1.1 if window else 1.0, repeat_last_n=window, seed=100 + case,
         )  # fmt: skip
         states = [sampling.SamplingState(params, 100 + case, [1, 2], 64, DEVICE) for _ in range(2)]
         for a in states:
