@@ -601,17 +601,63 @@ def file_settings(path: Path) -> dict[str, Setting]:
         if key not in StrataConfig.model_fields:
             raise ConfigError(f"{key} (in {path}): unknown option (known: {_known(str)})")
         where = f"{key} (in {path})"
-        if isinstance(value, float) and _is_int(key):  # 1e3 would pass as 1000, silently
-            raise ConfigError(
-                f"{where}: invalid value {value!r} (expected an integer, not a float)"
-            )
+        wrong = _toml_type_error(key, value)
+        if wrong is not None:  # "8000" would pass as 8000, "yes" as true, 1e3 as 1000: silently
+            raise ConfigError(f"{where}: invalid value {value!r} ({wrong})")
         out[key] = Setting(value, Origin.FILE, where)
     return out
 
 
-def _is_int(name: str) -> bool:
+# TOML has types, so the file's values are taken as typed: no string read as a number or a
+# boolean, no float as an integer, no number as a boolean (flags and variables are text, parsed).
+_SCALARS: dict[Any, tuple[str, tuple[type, ...]]] = {
+    int: ("an integer", (int,)),
+    int | None: ("an integer", (int,)),
+    bool: ("true or false", (bool,)),
+    bool | None: ("true or false", (bool,)),
+    float: ("a number", (int, float)),
+    float | None: ("a number", (int, float)),
+}
+
+
+def _toml_type_error(name: str, value: Any) -> str | None:
+    """Why ``value`` (as TOML typed it) does not fit option ``name``'s scalar type, or None."""
     annotation = StrataConfig.model_fields[name].annotation
-    return annotation is int or annotation == int | None
+    kind = _SCALARS.get(annotation)
+    if kind is None:
+        return None  # strings, paths, choices and lists: their validators name what is wrong
+    expected, types = kind
+    if isinstance(value, types) and (bool in types or not isinstance(value, bool)):
+        return None
+    got = _toml_kind(value)
+    hint = ""
+    if isinstance(value, str) and bool not in types:
+        hint = f": write {name} = {value.strip()} without quotes" if _number(value) else ""
+    elif isinstance(value, str):
+        hint = f": write {name} = true or {name} = false, without quotes"
+    return f"expected {expected}, not {got}{hint}"
+
+
+def _toml_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "a table" if isinstance(value, dict) else f"a {type(value).__name__}"
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _known(spell: Any) -> str:

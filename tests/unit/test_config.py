@@ -107,7 +107,12 @@ def test_bad_environment_value_is_one_line_naming_the_variable(
 
 
 TOML_BAD = [
-    ("port", '"abc"', "'abc'", "valid integer"),
+    ("port", '"abc"', "'abc'", "expected an integer, not a string"),
+    # TOML has types: a string is never read as a number, nor a number as a boolean
+    ("port", '"8000"', "'8000'", "expected an integer, not a string: write port = 8000 without"),
+    ("fast_decode", '"yes"', "'yes'", "expected true or false, not a string"),
+    ("fast_decode", "1", "1", "expected true or false, not an integer"),
+    ("cpu_share", '"0.5"', "'0.5'", "expected a number, not a string: write cpu_share = 0.5"),
     ("port", "70000", "70000", "less than or equal to 65535"),
     ("port", "true", "True", "not a boolean"),
     ("port", "80.5", "80.5", "integer"),
