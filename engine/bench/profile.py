@@ -94,6 +94,36 @@ def decode_speed(engine: Any, n_tokens: int) -> dict[str, Any]:
         end.record()
         torch.cuda.synchronize()
         out["gpu_ms_per_step"] = start.elapsed_time(end) / reps
+    out.update(_sampled_speed(engine, prompt, n_tokens))
+    return out
+
+
+def _sampled_speed(engine: Any, prompt: list[int], n_tokens: int) -> dict[str, Any]:
+    """The bench's sampled decode (tok/s, after a warm-up that captures the sampler's graph)
+    and the GPU time of that graph alone (replays back to back)."""
+    from dataclasses import replace
+
+    from strata.engine.bench.strata_run import BENCH_SAMPLED
+
+    params = replace(BENCH_SAMPLED, max_tokens=n_tokens, seed=0)
+    engine.generate(prompt, replace(params, max_tokens=8))  # warm: compiles, captures
+    runs = []
+    for _ in range(3):
+        engine.sequences.rewind(0)
+        r = engine.generate(prompt, params)
+        runs.append((len(r.tokens) - 1) / r.decode_s)
+    out: dict[str, Any] = {"sampled_tok_s": runs, "sampled_tok_s_median": statistics.median(runs)}
+    dec = engine.sequences.gpu
+    if dec is not None and dec.sampled.kept:
+        _, graph, _ = next(reversed(dec.sampled.kept.values()))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(50):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out["sampler_ms_per_step"] = start.elapsed_time(end) / 50
     return out
 
 
