@@ -16,8 +16,11 @@ the steps are unrolled; each thread reduces its own unit in registers and the ro
 across threads once, at the end. The K-quants use the factored form (per sub-block: scale times
 the integer dot minus min times the input's sum), and integers become floats by an OR and an
 exact subtraction rather than conversion instructions, which run at a quarter of the rate.
-Every type with units of 32 elements (Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0) shares ``k_tile``'s
-structure; IQ4_XS gathers its levels from the table in the matrix's own bytes.
+Every type with units of 32 elements (all but Q8_0 and the floats) shares ``k_tile``'s
+structure; IQ4_XS gathers its levels from the table in the matrix's own bytes. Q4_K, Q5_K, Q6_K,
+IQ4_XS and Q4_0 have inner loops of their own; the gathered types (Q4_1, Q5_0, Q5_1, IQ4_NL,
+MXFP4, Q2_K, Q3_K, IQ3_XXS, IQ3_S) dequantise their tile with ``quant.unit_kernels``' decoders
+(grids and levels read from the matrix's own tables) and multiply.
 That is the same function as "dequantise, then multiply" up to float rounding; the callers'
 tests bound the difference.
 """
@@ -29,6 +32,11 @@ import os
 import gguf
 import triton
 import triton.language as tl
+
+from strata.engine.quant.format import Q8 as Q8_KIND
+from strata.engine.quant.format import UNIT32
+from strata.engine.quant.formats import FORMATS
+from strata.engine.quant.unit_kernels import unit_halves
 
 Q = gguf.GGMLQuantizationType
 # GGML type ids the kernels dispatch on (constexpr), from gguf's table.
@@ -46,9 +54,10 @@ IQ4_XS: tl.constexpr = tl.constexpr(int(Q.IQ4_XS))
 # programs test the same code in a fraction of the time. On a GPU the tuned sizes apply.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-# The plane sizes the loops below are written for: repack.KERNEL_PLANE_BYTES, checked at import.
-# the types whose units are 32 elements, k_tile's (dot_rows and moe._down_kernel test them inline)
-UNIT32_TYPES = frozenset({Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
+# the types whose units are 32 elements, k_tile's: every type but Q8_0 and the plain floats
+# (dot_rows and moe._down_kernel test those two inline); the gathered ones through unit_halves
+UNIT32_TYPES = frozenset(q for q, f in FORMATS.items() if f.kernel == UNIT32)
+assert {Q.Q8_0} == {q for q, f in FORMATS.items() if f.kernel == Q8_KIND}
 
 
 @triton.jit
@@ -167,7 +176,7 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         d = tl.load(_f16_plane(wp[None, :], o1) + s_at, mask=m2, other=0).to(tl.float32)
         # sum of d (q - 8) x over the block = d (q . x - 8 sum(x))
         out = d * ((dl + dh) - 8.0 * sx[None, :])
-    else:  # Q6_K
+    elif QT == Q6_K:
         ql = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
         h_at = (r * (NK * 8))[:, None, None] + (16 * (u // 2))[None, :, None] + k[None, None, :]
         qh = tl.load(wp3 + o1 + h_at, mask=m3, other=0).to(tl.int32)
@@ -181,6 +190,9 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         s_hi = tl.load(wp[None, :] + o2 + s6 + 8, mask=m2, other=0).to(tl.int8, bitcast=True)
         d = tl.load(_f16_plane(wp[None, :], o3) + db, mask=m2, other=0).to(tl.float32)
         out = d * (s_lo.to(tl.float32) * dl + s_hi.to(tl.float32) * dh)
+    else:  # the gathered types: dequantise the tile (quant.unit_kernels), then multiply
+        lo, hi = unit_halves(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT)
+        out = tl.sum(lo * xl[None, :, :], 2) + tl.sum(hi * xh[None, :, :], 2)
     return out
 
 
@@ -233,19 +245,19 @@ def dot_rows(w, o1, o2, o3, o4, rows, rmask, K: tl.constexpr, x, nw, rms, QT: tl
     NK: tl.constexpr = K // 32  # units of each kind in a row
     N8: tl.constexpr = K // 16
     NF: tl.constexpr = K // 8
-    if QT == Q4_K or QT == Q6_K or QT == Q5_K or QT == IQ4_XS or QT == Q4_0:
+    if QT == Q8_0:
+        for i in tl.static_range((N8 + T - 1) // T):
+            u = i * T + t
+            acc += q8_tile(wp, o1, r, rmask, u, u < N8, K, x, nw, rms, 16 * u, HAS_NORM)
+    elif QT == F32 or QT == F16 or QT == BF16:
+        for i in tl.static_range((NF + T - 1) // T):
+            u = i * T + t
+            acc += float_tile(wp, r, rmask, u, u < NF, K, x, nw, rms, 8 * u, QT, HAS_NORM)
+    else:  # units of 32 elements
         for i in tl.static_range((NK + T - 1) // T):
             u = i * T + t
             xl, xh, sx = k_input(x, nw, rms, 32 * u, u < NK, HAS_NORM)
             acc += k_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK, NK, QT, xl, xh, sx)
-    elif QT == Q8_0:
-        for i in tl.static_range((N8 + T - 1) // T):
-            u = i * T + t
-            acc += q8_tile(wp, o1, r, rmask, u, u < N8, K, x, nw, rms, 16 * u, HAS_NORM)
-    else:
-        for i in tl.static_range((NF + T - 1) // T):
-            u = i * T + t
-            acc += float_tile(wp, r, rmask, u, u < NF, K, x, nw, rms, 8 * u, QT, HAS_NORM)
     return tl.sum(acc, 1)
 
 
@@ -254,7 +266,7 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
               QT: tl.constexpr, BN: tl.constexpr, T: tl.constexpr):  # fmt: skip
     """``dot_rows`` of two matrices of one type (at w and v) with the same input, in one pass
     when their units are 32 elements (each input tile loaded once): ([BN], [BN])."""
-    if QT == Q4_K or QT == Q6_K or QT == Q5_K or QT == IQ4_XS or QT == Q4_0:
+    if QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16:  # units of 32 elements
         r = rows.to(tl.int64)
         t = tl.arange(0, T)
         wp = w + tl.zeros([T], tl.int32)
@@ -276,8 +288,8 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
 
 
 def unit_elements(qtype: int) -> int:
-    """Elements of one unit of ``dot_rows``'s tiles: 32 (a K-quant or IQ4_XS sub-block, a Q4_0
-    block), 16 (half a Q8_0 block) or 8 (plain floats: 16 or 32 bytes)."""
+    """Elements of one unit of ``dot_rows``'s tiles: 32 (a K-quant or IQ sub-block, a block of
+    the 32-element types), 16 (half a Q8_0 block) or 8 (plain floats: 16 or 32 bytes)."""
     if qtype in {int(t) for t in UNIT32_TYPES}:
         return 32
     if qtype == int(Q.Q8_0):

@@ -15,7 +15,8 @@ One kernel serves every product of a prefill chunk:
   atomics: the same bits on every run and from every tier).
 
 A program's tile is [BM rows of activations] x [BN rows of W]; each step covers S units of 32
-elements along K (a K-quant or IQ4_XS sub-block, a Q4_0 / Q8_0 block). In every 4-bit layout
+elements along K (a K-quant or IQ sub-block, a block of a 32-element type; the gathered types'
+halves come from their decoders in ``quant.unit_kernels``). In every 4-bit layout
 byte 16u + k of a row's quants holds elements 32u + k (low nibble) and 32u + 16 + k (high
 nibble; Q5_K's fifth bits and Q6_K's high two sit in planes of their own), so a step
 dequantises two [BN, S * 16] half tiles — the low and the high halves of its units — to float16
@@ -53,6 +54,7 @@ from strata.engine.kernels.dot import (
     plane_offsets,
 )
 from strata.engine.quant.repack import RepackedLayout, dequantize_repacked
+from strata.engine.quant.unit_kernels import unit_halves
 
 Q = gguf.GGMLQuantizationType
 UNIT = 32  # elements of one unit along K
@@ -139,7 +141,7 @@ def w_halves(wp, o1, o2, o3, o4, r, rm, u, um, K: tl.constexpr, QT: tl.constexpr
         d = _f16_at(wp, o1, (r * NK)[:, None] + u[None, :], m2)[:, :, None]
         lo = _u4(q_lo + 128, 128.0) * d
         hi = _u4(q_hi + 128, 128.0) * d
-    else:  # plain floats: element 32u + k of row r
+    elif QT == F32 or QT == F16 or QT == BF16:  # plain floats: element 32u + k of row r
         at = (r * K)[:, None, None] + (32 * u)[None, :, None] + k[None, None, :]
         if QT == F32:
             p = wp.to(tl.pointer_type(tl.float32))
@@ -157,6 +159,9 @@ def w_halves(wp, o1, o2, o3, o4, r, rm, u, um, K: tl.constexpr, QT: tl.constexpr
             hi = (tl.load(p + at + 16, mask=m3, other=0).to(tl.uint32) << 16).to(
                 tl.float32, bitcast=True
             )
+    else:  # the gathered types, through their decoders (quant.unit_kernels)
+        S: tl.constexpr = u.shape[0]
+        lo, hi = unit_halves(wp + tl.zeros([S], tl.int32), o1, o2, o3, o4, r, rm, u, um, NK, QT)
     return lo, hi
 
 

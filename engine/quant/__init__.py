@@ -1,10 +1,10 @@
-"""Quantised weight formats: torch reference dequantisers and the Triton kernels that replace
-them on a GPU.
+"""Quantised weight formats: one description per type (``formats``), the torch reference
+dequantisers, the repacked kernel layout, and the Triton kernels that read it on a GPU.
 
-``dequantize`` is the one entry point. On a CUDA tensor of a type that has a kernel it launches
-the Triton kernel (bit-identical to the reference, one launch instead of some thirty); everywhere
-else, and where Triton cannot be imported or a kernel cannot be compiled, it runs the reference,
-after one warning in the log.
+``dequantize`` is the one entry point. On a CUDA tensor it repacks the bytes into the kernel
+layout and dequantises that with the Triton kernels (bit-identical to the reference, a few
+launches instead of some thirty); everywhere else, and where Triton cannot be imported or a
+kernel cannot be compiled, it runs the reference, after one warning in the log.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ _disabled: str | None = None  # why the kernels are off, once a first launch fai
 
 
 @functools.cache
-def _kernels() -> ModuleType | None:
+def _repack_kernels() -> ModuleType | None:
     try:
-        from strata.engine.quant import triton_kernels
+        from strata.engine.quant import repack_kernels
     except Exception as e:  # ImportError, or Triton finding no usable backend at import
         log.warning(
             "Triton is unavailable (%s): GPU weights use the torch reference "
@@ -51,20 +51,29 @@ def _kernels() -> ModuleType | None:
             e,
         )
         return None
-    return triton_kernels
+    return repack_kernels
 
 
 def gpu_dequant_path() -> str:
     """What dequantises weights on a GPU, for the log and the bench: a line of text."""
-    k = _kernels()
+    k = _repack_kernels()
     if k is None:
         return "torch reference (Triton unavailable)"
     if _disabled is not None:
         return f"torch reference (Triton kernels failed: {_disabled})"
     import triton
 
-    types = ", ".join(sorted(t.name for t in k.KERNEL_TYPES))
-    return f"Triton {triton.__version__} kernels ({types})"
+    return f"Triton {triton.__version__} kernels over the repacked layout"
+
+
+def _on_gpu(k: ModuleType, data: torch.Tensor, qtype, dims: tuple[int, ...]) -> torch.Tensor:
+    rows = 1
+    for s in dims[:-1]:
+        rows *= s
+    lay = repacked_layout(qtype, (rows, dims[-1]))
+    buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=data.device)
+    k.repack_into(buf, data.contiguous(), lay)
+    return k.dequantize(buf, lay).reshape(dims)
 
 
 def dequantize(
@@ -76,36 +85,28 @@ def dequantize(
     blocks run along the last dim. Returns a new float32 tensor of ``shape`` on ``data``'s device.
     """
     global _disabled
-    if data.is_cuda and _disabled is None and (k := _kernels()) is not None:
+    if data.is_cuda and _disabled is None and (k := _repack_kernels()) is not None:
         qtype, dims = check_args(data, qtype, shape)
-        if qtype in k.KERNEL_TYPES:
-            if qtype in _proven:
-                return k.dequantize_blocks(data, qtype).reshape(dims)
-            try:
-                out = k.dequantize_blocks(data, qtype).reshape(dims)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # a compiler or driver that cannot build the kernel
-                _disabled = f"{type(e).__name__}: {e}".splitlines()[0]
-                log.warning(
-                    "the Triton %s kernel failed (%s): GPU weights use the torch "
-                    "reference dequantisers from now on",
-                    qtype.name,
-                    _disabled,
-                )
-            else:
-                _proven.add(qtype)
-                return out
+        if data.numel() == 0:
+            return torch.empty(dims, dtype=torch.float32, device=data.device)
+        if qtype in _proven:
+            return _on_gpu(k, data, qtype, dims)
+        try:
+            out = _on_gpu(k, data, qtype, dims)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # a compiler or driver that cannot build the kernel
+            _disabled = f"{type(e).__name__}: {e}".splitlines()[0]
+            log.warning(
+                "the Triton %s kernels failed (%s): GPU weights use the torch "
+                "reference dequantisers from now on",
+                qtype.name,
+                _disabled,
+            )
+        else:
+            _proven.add(qtype)
+            return out
     return reference.dequantize(data, qtype, shape)
-
-
-@functools.cache
-def _repack_kernels() -> ModuleType | None:
-    if _kernels() is None:
-        return None
-    from strata.engine.quant import repack_kernels
-
-    return repack_kernels
 
 
 def repack_into(dst: torch.Tensor, raw: torch.Tensor, lay: RepackedLayout) -> None:

@@ -25,14 +25,22 @@ element ``32 u + j``. Per type, in plane order (bytes per block):
 - IQ4_XS: qs 128 (level indices), sc 8 (int8: the 6-bit scale - 32), d 2, and lv: the 16
   IQ4_NL levels as float32, 64 bytes once per matrix.
 - Q8_0: qs 32 (int8), d 2. Q4_0: qs 16, d 2. F32, F16, BF16: one plane, the file's bytes.
+- The gathered types (``GATHERED_TYPES``: every plane a field of the block copied, or a table):
+  Q4_1 qs 16, d 2, m 2; Q5_0 qs 16, qh 4, d 2; Q5_1 qs 16, qh 4, d 2, m 2; IQ4_NL and MXFP4
+  qs 16, d 2 (MXFP4: e 1), lv (their 16 levels as float32); Q2_K qs 64, sc 16, d 2, dm 2;
+  Q3_K qs 64, hm 32, sc 12, d 2; IQ3_XXS qs 64, ss 32, d 2, grid 1024, ks 128; IQ3_S qs 64,
+  hs 44 (qh, signs, scales), d 2, grid 2048. Their kernels read the file's order within a
+  plane (``quant/legacy.py``, ``quant/kquants.py``, ``quant/grids.py`` say it per type).
 
 Nothing is rounded on the way: dequantising a repacked matrix gives the reference's values bit
-for bit (``dequantize_repacked`` here does the reference's products in the reference's order, and
-the tests compare it with ``reference.dequantize`` on every type).
+for bit (``dequantize_repacked`` here does the reference's products in the reference's order, or
+for a gathered type puts the blocks back together for the type's own unpack; the tests compare
+it with ``reference.dequantize`` on every type).
 
-This module is the format's one description (the planes and their order) and its torch twin; the
-Triton kernels that repack on a GPU and read the planes compute the same offsets from the same
-rule (``plane offset = sum of the earlier planes, each rounded up to PLANE_ALIGN``).
+The planes are part of each type's one description (``quant/formats.py``); this module lays them
+out and is their torch twin. The Triton kernels that repack on a GPU and read the planes compute
+the same offsets from the same rule (``plane offset = sum of the earlier planes, each rounded up
+to PLANE_ALIGN``).
 """
 
 from __future__ import annotations
@@ -43,95 +51,31 @@ from dataclasses import dataclass
 import gguf
 import torch
 
-from strata.engine.quant import reference
+from strata.engine.quant import kquants, reference
+from strata.engine.quant.format import Plane, table_tensor
+from strata.engine.quant.formats import FLOAT_TYPES, FORMATS, fmt
 from strata.engine.quant.reference import check_args
+
+__all__ = ["FLOAT_TYPES", "PLANES", "Plane", "RepackedLayout", "repack", "repacked_layout"]
 
 Q = gguf.GGMLQuantizationType
 QK_K = gguf.QK_K
 PLANE_ALIGN = 256  # every plane starts on a 256-byte boundary (16-byte vector loads and more)
 
-
-@dataclass(frozen=True)
-class Plane:
-    """One field of every block, gathered. ``src`` is the byte range of a raw block it copies
-    (``None``: computed from the block, e.g. the unpacked scales). A plane with ``fixed_bytes``
-    is instead that many bytes once per matrix, whatever its shape (``block_bytes`` 0: a row
-    holds none of it; its bytes are ``FIXED_PLANES[qtype, name]``)."""
-
-    name: str
-    block_bytes: int
-    src: tuple[int, int] | None
-    fixed_bytes: int = 0
-
-
-_K4 = 2 * reference.F16_SIZE  # Q4_K / Q5_K: where the 12 bytes of packed scales start
-_K5_QH = _K4 + reference.K_SCALE_SIZE  # Q5_K: where the 32 bytes of fifth bits start
-PLANES: dict[Q, tuple[Plane, ...]] = {
-    Q.Q4_K: (
-        Plane("qs", QK_K // 2, None),  # reordered nibbles (module docstring)
-        Plane("sc", QK_K // 32, None),  # 6-bit scales, one byte each
-        Plane("mn", QK_K // 32, None),  # 6-bit mins
-        Plane("d", 2, (0, 2)),
-        Plane("dm", 2, (2, 4)),
-    ),
-    Q.Q5_K: (
-        Plane("qs", QK_K // 2, None),  # low 4 bits, reordered as Q4_K's
-        Plane("qh", QK_K // 8, None),  # fifth bits: a uint32 per sub-block
-        Plane("sc", QK_K // 32, None),
-        Plane("mn", QK_K // 32, None),
-        Plane("dd", 4, (0, 4)),  # d, dmin
-    ),
-    Q.Q6_K: (
-        Plane("ql", QK_K // 2, None),  # reordered low 4 bits
-        Plane("qh", QK_K // 4, None),  # reordered high 2 bits
-        Plane("sc", QK_K // 16, None),  # int8 scales: even groups, then odd ones
-        Plane("d", 2, (208, 210)),
-    ),
-    Q.IQ4_XS: (
-        Plane("qs", QK_K // 2, (8, 136)),  # the file's order is the unit order already
-        Plane("sc", QK_K // 32, None),  # int8: the 6-bit scale - 32
-        Plane("d", 2, (0, 2)),
-        Plane("lv", 0, None, fixed_bytes=4 * len(reference.IQ4_NL_LEVELS)),  # float32 levels
-    ),
-    Q.Q8_0: (
-        Plane("qs", 32, (2, 34)),
-        Plane("d", 2, (0, 2)),
-    ),
-    Q.Q4_0: (
-        Plane("qs", 16, (2, 18)),  # the file's order is the unit order already
-        Plane("d", 2, (0, 2)),
-    ),
-    # plain floats are their own kernel layout: one plane, the file's bytes
-    Q.F32: (Plane("w", 4, (0, 4)),),
-    Q.F16: (Plane("w", 2, (0, 2)),),
-    Q.BF16: (Plane("w", 2, (0, 2)),),
-}
+# Each type's planes, from its description (quant/formats.py).
+PLANES: dict[Q, tuple[Plane, ...]] = {q: f.planes for q, f in FORMATS.items()}
 # The bytes of each per-matrix plane: [fixed_bytes] uint8.
 FIXED_PLANES: dict[tuple[Q, str], torch.Tensor] = {
-    (Q.IQ4_XS, "lv"): torch.tensor(reference.IQ4_NL_LEVELS, dtype=torch.float32).view(torch.uint8)
+    (q, name): table_tensor(t) for q, f in FORMATS.items() for name, t in f.tables.items()
 }
 REPACKED_TYPES: frozenset[Q] = frozenset(PLANES)
-
-# The plane sizes (bytes per block; a fixed plane's bytes per matrix) that the Triton kernels
-# (``repack_kernels``, ``kernels.dot``, ``kernels.gemm``) are written for: they compute offsets
-# from these numbers, so a change to PLANES must fail here first, at import.
-KERNEL_PLANE_BYTES: dict[Q, tuple[tuple[int, int], ...]] = {
-    Q.Q4_K: ((128, 0), (8, 0), (8, 0), (2, 0), (2, 0)),
-    Q.Q5_K: ((128, 0), (32, 0), (8, 0), (8, 0), (4, 0)),
-    Q.Q6_K: ((128, 0), (64, 0), (16, 0), (2, 0)),
-    Q.IQ4_XS: ((128, 0), (8, 0), (2, 0), (0, 64)),
-    Q.Q8_0: ((32, 0), (2, 0)),
-    Q.Q4_0: ((16, 0), (2, 0)),
-}
-for _qtype, _sizes in KERNEL_PLANE_BYTES.items():
-    assert tuple((p.block_bytes, p.fixed_bytes) for p in PLANES[_qtype]) == _sizes, _qtype
-FLOAT_TYPES: frozenset[Q] = frozenset({Q.F32, Q.F16, Q.BF16})
-
-for _qtype, _planes in PLANES.items():  # the planes hold exactly a block's bytes (or more)
-    assert sum(p.block_bytes for p in _planes) >= gguf.GGML_QUANT_SIZES[_qtype][1]
-    for _p in _planes:
-        assert (_p.block_bytes == 0) == (_p.fixed_bytes > 0), (_qtype.name, _p.name)
-        assert not _p.fixed_bytes or FIXED_PLANES[_qtype, _p.name].numel() == _p.fixed_bytes
+# Types whose every plane copies a field of the block (or is a fixed table): repacking gathers
+# fields and dequantising puts the blocks back together for the type's own unpack.
+GATHERED_TYPES: frozenset[Q] = frozenset(
+    q for q, ps in PLANES.items() if all(p.src is not None or p.fixed_bytes for p in ps)
+)
+_K4 = kquants.Q4_K.field("scales").at  # Q4_K / Q5_K: where the 12 bytes of packed scales start
+_K5_QH = kquants.Q5_K.field("qh").at  # Q5_K: where the 32 bytes of fifth bits start
 
 
 def align(n: int, to: int = PLANE_ALIGN) -> int:
@@ -151,7 +95,7 @@ class RepackedLayout:
 
     @property
     def blocks_per_row(self) -> int:
-        return self.cols // gguf.GGML_QUANT_SIZES[self.qtype][0]
+        return self.cols // fmt(self.qtype).block
 
     def plane(self, data: torch.Tensor, name: str) -> torch.Tensor:
         """The plane ``name`` of ``data`` as ``[rows, row bytes]`` uint8 (a view), or
@@ -178,7 +122,7 @@ def repacked_layout(qtype: Q | int, shape: Sequence[int]) -> RepackedLayout:
     if len(dims) != 2:
         raise ValueError(f"shape {tuple(shape)} of {qtype.name}: only matrices are repacked")
     rows, cols = dims
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    block = fmt(qtype).block
     if cols % block:
         raise ValueError(f"shape {dims} of {qtype.name}: {cols} is not a multiple of {block}")
     nb = cols // block
@@ -201,12 +145,12 @@ def repack(raw: torch.Tensor, qtype: Q | int, shape: Sequence[int]) -> torch.Ten
     qtype, _ = check_args(raw, qtype, shape)
     lay = repacked_layout(qtype, shape)
     out = torch.zeros(lay.nbytes, dtype=torch.uint8, device=raw.device)
-    type_size = gguf.GGML_QUANT_SIZES[qtype][1]
+    type_size = fmt(qtype).type_size
     blocks = raw.reshape(lay.rows * lay.blocks_per_row, type_size)  # [N * nb, type_size]
     computed = {}
     if qtype in (Q.Q4_K, Q.Q5_K):
-        sc, mn = reference._scale_min_k4(blocks[:, _K4 : _K4 + reference.K_SCALE_SIZE])
-        qs_at = _K5_QH + (QK_K // 8 if qtype == Q.Q5_K else 0)
+        sc, mn = kquants.scale_min_k4(blocks[:, _K4 : _K4 + kquants.K_SCALE_SIZE])
+        qs_at = fmt(qtype).field("qs").at
         qs = blocks[:, qs_at:].reshape(-1, 4, 32)
         q = torch.stack((qs & 0x0F, qs >> 4), dim=2).reshape(-1, 8, 2, 16)  # element 32s + 16h + k
         computed = {"qs": q[:, :, 0] | (q[:, :, 1] << 4), "sc": sc, "mn": mn}
@@ -217,47 +161,41 @@ def repack(raw: torch.Tensor, qtype: Q | int, shape: Sequence[int]) -> torch.Ten
             words = (bits.reshape(-1, 8, 4, 8) << shifts).sum(dim=3, dtype=torch.uint8)
             computed["qh"] = words  # [NB, 8 sub-blocks, 4 bytes]
     elif qtype == Q.IQ4_XS:
-        computed = {"sc": _iq4_xs_scales(blocks).to(torch.int8).view(torch.uint8)}
+        computed = {"sc": kquants.iq4_xs_scales(blocks).to(torch.int8).view(torch.uint8)}
     elif qtype == Q.Q6_K:
-        q = _q6_values(blocks)  # [NB, 256] in 0..63
+        q = kquants.q6_values(blocks)  # [NB, 256] in 0..63
         pairs = q.reshape(-1, 8, 2, 16)
         high = (q >> 4).reshape(-1, 4, 4, 16)  # [NB, g, t, m]: element 64 g + 16 t + m
         shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=raw.device)[:, None]
-        sc = blocks[:, 192:208]
+        sc = blocks[:, kquants.Q6_K.field("sc").at : kquants.Q6_K.field("sc").end]
         computed = {
             "ql": (pairs[:, :, 0] & 0x0F) | ((pairs[:, :, 1] & 0x0F) << 4),
             "qh": (high << shifts).sum(dim=2, dtype=torch.uint8),
             "sc": torch.cat((sc[:, 0::2], sc[:, 1::2]), dim=1),
         }
-    for p in PLANES[qtype]:
-        if p.fixed_bytes:
-            lay.plane(out, p.name).copy_(FIXED_PLANES[qtype, p.name])
-            continue
-        values = computed[p.name] if p.src is None else blocks[:, p.src[0] : p.src[1]]
-        dst = lay.plane(out, p.name)
-        dst.copy_(values.reshape(dst.shape))
+    _write_planes(out, blocks, lay, computed)
     return out
 
 
-def _iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
-    """The signed scales (6 bits - 32) of the 8 sub-blocks of raw IQ4_XS blocks: [NB, 8] int32.
-    Low 4 bits: nibble j % 2 of scales_l[j // 2] (bytes 4..7); high 2: bits 2j of scales_h."""
-    sh = blocks[:, 2].to(torch.int32) | (blocks[:, 3].to(torch.int32) << 8)  # [NB]
-    j = torch.arange(QK_K // 32, dtype=torch.int32, device=blocks.device)
-    high = (sh[:, None] >> (2 * j)) & 0x03
-    low = torch.stack((blocks[:, 4:8] & 0x0F, blocks[:, 4:8] >> 4), dim=2).reshape(-1, 8)
-    return (low.to(torch.int32) | (high << 4)) - 32
+def _write_planes(
+    out: torch.Tensor, blocks: torch.Tensor, lay: RepackedLayout, computed: dict
+) -> None:
+    for p in PLANES[lay.qtype]:
+        dst = lay.plane(out, p.name)
+        if p.fixed_bytes:
+            dst.copy_(FIXED_PLANES[lay.qtype, p.name])
+            continue
+        values = computed[p.name] if p.src is None else blocks[:, p.src[0] : p.src[1]]
+        dst.copy_(values.reshape(dst.shape))
 
 
-def _q6_values(blocks: torch.Tensor) -> torch.Tensor:
-    """The 6-bit quants (before the - 32) of raw Q6_K blocks, in element order: [NB, 256] uint8."""
-    n = blocks.shape[0]
-    ql = blocks[:, :128].reshape(n, 2, 64)
-    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
-    low = torch.stack((ql & 0x0F, ql >> 4), dim=2).reshape(n, QK_K)
-    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device)[:, None]
-    high = ((qh >> shifts) & 0x03).reshape(n, QK_K)
-    return low | (high << 4)
+def gather_into(dst: torch.Tensor, raw: torch.Tensor, lay: RepackedLayout) -> None:
+    """The kernel layout of a gathered type (``GATHERED_TYPES``) written into ``dst``
+    ([>= lay.nbytes] uint8 on raw's device): a strided copy per plane, on any device."""
+    if lay.qtype not in GATHERED_TYPES:
+        raise ValueError(f"{lay.qtype.name} has computed planes: repack it with repack()")
+    blocks = raw.reshape(lay.rows * lay.blocks_per_row, fmt(lay.qtype).type_size)
+    _write_planes(dst, blocks, lay, {})
 
 
 def dequantize_repacked(
@@ -288,6 +226,8 @@ def dequantize_repacked(
     if qt in FLOAT_TYPES:
         w = plane("w").contiguous().reshape(-1)
         return reference.dequantize(w, qt, (n, lay.cols))
+    if qt in GATHERED_TYPES and qt not in (Q.Q8_0, Q.Q4_0):
+        return _ungathered(plane, qt, n, lay.cols)
     if qt == Q.Q5_K:  # d and dmin side by side: [n, nb, 1] each
         d, dm = plane("dd").contiguous().view(torch.float16).float().reshape(n, nb, 2, 1).unbind(2)
     else:
@@ -331,3 +271,15 @@ def dequantize_repacked(
         scales = sc.transpose(2, 3).reshape(n, nb, 16)  # back to group order
         return ((d * scales)[..., None] * q).reshape(n, lay.cols)
     raise AssertionError(f"no dequantiser for repacked {qt.name}")  # PLANES and this agree
+
+
+def _ungathered(plane, qt: Q, n: int, cols: int) -> torch.Tensor:
+    """A gathered type's rows: its planes put back into raw blocks, then its own unpack."""
+    f = fmt(qt)
+    nb = cols // f.block
+    dev = plane(f.planes[0].name).device
+    blocks = torch.empty(n * nb, f.type_size, dtype=torch.uint8, device=dev)
+    for p in f.planes:
+        if p.src is not None:
+            blocks[:, p.src[0] : p.src[1]] = plane(p.name).reshape(n * nb, p.block_bytes)
+    return f.unpack(blocks).reshape(n, cols)

@@ -20,18 +20,57 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.engine.quant.repack import FLOAT_TYPES, RepackedLayout, repacked_layout
-from strata.engine.quant.triton_kernels import IQ4_HI, IQ4_LO, iq4_level
+from strata.engine.quant import kquants, legacy, unit_kernels
+from strata.engine.quant.repack import (
+    FLOAT_TYPES,
+    GATHERED_TYPES,
+    RepackedLayout,
+    gather_into,
+    repacked_layout,
+)
 
 Q = gguf.GGMLQuantizationType
 
-# The block sizes the kernels below are written for (their planes: repack.KERNEL_PLANE_BYTES).
-assert gguf.GGML_QUANT_SIZES[Q.Q4_K] == (256, 144)
-assert gguf.GGML_QUANT_SIZES[Q.Q5_K] == (256, 176)
-assert gguf.GGML_QUANT_SIZES[Q.Q6_K] == (256, 210)
-assert gguf.GGML_QUANT_SIZES[Q.IQ4_XS] == (256, 136)
-assert gguf.GGML_QUANT_SIZES[Q.Q8_0] == (32, 34)
-assert gguf.GGML_QUANT_SIZES[Q.Q4_0] == (32, 18)
+# The block sizes and field offsets the kernels below read, from the types' descriptions.
+Q4K_TS: tl.constexpr = tl.constexpr(kquants.Q4_K.type_size)
+Q5K_TS: tl.constexpr = tl.constexpr(kquants.Q5_K.type_size)
+Q6K_TS: tl.constexpr = tl.constexpr(kquants.Q6_K.type_size)
+IQ4XS_TS: tl.constexpr = tl.constexpr(kquants.IQ4_XS.type_size)
+Q8_0_TS: tl.constexpr = tl.constexpr(legacy.Q8_0.type_size)
+Q4_0_TS: tl.constexpr = tl.constexpr(legacy.Q4_0.type_size)
+K4_SCALES: tl.constexpr = tl.constexpr(kquants.Q4_K.field("scales").at)
+Q4K_QS: tl.constexpr = tl.constexpr(kquants.Q4_K.field("qs").at)
+Q5K_QS: tl.constexpr = tl.constexpr(kquants.Q5_K.field("qs").at)
+Q5K_QH: tl.constexpr = tl.constexpr(kquants.Q5_K.field("qh").at)
+Q6K_QH: tl.constexpr = tl.constexpr(kquants.Q6_K.field("qh").at)
+Q6K_SC: tl.constexpr = tl.constexpr(kquants.Q6_K.field("sc").at)
+Q6K_D: tl.constexpr = tl.constexpr(kquants.Q6_K.field("d").at)
+IQ4XS_SH: tl.constexpr = tl.constexpr(kquants.IQ4_XS.field("sh").at)
+IQ4XS_SL: tl.constexpr = tl.constexpr(kquants.IQ4_XS.field("sl").at)
+IQ4XS_QS: tl.constexpr = tl.constexpr(kquants.IQ4_XS.field("qs").at)
+
+
+def _level_words(levels: tuple[int, ...]) -> tuple[int, int]:
+    """The 16 IQ4_NL levels (int8 values) as two int64s of eight bytes each, levels 0-7 and
+    8-15, byte i of a word holding level 8w + i: a compile-time table the kernels index with a
+    shift, so no device tensor of levels is kept anywhere."""
+    assert len(levels) == 16 and all(-128 <= v < 128 for v in levels)
+    words = []
+    for w in range(2):
+        word = sum((v & 0xFF) << (8 * i) for i, v in enumerate(levels[8 * w : 8 * w + 8]))
+        words.append(word - (1 << 64) if word >= 1 << 63 else word)  # as a signed int64
+    return words[0], words[1]
+
+
+IQ4_LO, IQ4_HI = _level_words(legacy.IQ4_NL_LEVELS)
+
+
+@triton.jit
+def iq4_level(q, LO: tl.constexpr, HI: tl.constexpr):
+    """IQ4_NL level number ``q`` (0..15, int) as float32, from the words of ``_level_words``."""
+    word = tl.where(q < 8, LO, HI).to(tl.int64)
+    byte = (word >> ((q % 8) * 8).to(tl.int64)) & 0xFF
+    return ((byte ^ 0x80) - 0x80).to(tl.float32)  # the byte as a signed int8
 
 
 @triton.jit
@@ -67,7 +106,7 @@ def _k4_nibbles(base, dst, blk, ok, at: tl.constexpr):
 def _k4_scales(base, dst_sc, dst_mn, blk, ok):
     """The 12 packed bytes at base + 4 -> 8 scales and 8 mins (see reference._scale_min_k4)."""
     j = tl.arange(0, 8)[None, :]
-    p = base + 4
+    p = base + K4_SCALES
     low = j < 4
     a = tl.load(p + tl.where(low, j, j + 4), mask=ok, other=0).to(tl.int32)
     b = tl.load(p + tl.where(low, j + 4, j - 4), mask=ok, other=0).to(tl.int32)
@@ -81,25 +120,25 @@ def _k4_scales(base, dst_sc, dst_mn, blk, ok):
 @triton.jit
 def _repack_q4_k(src, dst, n_blocks, o_sc, o_mn, o_d, o_dm, BPP: tl.constexpr):
     blk, ok = _blocks(n_blocks, BPP)
-    base = src + blk * 144
-    _copy(src, dst + o_d, blk, ok, 0, 2, 2, 144)
-    _copy(src, dst + o_dm, blk, ok, 2, 2, 2, 144)
-    _k4_nibbles(base, dst, blk, ok, 16)
+    base = src + blk * Q4K_TS
+    _copy(src, dst + o_d, blk, ok, 0, 2, 2, Q4K_TS)
+    _copy(src, dst + o_dm, blk, ok, 2, 2, 2, Q4K_TS)
+    _k4_nibbles(base, dst, blk, ok, Q4K_QS)
     _k4_scales(base, dst + o_sc, dst + o_mn, blk, ok)
 
 
 @triton.jit
 def _repack_q5_k(src, dst, n_blocks, o_qh, o_sc, o_mn, o_dd, BPP: tl.constexpr):
     blk, ok = _blocks(n_blocks, BPP)
-    base = src + blk * 176
-    _copy(src, dst + o_dd, blk, ok, 0, 4, 4, 176)
-    _k4_nibbles(base, dst, blk, ok, 48)
+    base = src + blk * Q5K_TS
+    _copy(src, dst + o_dd, blk, ok, 0, 4, 4, Q5K_TS)
+    _k4_nibbles(base, dst, blk, ok, Q5K_QS)
     _k4_scales(base, dst + o_sc, dst + o_mn, blk, ok)
     # qh byte 4 s + b, bit i <- the fifth bit of element 32 s + 8 b + i: bit s of the file's
     # qh byte 8 b + i (at 16)
     t = tl.arange(0, 32)[None, :]
     s = t // 4
-    at = base + 16 + (t % 4) * 8
+    at = base + Q5K_QH + (t % 4) * 8
     qh = tl.zeros([BPP, 32], tl.int32)
     for i in tl.static_range(8):
         qh = qh | (((tl.load(at + i, mask=ok, other=0).to(tl.int32) >> s) & 1) << i)
@@ -119,15 +158,15 @@ def _q6_low(base, e, ok):
 def _q6_high(base, e, ok):
     """High 2 bits of element e: bits 2 ((e % 128) // 32) of qh[32 (e // 128) + e % 32]."""
     r = e % 128
-    v = tl.load(base + 128 + 32 * (e // 128) + r % 32, mask=ok, other=0).to(tl.int32)
+    v = tl.load(base + Q6K_QH + 32 * (e // 128) + r % 32, mask=ok, other=0).to(tl.int32)
     return (v >> ((r // 32) * 2)) & 0x03
 
 
 @triton.jit
 def _repack_q6_k(src, dst, n_blocks, o_qh, o_sc, o_d, BPP: tl.constexpr):
     blk, ok = _blocks(n_blocks, BPP)
-    base = src + blk * 210
-    _copy(src, dst + o_d, blk, ok, 208, 2, 2, 210)
+    base = src + blk * Q6K_TS
+    _copy(src, dst + o_d, blk, ok, Q6K_D, 2, 2, Q6K_TS)
     t = tl.arange(0, 128)[None, :]  # ql byte 16 g + m: elements 32 g + m and 32 g + 16 + m
     e = (t // 16) * 32 + t % 16
     ql = _q6_low(base, e, ok) | (_q6_low(base, e + 16, ok) << 4)
@@ -140,22 +179,22 @@ def _repack_q6_k(src, dst, n_blocks, o_qh, o_sc, o_d, BPP: tl.constexpr):
     qh = qh | (_q6_high(base, e + 48, ok) << 6)
     tl.store(dst + o_qh + blk * 64 + u, qh.to(tl.uint8), mask=ok)
     v = tl.arange(0, 16)[None, :]  # scales: groups 0, 2, .., 14, then 1, 3, .., 15
-    sc = tl.load(base + 192 + 2 * (v % 8) + v // 8, mask=ok, other=0)
+    sc = tl.load(base + Q6K_SC + 2 * (v % 8) + v // 8, mask=ok, other=0)
     tl.store(dst + o_sc + blk * 16 + v, sc, mask=ok)
 
 
 @triton.jit
 def _repack_q8_0(src, dst, n_blocks, o_d, BPP: tl.constexpr):
     blk, ok = _blocks(n_blocks, BPP)
-    _copy(src, dst, blk, ok, 2, 32, 32, 34)
-    _copy(src, dst + o_d, blk, ok, 0, 2, 2, 34)
+    _copy(src, dst, blk, ok, 2, 32, 32, Q8_0_TS)
+    _copy(src, dst + o_d, blk, ok, 0, 2, 2, Q8_0_TS)
 
 
 @triton.jit
 def _repack_q4_0(src, dst, n_blocks, o_d, BPP: tl.constexpr):
     blk, ok = _blocks(n_blocks, BPP)
-    _copy(src, dst, blk, ok, 2, 16, 16, 18)
-    _copy(src, dst + o_d, blk, ok, 0, 2, 2, 18)
+    _copy(src, dst, blk, ok, 2, 16, 16, Q4_0_TS)
+    _copy(src, dst + o_d, blk, ok, 0, 2, 2, Q4_0_TS)
 
 
 @triton.jit
@@ -163,13 +202,13 @@ def _repack_iq4_xs(
     src, dst, n_blocks, o_sc, o_d, o_lv, BPP: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr
 ):
     blk, ok = _blocks(n_blocks, BPP)
-    base = src + blk * 136
-    _copy(src, dst, blk, ok, 8, 128, 128, 136)
-    _copy(src, dst + o_d, blk, ok, 0, 2, 2, 136)
+    base = src + blk * IQ4XS_TS
+    _copy(src, dst, blk, ok, IQ4XS_QS, 128, 128, IQ4XS_TS)
+    _copy(src, dst + o_d, blk, ok, 0, 2, 2, IQ4XS_TS)
     # scale j: nibble j % 2 of scales_l[j // 2] (at 4), bits 2j of scales_h (at 2), minus 32
     j = tl.arange(0, 8)[None, :]
-    lo = (tl.load(base + 4 + j // 2, mask=ok, other=0).to(tl.int32) >> ((j % 2) * 4)) & 0x0F
-    hi = (tl.load(base + 2 + j // 4, mask=ok, other=0).to(tl.int32) >> ((j % 4) * 2)) & 0x03
+    lo = (tl.load(base + IQ4XS_SL + j // 2, mask=ok, other=0).to(tl.int32) >> ((j % 2) * 4)) & 0x0F
+    hi = (tl.load(base + IQ4XS_SH + j // 4, mask=ok, other=0).to(tl.int32) >> ((j % 4) * 2)) & 0x03
     sc = ((lo | (hi << 4)) - 32) & 0xFF  # the int8's bits
     tl.store(dst + o_sc + blk * 8 + j, sc.to(tl.uint8), mask=ok)
     if tl.program_id(0) == 0:  # the matrix's one table of levels: 16 float32, little-endian
@@ -187,7 +226,9 @@ _REPACK = {
     Q.Q8_0: (_repack_q8_0, 32, False),
     Q.Q4_0: (_repack_q4_0, 32, False),
 }
-KERNEL_TYPES: frozenset[Q] = frozenset(_REPACK) | FLOAT_TYPES
+# Every type has a kernel layout; those without a repack kernel of their own are gathered
+# (a strided copy per plane), and dequantised by ``unit_kernels``' decoders.
+KERNEL_TYPES: frozenset[Q] = frozenset(_REPACK) | FLOAT_TYPES | GATHERED_TYPES
 
 
 def _device(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
@@ -199,6 +240,9 @@ def repack_into(dst: torch.Tensor, raw: torch.Tensor, lay: RepackedLayout) -> No
     ``lay``) into ``dst`` ([>= lay.nbytes] uint8, same device), in one launch."""
     if lay.qtype in FLOAT_TYPES:
         dst[: raw.numel()].copy_(raw)
+        return
+    if lay.qtype not in _REPACK:
+        gather_into(dst, raw, lay)
         return
     kernel, bpp, table = _REPACK[lay.qtype]
     n_blocks = lay.rows * lay.blocks_per_row
@@ -385,6 +429,8 @@ def dequantize(
     with _device(data):
         if lay.qtype in FLOAT_TYPES:
             _dq_float[grid](*args, QT=int(lay.qtype), **flags)
+        elif lay.qtype in unit_kernels.HALVES_TYPES:
+            unit_kernels.dequantize_launch(data, out, rows, row0, n, lay, ids is not None)
         else:
             _DEQUANT[lay.qtype][grid](*args, *lay.offsets[1:], **flags)
     return out

@@ -8,18 +8,17 @@ import numpy as np
 import torch
 
 from strata.engine.quant import tensor_nbytes
+from strata.engine.quant.formats import FORMATS
 
 Q = gguf.GGMLQuantizationType
 
-# Byte offsets of the f16 fields in each block (the rest of a block is any bytes at all).
+# Byte offsets of the f16 scale fields in each block (the rest of a block is any bytes at all),
+# from the types' descriptions: d, m (a min) and dm (dmin).
 F16_FIELDS: dict[Q, tuple[int, ...]] = {
-    Q.Q8_0: (0,),
-    Q.Q4_0: (0,),
-    Q.Q4_K: (0, 2),  # d, dmin
-    Q.Q5_K: (0, 2),  # d, dmin
-    Q.Q6_K: (gguf.GGML_QUANT_SIZES[Q.Q6_K][1] - 2,),  # d sits at the end
-    Q.IQ4_XS: (0,),
+    q: tuple(f.at for f in desc.fields if f.name in ("d", "m", "dm") and f.nbytes == 2)
+    for q, desc in FORMATS.items()
 }
+MXFP4_EXPONENTS = (100, 140)  # random MXFP4 blocks: scales 2^-28 .. 2^12, finite
 
 
 def random_bytes(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -38,6 +37,8 @@ def random_bytes(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> 
     nbytes = tensor_nbytes(qtype, shape)
     type_size = gguf.GGML_QUANT_SIZES[qtype][1]
     blocks = rng.integers(0, 256, nbytes, dtype=np.uint8).reshape(-1, type_size)
+    if qtype == Q.MXFP4:
+        blocks[:, 0] = rng.integers(*MXFP4_EXPONENTS, len(blocks), dtype=np.uint8)
     for at in F16_FIELDS[qtype]:
         scale = rng.uniform(-0.01, 0.01, len(blocks)).astype(np.float16)
         blocks[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)

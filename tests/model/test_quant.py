@@ -28,9 +28,11 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(20240607)
 
 
-def test_supported_types_are_the_documented_nine() -> None:
+def test_supported_types_are_the_documented_eighteen() -> None:
     names = {t.name for t in SUPPORTED_TYPES}
-    assert names == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+    assert names == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
+                     "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "IQ3_S", "IQ3_XXS",
+                     "MXFP4"}  # fmt: skip
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
@@ -110,7 +112,8 @@ def test_empty_tensor_dequantises_to_empty() -> None:
         (Q.Q5_K, (256,), 176),
         (Q.Q6_K, (2, 256), 420),
         (Q.IQ4_XS, (3, 512), 3 * 2 * 136),
-        (Q.Q2_K, (1, 256), 84),  # sizes are known for types we cannot dequantise too
+        (Q.Q2_K, (1, 256), 84),
+        (Q.IQ2_XXS, (1, 256), 66),  # sizes are known for types we cannot dequantise too
     ],
     ids=lambda v: getattr(v, "name", str(v)),
 )
@@ -121,9 +124,9 @@ def test_tensor_nbytes_counts_blocks_times_type_size(
 
 
 def test_unsupported_type_raises_naming_it() -> None:
-    data = torch.zeros(84, dtype=torch.uint8)
-    with pytest.raises(UnsupportedQuantType, match=r"quant type Q2_K is not supported.*Q4_K"):
-        dequantize(data, Q.Q2_K, (256,))
+    data = torch.zeros(66, dtype=torch.uint8)
+    with pytest.raises(UnsupportedQuantType, match=r"quant type IQ2_XXS is not supported.*Q4_K"):
+        dequantize(data, Q.IQ2_XXS, (256,))
 
 
 def test_unknown_type_number_raises_unsupported() -> None:

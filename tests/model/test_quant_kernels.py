@@ -1,4 +1,5 @@
-"""The Triton dequantisers against the torch reference and gguf-py, bit for bit.
+"""The GPU dequantisation path (repack into the kernel layout, then the Triton dequantisers)
+against the torch reference and gguf-py, bit for bit.
 
 On a machine with CUDA the kernels are compiled and run on the GPU. Without one they run in
 Triton's interpreter (``TRITON_INTERPRET=1``, set here before Triton is imported) on CPU tensors,
@@ -19,17 +20,18 @@ from quantdata import assert_bit_identical, gguf_reference, random_bytes
 
 from strata.engine import quant
 from strata.engine.quant import reference, tensor_nbytes
+from strata.engine.quant.formats import fmt
 
-# Triton reads this when its kernels are defined, i.e. when triton_kernels is imported just below.
+# Triton reads this when its kernels are defined, i.e. when repack_kernels is imported just below.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-triton_kernels = pytest.importorskip(
-    "strata.engine.quant.triton_kernels", reason="Triton is not installed"
+repack_kernels = pytest.importorskip(
+    "strata.engine.quant.repack_kernels", reason="Triton is not installed"
 )
 
 Q = gguf.GGMLQuantizationType
 QK_K = gguf.QK_K
-KERNEL_TYPES = sorted(triton_kernels.KERNEL_TYPES)
+KERNEL_TYPES = sorted(repack_kernels.KERNEL_TYPES)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -40,7 +42,7 @@ def rng() -> np.random.Generator:
 
 def run_kernel(raw: np.ndarray | torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
     data = torch.as_tensor(raw).to(DEVICE)
-    return triton_kernels.dequantize_blocks(data, qtype).reshape(shape)
+    return quant._on_gpu(repack_kernels, data, qtype, shape)
 
 
 def same_bits_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -48,9 +50,8 @@ def same_bits_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
 
 
-def test_every_block_type_the_reference_reads_has_a_kernel() -> None:
-    plain = {Q.F32, Q.F16, Q.BF16}  # one torch operation each already; no kernel needed
-    assert set(triton_kernels.KERNEL_TYPES) == set(reference.SUPPORTED_TYPES) - plain
+def test_every_type_the_reference_reads_has_a_kernel() -> None:
+    assert set(repack_kernels.KERNEL_TYPES) == set(reference.SUPPORTED_TYPES)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -79,7 +80,7 @@ def test_kernel_matches_reference_on_arbitrary_bytes(qtype: Q, rng: np.random.Ge
 def test_block_counts_that_leave_a_partial_program(
     qtype: Q, n_blocks: int, rng: np.random.Generator
 ) -> None:
-    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
+    block_size = fmt(qtype).block
     shape = (n_blocks * block_size,)
     raw = random_bytes(qtype, shape, rng)
     assert_bit_identical(run_kernel(raw, qtype, shape), gguf_reference(raw, qtype, shape))
@@ -94,13 +95,8 @@ def test_run_at_an_odd_byte_offset_reads_the_same_values(
     padded = torch.zeros(raw.size + 3, dtype=torch.uint8)
     padded[1:-2] = torch.from_numpy(raw)
     data = padded.to(DEVICE)[1:-2]  # a view whose first byte is at an odd address
-    got = triton_kernels.dequantize_blocks(data, qtype).reshape(shape)
+    got = run_kernel(data, qtype, shape)
     assert_bit_identical(got, gguf_reference(raw, qtype, shape))
-
-
-def test_empty_run_gives_an_empty_result_without_a_launch() -> None:
-    out = triton_kernels.dequantize_blocks(torch.empty(0, dtype=torch.uint8, device=DEVICE), Q.Q4_K)
-    assert out.shape == (0,) and out.dtype == torch.float32
 
 
 @pytest.mark.gpu
@@ -110,13 +106,13 @@ def test_dequantize_on_cuda_launches_the_kernel(
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: torch.cuda.is_available() is False")
     calls: list[Q] = []
-    real = triton_kernels.dequantize_blocks
+    real = repack_kernels.dequantize
 
-    def counted(data: torch.Tensor, qtype: Q) -> torch.Tensor:
-        calls.append(qtype)
-        return real(data, qtype)
+    def counted(data: torch.Tensor, lay, *args, **kw) -> torch.Tensor:
+        calls.append(lay.qtype)
+        return real(data, lay, *args, **kw)
 
-    monkeypatch.setattr(triton_kernels, "dequantize_blocks", counted)
+    monkeypatch.setattr(repack_kernels, "dequantize", counted)
     shape = (32, QK_K)
     for qtype in KERNEL_TYPES:
         raw = random_bytes(qtype, shape, rng)
@@ -124,9 +120,6 @@ def test_dequantize_on_cuda_launches_the_kernel(
         assert_bit_identical(got, gguf_reference(raw, qtype, shape))
     assert calls == KERNEL_TYPES
     assert quant.gpu_dequant_path().startswith("Triton")
-    # plain float types keep their one torch operation
-    quant.dequantize(torch.zeros(64, dtype=torch.uint8, device="cuda"), Q.F16, (32,))
-    assert calls == KERNEL_TYPES
 
 
 @pytest.mark.gpu
@@ -136,10 +129,10 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_reference_with_a_warning(
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: torch.cuda.is_available() is False")
 
-    def broken(data: torch.Tensor, qtype: Q) -> torch.Tensor:
+    def broken(*args, **kw) -> torch.Tensor:
         raise RuntimeError("no compiler for this device\nsecond line")
 
-    monkeypatch.setattr(triton_kernels, "dequantize_blocks", broken)
+    monkeypatch.setattr(repack_kernels, "dequantize", broken)
     monkeypatch.setattr(quant, "_proven", set())
     monkeypatch.setattr(quant, "_disabled", None)
     shape = (8, QK_K)
@@ -147,5 +140,5 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_reference_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="strata.engine.quant"):
         got = quant.dequantize(torch.from_numpy(raw).cuda(), Q.Q4_K, shape)
     assert_bit_identical(got, gguf_reference(raw, Q.Q4_K, shape))
-    assert "Triton Q4_K kernel failed (RuntimeError: no compiler for this device)" in caplog.text
+    assert "Triton Q4_K kernels failed (RuntimeError: no compiler for this device)" in caplog.text
     assert quant.gpu_dequant_path().startswith("torch reference (Triton kernels failed")

@@ -194,7 +194,6 @@ def test_rows_outside_the_matrix_are_an_error() -> None:
 @pytest.mark.parametrize(
     ("qtype", "shape", "message"),
     [
-        (Q.Q5_0, (2, 32), "Q5_0 has no kernel layout"),
         (Q.IQ2_XXS, (2, QK_K), "IQ2_XXS has no kernel layout"),
         (Q.Q4_K, (2, 100), "100 is not a multiple of 256"),
         (Q.Q8_0, (2, 3, 32), "only matrices are repacked"),

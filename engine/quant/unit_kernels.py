@@ -1,0 +1,237 @@
+"""Triton decoders of the gathered types' repacked planes: one function per format that every
+kernel reading those types shares (the dequantiser here in ``repack_kernels``, the decode dot
+products of ``kernels.dot``, the prompt-chunk GEMM of ``kernels.gemm``).
+
+``unit_halves`` gives the values of units ``u`` (32 elements each, counted from a row's start)
+of rows ``r`` as two float32 tiles ``[BN, T, 16]``: elements 32u + k (the low half) and
+32u + 16 + k (the high half), k < 16, computed with the reference's products in its order, so a
+launch with ``enable_fp_fusion=False`` is bit-identical to the reference. Plane offsets (o1..o4,
+after the first plane at 0) come from ``repack.repacked_layout``; what each plane holds and how a
+type's bits are ordered is said once, in the type's description (``quant/legacy.py``,
+``quant/kquants.py``, ``quant/grids.py``), and the constants below come from those descriptions.
+
+With ``TRITON_INTERPRET=1`` set before the import the decoders run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import gguf
+import triton
+import triton.language as tl
+
+from strata.engine.quant import grids, kquants, legacy
+from strata.engine.quant.format import Q
+from strata.engine.quant.repack import GATHERED_TYPES
+
+# GGML type ids the kernels dispatch on (constexpr), from gguf's table.
+Q4_1: tl.constexpr = tl.constexpr(int(Q.Q4_1))
+Q5_0: tl.constexpr = tl.constexpr(int(Q.Q5_0))
+Q5_1: tl.constexpr = tl.constexpr(int(Q.Q5_1))
+IQ4_NL: tl.constexpr = tl.constexpr(int(Q.IQ4_NL))
+MXFP4: tl.constexpr = tl.constexpr(int(Q.MXFP4))
+Q2_K: tl.constexpr = tl.constexpr(int(Q.Q2_K))
+Q3_K: tl.constexpr = tl.constexpr(int(Q.Q3_K))
+IQ3_XXS: tl.constexpr = tl.constexpr(int(Q.IQ3_XXS))
+IQ3_S: tl.constexpr = tl.constexpr(int(Q.IQ3_S))
+
+# The types ``unit_halves`` decodes: the gathered ones, less Q8_0 / Q4_0 and the plain floats,
+# which the kernels read with tiles of their own.
+HALVES_TYPES: frozenset[Q] = frozenset(GATHERED_TYPES) - {Q.Q8_0, Q.Q4_0, Q.F32, Q.F16, Q.BF16}
+
+
+def _plane_bytes(f, name: str) -> tl.constexpr:
+    return tl.constexpr(f.plane(name).block_bytes)
+
+
+# bytes per block of each plane the decoders step through, from the descriptions
+Q4_BYTES: tl.constexpr = _plane_bytes(legacy.Q4_1, "qs")  # 16: 32 nibbles
+assert all(f.plane("qs").block_bytes == 16 for f in (legacy.Q5_0, legacy.Q5_1, legacy.IQ4_NL))
+assert legacy.MXFP4.plane("qs").block_bytes == 16
+K2_QS: tl.constexpr = _plane_bytes(kquants.Q2_K, "qs")  # 64: 2 bits a value
+assert kquants.Q3_K.plane("qs").block_bytes == K2_QS
+Q2K_SC: tl.constexpr = _plane_bytes(kquants.Q2_K, "sc")  # 16: a scale and min per 16
+Q3K_HM: tl.constexpr = _plane_bytes(kquants.Q3_K, "hm")  # 32
+Q3K_SC: tl.constexpr = _plane_bytes(kquants.Q3_K, "sc")  # 12: 16 packed 6-bit scales
+IQ3XXS_QS: tl.constexpr = _plane_bytes(grids.IQ3_XXS, "qs")  # 64: an index per 4
+IQ3XXS_SS: tl.constexpr = _plane_bytes(grids.IQ3_XXS, "ss")  # 32: a word per unit
+IQ3S_QS: tl.constexpr = _plane_bytes(grids.IQ3_S, "qs")  # 64
+IQ3S_HS: tl.constexpr = _plane_bytes(grids.IQ3_S, "hs")  # 44: qh 8 | signs 32 | scales 4
+IQ3S_SG: tl.constexpr = tl.constexpr(grids.IQ3_S.field("sg").at - grids.IQ3_S.field("qh").at)
+IQ3S_SC: tl.constexpr = tl.constexpr(grids.IQ3_S.field("sc").at - grids.IQ3_S.field("qh").at)
+K_UNITS: tl.constexpr = tl.constexpr(gguf.QK_K // 32)  # units in a 256-element block
+assert all(f.units == K_UNITS for f in (kquants.Q2_K, kquants.Q3_K, grids.IQ3_S, grids.IQ3_XXS))
+
+
+@triton.jit
+def _f16(p, at, m):
+    """The halves at byte offsets ``at`` from ``p`` (uint8 pointers), as float32."""
+    return tl.load((p + 2 * at).to(tl.pointer_type(tl.float16)), mask=m, other=0).to(tl.float32)
+
+
+@triton.jit
+def _u8(p, at, m):
+    return tl.load(p + at, mask=m, other=0).to(tl.int32)
+
+
+@triton.jit
+def _u32(p, at, m):
+    return tl.load((p + 4 * at).to(tl.pointer_type(tl.uint32)), mask=m, other=0)
+
+
+@triton.jit
+def _f32_table(p, i, m):
+    return tl.load(p.to(tl.pointer_type(tl.float32)) + i, mask=m, other=0.0)
+
+
+@triton.jit
+def _e8m0_half(e):
+    """2^(e - 128) as float32, exactly (legacy.e8m0_half): int32 e in 0..255."""
+    bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q3k_scale(wp3, o, blk, g, m):
+    """Q3_K's signed 6-bit scale of group g (kquants.q3_k_scales) as float32."""
+    lo = (_u8(wp3 + o, blk * Q3K_SC + g % 8, m) >> (4 * (g // 8))) & 0x0F
+    hi = (_u8(wp3 + o, blk * Q3K_SC + 8 + g % 4, m) >> (2 * (g // 4))) & 0x03
+    return ((lo | (hi << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def _iq3_xxs_half(wp3, o1, o2, o3, o4, blk, j, t, m):
+    """IQ3_XXS elements t (0..31) of unit j of blocks blk: (db * grid) * sign."""
+    idx = _u8(wp3, blk * IQ3XXS_QS + 8 * j + t // 4, m)
+    g = _u8(wp3 + o3, 4 * idx + t % 4, m).to(tl.float32)
+    w = _u32(wp3 + o1, blk * (IQ3XXS_SS // 4) + j, m)
+    s = (w >> 28).to(tl.float32)
+    db = _f16(wp3 + o2, blk, m) * (0.5 + s) * 0.5
+    pattern = _u8(wp3 + o4, ((w >> (7 * (t // 8))) & 0x7F).to(tl.int32), m)
+    v = db * g
+    return tl.where(((pattern >> (t % 8)) & 1) != 0, -v, v)
+
+
+@triton.jit
+def _iq3_s_half(wp3, o1, o2, o3, blk, j, t, m):
+    """IQ3_S elements t (0..31) of unit j of blocks blk: (db * grid) * sign."""
+    i = 8 * j + t // 4  # the grid index's number in the block
+    hs = blk * IQ3S_HS
+    high = (_u8(wp3 + o1, hs + j, m) >> (t // 4)) & 1
+    idx = _u8(wp3, blk * IQ3S_QS + i, m) | (high << 8)
+    g = _u8(wp3 + o3, 4 * idx + t % 4, m).to(tl.float32)
+    s = (_u8(wp3 + o1, hs + IQ3S_SC + j // 2, m) >> (4 * (j % 2))) & 0x0F
+    db = _f16(wp3 + o2, blk, m) * (1 + 2 * s).to(tl.float32)
+    sign = (_u8(wp3 + o1, hs + IQ3S_SG + 4 * j + t // 8, m) >> (t % 8)) & 1
+    v = db * g
+    return tl.where(sign != 0, -v, v)
+
+
+@triton.jit
+def unit_halves(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexpr):
+    """Rows r [BN] (int64) x units u [T] of the repacked ``QT`` matrix: the low and high halves
+    of each unit as float32 ([BN, T, 16], [BN, T, 16]). wp: [T] uint8 pointers, each unit's
+    matrix (one matrix, or several experts side by side); NK: units in a row."""
+    k = tl.arange(0, 16)[None, None, :]
+    m3 = rm[:, None, None] & um[None, :, None]
+    wp3 = wp[None, :, None]
+    u3 = u[None, :, None]
+    if QT == Q2_K or QT == Q3_K or QT == IQ3_XXS or QT == IQ3_S:
+        blk = (r * (NK // K_UNITS))[:, None, None] + u3 // K_UNITS  # [BN, T, 1]
+        j = u3 % K_UNITS  # the unit in its block
+    else:
+        blk = (r * NK)[:, None, None] + u3  # a unit is a block
+        j = u3 * 0
+    if QT == Q2_K or QT == Q3_K:
+        # bits 2 (j % 4) of quant bytes 32 (j // 4) + k (low half) and + 16 + k (high half)
+        at = blk * K2_QS + 32 * (j // 4) + k
+        sh = 2 * (j % 4)
+        q_lo = (_u8(wp3, at, m3) >> sh) & 3
+        q_hi = (_u8(wp3, at + 16, m3) >> sh) & 3
+        if QT == Q2_K:
+            sc_lo = _u8(wp3 + o1, blk * Q2K_SC + 2 * j, m3)
+            sc_hi = _u8(wp3 + o1, blk * Q2K_SC + 2 * j + 1, m3)
+            d = _f16(wp3 + o2, blk, m3)
+            dm = _f16(wp3 + o3, blk, m3)
+            lo = (d * (sc_lo & 15).to(tl.float32)) * q_lo.to(tl.float32) - dm * (sc_lo >> 4).to(
+                tl.float32
+            )
+            hi = (d * (sc_hi & 15).to(tl.float32)) * q_hi.to(tl.float32) - dm * (sc_hi >> 4).to(
+                tl.float32
+            )
+        else:  # Q3_K: the third bit is bit j of hmask byte k (16 + k); where it is 0, q - 4
+            h_lo = (_u8(wp3 + o1, blk * Q3K_HM + k, m3) >> j) & 1
+            h_hi = (_u8(wp3 + o1, blk * Q3K_HM + 16 + k, m3) >> j) & 1
+            d = _f16(wp3 + o3, blk, m3)
+            lo = (d * _q3k_scale(wp3, o2, blk, 2 * j, m3)) * (q_lo - 4 * (1 - h_lo)).to(tl.float32)
+            hi = (d * _q3k_scale(wp3, o2, blk, 2 * j + 1, m3)) * (q_hi - 4 * (1 - h_hi)).to(
+                tl.float32
+            )
+    elif QT == IQ3_XXS:
+        lo = _iq3_xxs_half(wp3, o1, o2, o3, o4, blk, j, k, m3)
+        hi = _iq3_xxs_half(wp3, o1, o2, o3, o4, blk, j, k + 16, m3)
+    elif QT == IQ3_S:
+        lo = _iq3_s_half(wp3, o1, o2, o3, blk, j, k, m3)
+        hi = _iq3_s_half(wp3, o1, o2, o3, blk, j, k + 16, m3)
+    else:  # blocks of 32: byte k holds element k (low nibble) and 16 + k (high nibble)
+        q = _u8(wp3, blk * Q4_BYTES + k, m3)
+        q_lo = q & 15
+        q_hi = q >> 4
+        if QT == Q5_0 or QT == Q5_1:  # the fifth bits: bit i of the unit's uint32
+            h = _u32(wp3 + o1, blk, m3)
+            q_lo = q_lo | (((h >> k) & 1) << 4).to(tl.int32)
+            q_hi = q_hi | (((h >> (k + 16)) & 1) << 4).to(tl.int32)
+        if QT == Q4_1:  # (d * q) + m
+            d = _f16(wp3 + o1, blk, m3)
+            mn = _f16(wp3 + o2, blk, m3)
+            lo = (d * q_lo.to(tl.float32)) + mn
+            hi = (d * q_hi.to(tl.float32)) + mn
+        elif QT == Q5_1:
+            d = _f16(wp3 + o2, blk, m3)
+            mn = _f16(wp3 + o3, blk, m3)
+            lo = (d * q_lo.to(tl.float32)) + mn
+            hi = (d * q_hi.to(tl.float32)) + mn
+        elif QT == Q5_0:  # d * (q - 16)
+            d = _f16(wp3 + o2, blk, m3)
+            lo = d * (q_lo - 16).to(tl.float32)
+            hi = d * (q_hi - 16).to(tl.float32)
+        elif QT == IQ4_NL:  # d * level
+            d = _f16(wp3 + o1, blk, m3)
+            lo = d * _f32_table(wp3 + o2, q_lo, m3)
+            hi = d * _f32_table(wp3 + o2, q_hi, m3)
+        else:  # MXFP4: half(2^(e - 127)) * level
+            d = _e8m0_half(_u8(wp3 + o1, blk, m3))
+            lo = d * _f32_table(wp3 + o2, q_lo, m3)
+            hi = d * _f32_table(wp3 + o2, q_hi, m3)
+    return lo, hi
+
+
+@triton.jit
+def _dq_halves(w, out, rows, row0, o1, o2, o3, o4, NK: tl.constexpr, QT: tl.constexpr,
+               S: tl.constexpr, HAS_IDS: tl.constexpr):  # fmt: skip
+    """Program (r, c) writes output row r, units [c * S, (c + 1) * S) of it; its source row is
+    ``rows[r]`` when HAS_IDS, else ``row0 + r``."""
+    i = tl.program_id(0)
+    if HAS_IDS:
+        src = tl.load(rows + i).to(tl.int64)
+    else:
+        src = (row0 + i).to(tl.int64)
+    u = tl.program_id(1) * S + tl.arange(0, S)
+    um = u < NK
+    r = src + tl.zeros([1], tl.int64)
+    lo, hi = unit_halves(w + tl.zeros([S], tl.int32), o1, o2, o3, o4, r, r >= 0, u, um, NK, QT)
+    k = tl.arange(0, 16)
+    at = i.to(tl.int64) * (NK * 32) + (32 * u)[None, :, None] + k[None, None, :]
+    m = um[None, :, None]
+    tl.store(out + at, lo, mask=m)
+    tl.store(out + at + 16, hi, mask=m)
+
+
+def dequantize_launch(data, out, rows, row0: int, n: int, lay, has_ids: bool) -> None:
+    """``repack_kernels.dequantize``'s launch for a type of ``HALVES_TYPES``."""
+    nk = lay.cols // 32
+    s = min(triton.next_power_of_2(max(nk, 1)), 32)
+    o = (*lay.offsets[1:], *(0,) * (5 - len(lay.offsets)))
+    _dq_halves[(n, triton.cdiv(nk, s))](
+        data, out, rows, row0, *o, NK=nk, QT=int(lay.qtype), S=s, HAS_IDS=has_ids,
+        enable_fp_fusion=False,
+    )  # fmt: skip
