@@ -28,13 +28,11 @@ import triton.language as tl
 
 from strata.engine.kernels.cpu_experts import request_offsets
 from strata.engine.kernels.dot import (
+    BF16,
+    F16,
+    F32,
     INTERPRETED,
-    IQ4_XS,
     MAX_UNITS,
-    Q4_0,
-    Q4_K,
-    Q5_K,
-    Q6_K,
     Q8_0,
     dot_rows,
     dot_rows2,
@@ -139,7 +137,7 @@ def _down_kernel(
         off = tl.load(eoffs + kk, mask=em, other=0)
         wp = base + tl.multiple_of(off, 256) + down_off
         wt = tl.load(wts + kk, mask=em, other=0.0)
-        if TD == Q4_K or TD == Q6_K or TD == Q5_K or TD == IQ4_XS or TD == Q4_0:
+        if TD != Q8_0 and TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
             for c0 in tl.static_range(0, NK, TS):
                 u = c0 + c
                 um = em & (u < NK)
