@@ -103,7 +103,7 @@ class Engine:
 
     @property
     def model_id(self) -> str:
-        return self.index.path.stem
+        return self.index.name
 
     @property
     def n_ctx(self) -> int:

@@ -6,9 +6,10 @@ are handed out as zero-copy uint8 views and stay quantised until a layer dequant
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ import gguf
 import numpy as np
 import torch
 
+from strata.engine import gguf_split
 from strata.engine.errors import ModelLoadError
 from strata.vmm import pagecache
+from strata.vmm.pagecache import Run
 
 log = logging.getLogger(__name__)
 
@@ -125,21 +128,68 @@ def _reader_error(e: Exception, path: Path) -> str:
 _NUMPY_SHORT_READ = ("out of bounds", "larger dtype", "buffer is smaller", "size must be a divisor")
 
 
+def _open(path: Path) -> gguf.GGUFReader:
+    _check_file(path)
+    try:
+        return gguf.GGUFReader(path, "c")
+    except (ValueError, OSError, KeyError, IndexError) as e:
+        raise ModelLoadError(f"{path}: {_reader_error(e, path)}") from None
+
+
+@dataclass(frozen=True)
+class FilePart:
+    """One mapped file of a model; its bytes sit at ``base`` … ``base + size`` of the model's
+    offset space (a single file is one part at 0)."""
+
+    path: Path
+    data: np.memmap
+    base: int
+
+    @property
+    def size(self) -> int:
+        return int(self.data.size)
+
+
 class GGUFIndex:
-    """A mapped GGUF file: ``metadata``, ``tensors`` and ``experts`` ((layer, expert) → blob)."""
+    """A mapped GGUF model: ``metadata``, ``tensors`` and ``experts`` ((layer, expert) → blob).
+
+    A split model (``gguf_split``) is opened from any of its parts; its parts are placed one
+    after another in one offset space, so every offset here (``TensorInfo.offset``,
+    ``ExpertRun.offset``, ``raw``, ``release``) is the model's, whichever file holds the bytes."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        _check_file(self.path)
-        try:
-            reader = gguf.GGUFReader(self.path, "c")
-        except (ValueError, OSError, KeyError, IndexError) as e:
-            raise ModelLoadError(f"{self.path}: {_reader_error(e, self.path)}") from None
-        self._data: np.memmap = reader.data
+        paths = gguf_split.part_paths(Path(path))
+        gguf_split.missing_parts(paths)
+        readers = [_open(p) for p in paths]
+        gguf_split.check_set(paths, readers)
+        self.path = paths[0]  # a split model is named by its first part, as llama.cpp does
+        self.parts: list[FilePart] = []
         self.metadata: dict[str, Any] = {
-            name: field.contents() for name, field in reader.fields.items() if field.types
+            name: field.contents() for name, field in readers[0].fields.items() if field.types
         }
         self.tensors: dict[str, TensorInfo] = {}
+        base = 0
+        for p, reader in zip(paths, readers, strict=True):
+            self.parts.append(FilePart(p, reader.data, base))
+            self._read_tensors(self.parts[-1], reader)
+            base += self.parts[-1].size
+        self._bases = [part.base for part in self.parts]
+        self.arch: str = str(self.metadata.get("general.architecture", ""))
+        if not self.arch:
+            raise ModelLoadError(f"{self.path}: no general.architecture in the metadata")
+        self.experts: dict[tuple[int, int], ExpertBlob] = self._expert_map()
+        log.debug(
+            "%s: %s, %d tensors in %d file(s), %d routed experts",
+            self.path.name,
+            self.arch,
+            len(self.tensors),
+            len(self.parts),
+            len(self.experts),
+        )
+
+    def _read_tensors(self, part: FilePart, reader: gguf.GGUFReader) -> None:
+        """The tensors of one file, checked against that file, at their offsets in the model."""
+        path = part.path
         alignment = int(reader.alignment)
         end, before = 0, None  # where the tensors so far end in the data section, the last one
         for t in reader.tensors:
@@ -147,30 +197,21 @@ class GGUFIndex:
                 qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
             except ValueError:
                 raise ModelLoadError(
-                    f"{self.path}: tensor {t.name} has unknown type id {int(t.tensor_type)}"
+                    f"{path}: tensor {t.name} has unknown type id {int(t.tensor_type)}"
                 ) from None
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             info = TensorInfo(t.name, qtype, shape, t.data_offset, int(t.n_bytes))
-            self._check_tensor(info, reader.data_offset, alignment, self._data.size)
-            self._check_follows(info, info.offset - reader.data_offset, end, before)
+            self._check_tensor(path, info, reader.data_offset, alignment, part.size)
+            self._check_follows(path, info, info.offset - reader.data_offset, end, before)
             end += -(-info.nbytes // alignment) * alignment
             before = info
-            self.tensors[t.name] = info
-        self.arch: str = str(self.metadata.get("general.architecture", ""))
-        if not self.arch:
-            raise ModelLoadError(f"{self.path}: no general.architecture in the metadata")
-        self.experts: dict[tuple[int, int], ExpertBlob] = self._expert_map()
-        log.debug(
-            "%s: %s, %d tensors, %d routed experts",
-            self.path.name,
-            self.arch,
-            len(self.tensors),
-            len(self.experts),
-        )
+            self.tensors[t.name] = replace(info, offset=part.base + info.offset)
 
-    def _check_tensor(self, t: TensorInfo, data_start: int, alignment: int, size: int) -> None:
+    def _check_tensor(
+        self, path: Path, t: TensorInfo, data_start: int, alignment: int, size: int
+    ) -> None:
         """A damaged tensor entry is refused at load, never found by the first request."""
-        where = f"{self.path}: tensor {t.name}"
+        where = f"{path}: tensor {t.name}"
         if not 1 <= len(t.shape) <= MAX_DIMS:
             raise ModelLoadError(f"{where} has {len(t.shape)} dimensions (GGUF allows 1 to 4)")
         block = gguf.GGML_QUANT_SIZES[t.qtype][0]
@@ -191,13 +232,15 @@ class GGUFIndex:
                 f"file ({size} bytes): the file is truncated or damaged"
             )
 
-    def _check_follows(self, t: TensorInfo, at: int, end: int, before: TensorInfo | None) -> None:
+    def _check_follows(
+        self, path: Path, t: TensorInfo, at: int, end: int, before: TensorInfo | None
+    ) -> None:
         """Each tensor's data begins where the one before it ends (padded to the alignment), as
         llama.cpp requires: a gap or an overlap means a size that does not match its shape and
         type (a changed type id or dimension), whose bytes would be read from the wrong place."""
         if at == end:
             return
-        where = f"{self.path}: tensor {t.name}"
+        where = f"{path}: tensor {t.name}"
         if before is None:
             raise ModelLoadError(
                 f"{where}: its data begins at offset {at} of the data section, not at 0: "
@@ -229,16 +272,56 @@ class GGUFIndex:
         except KeyError:
             raise ModelLoadError(f"{self.path}: tensor {name} is missing") from None
 
+    @property
+    def name(self) -> str:
+        """The model's name: its file's stem, a split model's without the part number."""
+        return gguf_split.set_stem(self.path)
+
+    @property
+    def file_bytes(self) -> int:
+        """The size of the model's files together."""
+        return sum(part.size for part in self.parts)
+
+    def _part(self, offset: int) -> FilePart:
+        part = self.parts[bisect.bisect_right(self._bases, offset) - 1] if offset >= 0 else None
+        if part is None or offset >= part.base + part.size:
+            raise ModelLoadError(f"{self.path}: offset {offset} is outside the model's files")
+        return part
+
+    def _by_part(self, runs: Iterable[Run]) -> dict[Path, tuple[FilePart, list[Run]]]:
+        """``runs`` (model offsets) grouped by the file holding them, at that file's offsets."""
+        out: dict[Path, tuple[FilePart, list[Run]]] = {}
+        for offset, n in runs:
+            part = self._part(int(offset))
+            out.setdefault(part.path, (part, []))[1].append((int(offset) - part.base, int(n)))
+        return out
+
     def release(self, runs: Iterable[tuple[int, int]]) -> int:
         """Give the page cache's copies of these byte runs (offset, bytes) back to the system,
         our mapping's included: only whole pages inside the runs. Returns the bytes released;
         raises OSError when the kernel refuses."""
-        return pagecache.release(self.path, int(self._data.ctypes.data), runs)
+        return sum(
+            pagecache.release(part.path, int(part.data.ctypes.data), local)
+            for part, local in self._by_part(runs).values()
+        )
+
+    def resident_bytes(self, runs: Iterable[tuple[int, int]]) -> int:
+        """Bytes of the pages touching ``runs`` that are in the page cache now."""
+        return sum(
+            pagecache.resident_bytes(part.path, local)
+            for part, local in self._by_part(runs).values()
+        )
 
     def raw(self, offset: int, nbytes: int) -> torch.Tensor:
-        """Zero-copy uint8 view of ``nbytes`` at ``offset`` of the mapped file."""
+        """Zero-copy uint8 view of ``nbytes`` at ``offset`` of the model (in one of its files)."""
+        part = self.parts[0] if len(self.parts) == 1 else self._part(offset)
+        local = offset - part.base
+        if local + nbytes > part.size:
+            raise ModelLoadError(
+                f"{part.path}: {nbytes} bytes at offset {local} run past the end of the file"
+            )
         # raw: [nbytes] uint8, backed by the file's pages
-        return torch.from_numpy(self._data[offset : offset + nbytes])
+        return torch.from_numpy(part.data[local : local + nbytes])
 
     def tensor_raw(self, name: str) -> torch.Tensor:
         t = self.info(name)

@@ -34,7 +34,6 @@ from strata.engine.generate import Engine
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.grammar import GrammarSpec, json_schema_lark
 from strata.engine.params import SamplingParams
-from strata.vmm import pagecache
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +420,7 @@ class StrataBench:
             "host_tier_bytes": tier.bytes if tier else 0,
             "host_experts": tier.experts if tier else 0,
             "file_experts": cache.file_experts if cache is not None else len(runs) // 3,
-            "expert_page_cache_bytes": pagecache.resident_bytes(self.engine.index.path, runs),
+            "expert_page_cache_bytes": self.engine.index.resident_bytes(runs),
             "drive_read_bytes": drive_read_bytes(),
         }
 

@@ -98,10 +98,11 @@ def owned_keys(index: GGUFIndex, layers: range | None) -> list[ExpertKey]:
 
 
 def model_key(index: GGUFIndex) -> str:
-    """Identity of a model for its usage profile: architecture, shape, size and file name."""
+    """Identity of a model for its usage profile: architecture, shape, size and file name (a
+    split model's: all its parts' sizes, its first part's name)."""
     n_layer = len({layer for layer, _ in index.experts})
     n_expert = len(index.experts) // max(1, n_layer)
-    size = index.path.stat().st_size
+    size = index.file_bytes
     return f"{index.arch}:{n_layer}x{n_expert}:{size}:{index.path.name}"
 
 
