@@ -81,7 +81,11 @@ def parse_reasoning(req: Any) -> ReasoningAsk:
                 f"chat_template_kwargs.{name}: the daemon gives the template {name!r} itself",
                 f"chat_template_kwargs.{name}",
             )
-    if len(json.dumps(kwargs, ensure_ascii=False)) > MAX_KWARGS_CHARS:
+    try:
+        size = len(json.dumps(kwargs, ensure_ascii=False))
+    except RecursionError:
+        raise invalid("chat_template_kwargs: nested too deeply", "chat_template_kwargs") from None
+    if size > MAX_KWARGS_CHARS:
         raise invalid(f"chat_template_kwargs: more than {MAX_KWARGS_CHARS} characters as JSON",
                       "chat_template_kwargs")  # fmt: skip
     switch = kwargs.get("enable_thinking")

@@ -60,10 +60,11 @@ CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temp
                "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "stop", "stream",
                "stream_options", "n", "logprobs", "tools", "response_format", "logit_bias",
                "user", "presence_penalty", "frequency_penalty", "tool_choice", "top_logprobs",
-               "parallel_tool_calls"]  # fmt: skip
+               "parallel_tool_calls", "chat_template_kwargs", "reasoning_format",
+               "reasoning_effort", "think"]  # fmt: skip
 COMPLETION_FIELDS = ["prompt", "echo", "best_of", "suffix", "logprobs", "max_tokens",
-                     "temperature", "stop", "seed", "stream"]  # fmt: skip
-MESSAGE_KEYS = ["role", "content", "name", "tool_calls", "tool_call_id"]
+                     "temperature", "stop", "seed", "stream", "think"]  # fmt: skip
+MESSAGE_KEYS = ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"]
 CONTENT_TYPES = ["text/plain", "application/x-www-form-urlencoded",
                  "multipart/form-data; boundary=x", "application/xml", None,
                  "application/json; charset=latin-1",
