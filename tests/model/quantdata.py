@@ -18,7 +18,7 @@ F16_FIELDS: dict[Q, tuple[int, ...]] = {
     q: tuple(f.at for f in desc.fields if f.name in ("d", "m", "dm") and f.nbytes == 2)
     for q, desc in FORMATS.items()
 }
-MXFP4_EXPONENTS = (100, 140)  # random MXFP4 blocks: scales 2^-28 .. 2^12, finite
+MXFP4_EXPONENTS = (116, 126)  # random MXFP4 blocks: scales 2^-12 .. 2^-3, as the f16 ones
 
 
 def random_bytes(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
