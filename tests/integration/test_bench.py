@@ -62,6 +62,16 @@ def check_rates(row: dict[str, Any], reps: int) -> None:
     assert decode["ttft_s"]["median"] == pytest.approx(ttft)
     hits = sum(r["hits"] for r in runs)
     assert decode["hit_rate"] == pytest.approx(hits / (hits + sum(r["misses"] for r in runs)))
+    # the sampled row beside the greedy one: its own runs, its ratio to the greedy median
+    sampled = decode["sampled"]
+    assert len(sampled["runs"]) == reps
+    assert all(r["tokens"] == decode["tokens"] for r in sampled["runs"])
+    srates = [r["steps"] / r["decode_s"] for r in sampled["runs"]]
+    assert sampled["tok_s"]["median"] == pytest.approx(statistics.median(srates))
+    assert sampled["vs_greedy"] == pytest.approx(
+        statistics.median(srates) / decode["tok_s"]["median"]
+    )
+    assert sampled["sampler"]["temperature"] == 0.7 and sampled["sampler"]["top_k"] == 40
     for p in row["prefill"]:
         if p.get("skipped"):
             continue
