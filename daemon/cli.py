@@ -93,14 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    if getattr(args, "without_config", False):  # `strata service`: whatever config.toml says
-        return args.run(None, args)
-    try:
-        loaded = _load_config(args)
-    except ConfigError as e:
-        print(f"strata: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    setup_logging(loaded.config.log_level)
+    loaded: LoadedConfig | None = None
+    if not getattr(args, "without_config", False):  # `strata service`: whatever config says
+        try:
+            loaded = _load_config(args)
+        except ConfigError as e:
+            print(f"strata: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        setup_logging(loaded.config.log_level)
     try:
         code = args.run(loaded, args)
         sys.stdout.flush()  # here, not at exit: a reader that left is seen below
