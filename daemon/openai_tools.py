@@ -408,9 +408,10 @@ def plan_output(
         spec = fmt.grammar(tools, parallel, marker)
     elif choice.mode == "function":
         spec = fmt.grammar([t for t in tools if t.name == choice.name], parallel, marker)
-    elif any(t.strict for t in tools) and fmt.marker is not None:
-        # auto with strict functions: free text until the model writes the marker, then a call
-        # (the arguments of a strict function as its schema says, of another any object)
+    elif any(t.strict for t in tools):
+        # auto with strict functions: free text until the model writes the marker (the generic
+        # format: opens its calls' object), then a call (the arguments of a strict function as
+        # its schema says, of another any object)
         loose = [t if t.strict else replace(t, parameters={"type": "object"}) for t in tools]
         spec = fmt.grammar(loose, parallel, marker, lazy=True)
     guaranteed = spec is not None and spec.trigger is None

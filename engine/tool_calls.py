@@ -119,7 +119,13 @@ class ToolFormat:
         """The grammar of a reply that is calls of ``tools`` (at least one; one when not
         ``parallel``). ``marker``: the Lark expression of ``self.marker`` for this vocabulary (a
         special token's ``<[id]>``, or the text). ``lazy``: free text until the model writes
-        the marker, then the calls (a strict function in ``auto`` mode)."""
+        the marker, then the calls (a strict function in ``auto`` mode). The generic format
+        has no marker: lazily, its grammar starts once the model opens the calls' object
+        (``{"tool_calls"``), and takes the array and the closing brace."""
+        if lazy:
+            array = json_schema_lark(_array(tools, parallel))
+            colon = "COLON: /[ \\t\\n]*:[ \\t\\n]*/\n"
+            return GrammarSpec("lark", f'start: COLON {array} "}}"\n{colon}', GENERIC_OPENING)
         body = json_schema_lark(
             {
                 "type": "object",
@@ -129,6 +135,9 @@ class ToolFormat:
             }
         )
         return GrammarSpec("lark", f"start: {body}\n")
+
+
+GENERIC_OPENING = '{"tool_calls"'  # how an answer of generic calls starts (JSON_FORMAT)
 
 
 def _array(tools: Sequence[ToolSpec], parallel: bool) -> dict[str, Any]:
