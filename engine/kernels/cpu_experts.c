@@ -15,7 +15,10 @@
  * reference of every value; each decoder below says briefly what it reads. A matrix is `rows`
  * rows of `cols` elements; plane p of row r starts at
  *     matrix + planes[p] + r * (cols / elements per block) * (plane p's bytes per block)
- * except a fixed plane (IQ4_XS's levels), which is once per matrix at matrix + planes[p]. A
+ * except a fixed plane (a table: IQ4_XS's, IQ4_NL's and MXFP4's levels, the IQ3 grids), which
+ * is once per matrix at matrix + planes[p]. The TYPES table below repeats each type's block and
+ * plane sizes; strata_type_layout hands them to Python, which checks them against the types'
+ * descriptions when it loads the library. A
  * "unit" is 32 consecutive elements of a row: in every 4-bit plane, byte 16 u + k holds element
  * 32 u + k in its low nibble and element 32 u + 16 + k in its high one.
  *
@@ -80,12 +83,21 @@ enum {
     T_F32 = 0,
     T_F16 = 1,
     T_Q4_0 = 2,
+    T_Q4_1 = 3,
+    T_Q5_0 = 6,
+    T_Q5_1 = 7,
     T_Q8_0 = 8,
+    T_Q2_K = 10,
+    T_Q3_K = 11,
     T_Q4_K = 12,
     T_Q5_K = 13,
     T_Q6_K = 14,
+    T_IQ3_XXS = 18,
+    T_IQ4_NL = 20,
+    T_IQ3_S = 21,
     T_IQ4_XS = 23,
     T_BF16 = 30,
+    T_MXFP4 = 39,
 };
 
 #define INLINE static inline __attribute__((always_inline))
@@ -369,6 +381,149 @@ INLINE void blk_bf16(const uint8_t *const *p, int b, const float *x, const float
     c->a[0] += (vf)(h << 16) * ldf(x + H * b);
 }
 
+/* -- the gathered types (repack.GATHERED_TYPES): a block's values decoded into floats, then
+ * multiplied with x. Each plane holds the file's field, in the file's order; the decoders follow
+ * the types' descriptions (strata/engine/quant/legacy.py, kquants.py, grids.py). */
+
+/* 2^(e - 128) as a float, exactly (MXFP4's scale: ggml's e8m0 to float, halved). */
+INLINE float e8m0_half(uint32_t e) {
+    return u2f(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+/* Blocks of 32: byte k of qs holds element k (low nibble) and 16 + k (high nibble). */
+INLINE void dec_q4_1(const uint8_t *const *p, int b, float *w) {
+    const uint8_t *qs = p[0] + 16 * b;
+    const float d = ld_f16(p[1] + 2 * b), m = ld_f16(p[2] + 2 * b);
+    for (int k = 0; k < 16; k++) {
+        w[k] = d * (float)(qs[k] & 15) + m;
+        w[16 + k] = d * (float)(qs[k] >> 4) + m;
+    }
+}
+
+INLINE void dec_q5_0(const uint8_t *const *p, int b, float *w) { /* qs, qh (u32), d */
+    const uint8_t *qs = p[0] + 16 * b;
+    const uint32_t h = ld_u32(p[1] + 4 * b);
+    const float d = ld_f16(p[2] + 2 * b);
+    for (int k = 0; k < 16; k++) {
+        w[k] = d * (float)((int)((qs[k] & 15) | ((h >> k) & 1) << 4) - 16);
+        w[16 + k] = d * (float)((int)((qs[k] >> 4) | ((h >> (16 + k)) & 1) << 4) - 16);
+    }
+}
+
+INLINE void dec_q5_1(const uint8_t *const *p, int b, float *w) { /* qs, qh, d, m */
+    const uint8_t *qs = p[0] + 16 * b;
+    const uint32_t h = ld_u32(p[1] + 4 * b);
+    const float d = ld_f16(p[2] + 2 * b), m = ld_f16(p[3] + 2 * b);
+    for (int k = 0; k < 16; k++) {
+        w[k] = d * (float)((qs[k] & 15) | ((h >> k) & 1) << 4) + m;
+        w[16 + k] = d * (float)((qs[k] >> 4) | ((h >> (16 + k)) & 1) << 4) + m;
+    }
+}
+
+INLINE void dec_iq4_nl(const uint8_t *const *p, int b, float *w) { /* qs, d, lv (16 floats) */
+    const uint8_t *qs = p[0] + 16 * b;
+    const float d = ld_f16(p[1] + 2 * b);
+    const uint8_t *lv = p[2];
+    for (int k = 0; k < 16; k++) {
+        w[k] = d * u2f(ld_u32(lv + 4 * (qs[k] & 15)));
+        w[16 + k] = d * u2f(ld_u32(lv + 4 * (qs[k] >> 4)));
+    }
+}
+
+INLINE void dec_mxfp4(const uint8_t *const *p, int b, float *w) { /* qs, e, lv (16 floats) */
+    const uint8_t *qs = p[0] + 16 * b;
+    const float d = e8m0_half(p[1][b]);
+    const uint8_t *lv = p[2];
+    for (int k = 0; k < 16; k++) {
+        w[k] = d * u2f(ld_u32(lv + 4 * (qs[k] & 15)));
+        w[16 + k] = d * u2f(ld_u32(lv + 4 * (qs[k] >> 4)));
+    }
+}
+
+/* Q2_K / Q3_K (256): element e = 128 n + 32 j + l is bits 2j of qs[32 n + l]; its scale group
+ * is e / 16. */
+INLINE void dec_q2_k(const uint8_t *const *p, int b, float *w) { /* qs 64, sc 16, d, dmin */
+    const uint8_t *qs = p[0] + 64 * b, *sc = p[1] + 16 * b;
+    const float d = ld_f16(p[2] + 2 * b), dm = ld_f16(p[3] + 2 * b);
+    for (int g = 0; g < 16; g++) {
+        const float dl = d * (float)(sc[g] & 15), ml = dm * (float)(sc[g] >> 4);
+        const int n = g / 8, j = (g / 2) % 4, l0 = 16 * (g % 2);
+        for (int l = 0; l < 16; l++)
+            w[16 * g + l] = dl * (float)((qs[32 * n + l0 + l] >> (2 * j)) & 3) - ml;
+    }
+}
+
+/* Q3_K: the third bit of element e is bit e / 32 of hm[e % 32] (0: the value is q - 4); the
+ * 6-bit scale of group g has its low 4 bits in nibble g / 8 of sc[g % 8] and its high 2 in
+ * bits 2 (g / 4) of sc[8 + g % 4], minus 32. */
+INLINE void dec_q3_k(const uint8_t *const *p, int b, float *w) { /* qs 64, hm 32, sc 12, d */
+    const uint8_t *qs = p[0] + 64 * b, *hm = p[1] + 32 * b, *sc = p[2] + 12 * b;
+    const float d = ld_f16(p[3] + 2 * b);
+    for (int g = 0; g < 16; g++) {
+        const int s = ((sc[g % 8] >> (4 * (g / 8))) & 15) | ((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4;
+        const float dl = d * (float)(s - 32);
+        const int n = g / 8, j = (g / 2) % 4, l0 = 16 * (g % 2);
+        for (int l = 0; l < 16; l++) {
+            const int q = (qs[32 * n + l0 + l] >> (2 * j)) & 3;
+            const int h = (hm[l0 + l] >> (4 * n + j)) & 1;
+            w[16 * g + l] = dl * (float)(q - (h ? 0 : 4));
+        }
+    }
+}
+
+/* IQ3_XXS (256; qs 64 grid indices, ss 32 = a u32 per 32 elements, d, grid 256 x 4 bytes,
+ * ks 128 sign patterns): unit j's word: scale in bits 28..31, the sign pattern of its i-th 8
+ * elements at bits 7i. value = (d (0.5 + s) 0.5) * grid, negated where the pattern says. */
+INLINE void dec_iq3_xxs(const uint8_t *const *p, int b, float *w) {
+    const uint8_t *qs = p[0] + 64 * b, *ss = p[1] + 32 * b, *grid = p[3], *ks = p[4];
+    const float d = ld_f16(p[2] + 2 * b);
+    for (int j = 0; j < 8; j++) {
+        const uint32_t word = ld_u32(ss + 4 * j);
+        const float db = d * (0.5f + (float)(word >> 28)) * 0.5f;
+        for (int t = 0; t < 32; t++) {
+            const float v = db * (float)grid[4 * qs[8 * j + t / 4] + t % 4];
+            const int neg = (ks[(word >> (7 * (t / 8))) & 127] >> (t % 8)) & 1;
+            w[32 * j + t] = neg ? -v : v;
+        }
+    }
+}
+
+/* IQ3_S (256; qs 64 low bits of grid indices, hs 44 = qh 8 | signs 32 | scales 4, d, grid
+ * 512 x 4 bytes): index i's ninth bit is bit i % 8 of qh[i / 8]; element e is negative where
+ * bit e % 8 of signs[e / 8] is set; unit j's scale is nibble j % 2 of scales[j / 2]. */
+INLINE void dec_iq3_s(const uint8_t *const *p, int b, float *w) {
+    const uint8_t *qs = p[0] + 64 * b, *hs = p[1] + 44 * b, *grid = p[3];
+    const float d = ld_f16(p[2] + 2 * b);
+    for (int j = 0; j < 8; j++) {
+        const float db = d * (float)(1 + 2 * ((hs[40 + j / 2] >> (4 * (j % 2))) & 15));
+        for (int t = 0; t < 32; t++) {
+            const int i = 8 * j + t / 4;
+            const int idx = qs[i] | ((hs[i / 8] >> (i % 8)) & 1) << 8;
+            const float v = db * (float)grid[4 * idx + t % 4];
+            w[32 * j + t] = (hs[8 + 4 * j + t / 8] >> (t % 8)) & 1 ? -v : v;
+        }
+    }
+}
+
+#define DECODED(T, BLOCK)                                                                     \
+    INLINE void blk_##T(const uint8_t *const *p, int b, const float *x, const float *xs,     \
+                        acc_t *c) {                                                           \
+        (void)xs;                                                                             \
+        float w[BLOCK];                                                                       \
+        dec_##T(p, b, w);                                                                     \
+        x += (BLOCK) * b;                                                                     \
+        for (int i = 0; i < (BLOCK); i += H) c->a[(i / H) & 3] += ldf(w + i) * ldf(x + i);     \
+    }
+DECODED(q4_1, 32)
+DECODED(q5_0, 32)
+DECODED(q5_1, 32)
+DECODED(iq4_nl, 32)
+DECODED(mxfp4, 32)
+DECODED(q2_k, 256)
+DECODED(q3_k, 256)
+DECODED(iq3_xxs, 256)
+DECODED(iq3_s, 256)
+
 INLINE float el_f32(const uint8_t *w, int i) { return u2f(ld_u32(w + 4 * i)); }
 INLINE float el_f16(const uint8_t *w, int i) { return ld_f16(w + 2 * i); }
 INLINE float el_bf16(const uint8_t *w, int i) {
@@ -396,6 +551,15 @@ NO_TAIL(q6_k)
 NO_TAIL(iq4_xs)
 NO_TAIL(q8_0)
 NO_TAIL(q4_0)
+NO_TAIL(q4_1)
+NO_TAIL(q5_0)
+NO_TAIL(q5_1)
+NO_TAIL(iq4_nl)
+NO_TAIL(mxfp4)
+NO_TAIL(q2_k)
+NO_TAIL(q3_k)
+NO_TAIL(iq3_xxs)
+NO_TAIL(iq3_s)
 
 /* Per type, from its block function:
  * dot1: one row's dot product with x;
@@ -449,6 +613,15 @@ DOTS(q6_k, 256)
 DOTS(iq4_xs, 256)
 DOTS(q8_0, 32)
 DOTS(q4_0, 32)
+DOTS(q4_1, 32)
+DOTS(q5_0, 32)
+DOTS(q5_1, 32)
+DOTS(iq4_nl, 32)
+DOTS(mxfp4, 32)
+DOTS(q2_k, 256)
+DOTS(q3_k, 256)
+DOTS(iq3_xxs, 256)
+DOTS(iq3_s, 256)
 DOTS(f32, H)
 DOTS(f16, H)
 DOTS(bf16, H)
@@ -473,6 +646,15 @@ static const qtype_info TYPES[] = {
     {T_IQ4_XS, 256, 4, {128, 8, 2, 0}, FNS(iq4_xs)},
     {T_Q8_0, 32, 2, {32, 2}, FNS(q8_0)},
     {T_Q4_0, 32, 2, {16, 2}, FNS(q4_0)},
+    {T_Q4_1, 32, 3, {16, 2, 2}, FNS(q4_1)},
+    {T_Q5_0, 32, 3, {16, 4, 2}, FNS(q5_0)},
+    {T_Q5_1, 32, 4, {16, 4, 2, 2}, FNS(q5_1)},
+    {T_IQ4_NL, 32, 3, {16, 2, 0}, FNS(iq4_nl)},
+    {T_MXFP4, 32, 3, {16, 1, 0}, FNS(mxfp4)},
+    {T_Q2_K, 256, 4, {64, 16, 2, 2}, FNS(q2_k)},
+    {T_Q3_K, 256, 4, {64, 32, 12, 2}, FNS(q3_k)},
+    {T_IQ3_XXS, 256, 5, {64, 32, 2, 0, 0}, FNS(iq3_xxs)},
+    {T_IQ3_S, 256, 4, {64, 44, 2, 0}, FNS(iq3_s)},
     {T_F32, 1, 1, {4}, FNS(f32)},
     {T_F16, 1, 1, {2}, FNS(f16)},
     {T_BF16, 1, 1, {2}, FNS(bf16)},
@@ -482,6 +664,17 @@ static const qtype_info *type_info(int32_t qtype) {
     for (size_t i = 0; i < sizeof TYPES / sizeof TYPES[0]; i++)
         if (TYPES[i].qtype == qtype) return &TYPES[i];
     return NULL;
+}
+
+/* The block size and plane bytes the library reads qtype with: out[0] elements per block,
+ * out[1] planes, out[2..] each plane's bytes per block (0: a fixed plane). 0 if unsupported. */
+int strata_type_layout(int32_t qtype, int32_t *out) {
+    const qtype_info *ti = type_info(qtype);
+    if (!ti) return 0;
+    out[0] = ti->block;
+    out[1] = ti->nplanes;
+    for (int i = 0; i < STRATA_MAX_PLANES; i++) out[2 + i] = i < ti->nplanes ? ti->bytes[i] : 0;
+    return 1;
 }
 
 /* 1 if the library computes matrices of GGML type qtype. */

@@ -42,6 +42,7 @@ import torch
 
 from strata.engine import cpuinfo
 from strata.engine.quant.expert_layout import KernelSlotLayout
+from strata.engine.quant.formats import FORMATS
 from strata.engine.quant.repack import PLANES, RepackedLayout
 from strata.paths import cache_dir
 
@@ -169,6 +170,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.strata_pool_free.argtypes, lib.strata_pool_free.restype = [vp], None
     lib.strata_run_job.argtypes, lib.strata_run_job.restype = [vp], None
     lib.strata_supported.argtypes, lib.strata_supported.restype = [i32], ctypes.c_int
+    lib.strata_type_layout.argtypes = [i32, ctypes.POINTER(ctypes.c_int32)]
+    lib.strata_type_layout.restype = ctypes.c_int
     lib.strata_pool_serve.argtypes = [vp, vp, ctypes.POINTER(vp), ctypes.c_int]
     lib.strata_pool_serve.restype = ctypes.c_int
     lib.strata_pool_arm.argtypes, lib.strata_pool_arm.restype = [vp, ctypes.c_int64], None
@@ -200,8 +203,27 @@ def library() -> ctypes.CDLL:
                     f"{path}: strata_job is {lib.strata_job_bytes()} bytes in C, "
                     f"{ctypes.sizeof(StrataJob)} in the ctypes mirror"
                 )
+            if wrong := layout_mismatches(lib):
+                raise CpuExpertsUnavailable(
+                    f"{path} reads types unlike their descriptions: {wrong}"
+                )
             _lib = lib
         return _lib
+
+
+def layout_mismatches(lib: ctypes.CDLL) -> str:
+    """The types whose block or plane sizes in the library differ from their descriptions
+    (``quant.formats``), as text; empty when every type the library computes agrees."""
+    out = (ctypes.c_int32 * (2 + MAX_PLANES))()
+    wrong = []
+    for q, f in FORMATS.items():
+        if not lib.strata_type_layout(int(q), out):
+            continue
+        want = [f.block, len(f.planes), *(p.block_bytes for p in f.planes)]
+        want += [0] * (2 + MAX_PLANES - len(want))
+        if list(out) != want:
+            wrong.append(f"{q.name} {list(out)} (described: {want})")
+    return "; ".join(wrong)
 
 
 # -- the Python side --------------------------------------------------------------------------

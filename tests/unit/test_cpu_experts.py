@@ -25,11 +25,13 @@ from strata.engine.kernels import cpu_experts
 from strata.engine.kernels.cpu_experts import CpuExperts, CpuExpertsUnavailable, CpuJob
 from strata.engine.quant import repack
 from strata.engine.quant.expert_layout import RUN_ALIGN, KernelSlotLayout, align
+from strata.engine.quant.formats import fmt
 from strata.engine.quant.repack import RepackedLayout, repacked_layout
 from tests.model.quantdata import random_bytes
 
 Q = gguf.GGMLQuantizationType
-SUPPORTED = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_K, Q.Q4_0, Q.IQ4_XS, Q.F16, Q.BF16, Q.F32]
+SUPPORTED = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_K, Q.Q4_0, Q.IQ4_XS, Q.F16, Q.BF16, Q.F32, Q.Q4_1,
+             Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.IQ3_XXS, Q.IQ3_S]  # fmt: skip
 TOL = 1e-4  # relative error of y against the float64 reference
 
 
@@ -125,7 +127,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def shape_for(qtype: Q) -> tuple[int, int]:
     """(D, F) small enough to be quick, whole blocks for ``qtype`` in both directions (and
     neither a multiple of the vector width for the float types)."""
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    block = fmt(qtype).block
     return (2 * block, block) if block > 1 else (100, 37)
 
 
@@ -134,6 +136,7 @@ def shape_for(qtype: Q) -> tuple[int, int]:
 
 def test_supported_types_are_the_library_s_and_gguf_s_ids(lib) -> None:
     assert {t for t in Q if lib.strata_supported(int(t))} == set(SUPPORTED)
+    assert cpu_experts.layout_mismatches(lib) == ""  # block and plane sizes as described
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -343,9 +346,9 @@ def test_the_mailbox_layout_is_the_kernels(lib) -> None:
 
 
 def test_an_unsupported_type_is_named(q4) -> None:
-    q2 = RepackedLayout(Q.Q2_K, 256, 256, (0,), (84,), 256 * 84)
-    layout = KernelSlotLayout(q4.layout.gate, q4.layout.up, q2, 1 << 16, 1 << 17)
-    with pytest.raises(ValueError, match=r"down.*Q2_K"):
+    iq2 = RepackedLayout(Q.IQ2_XXS, 256, 256, (0,), (66,), 256 * 66)  # (a type without one)
+    layout = KernelSlotLayout(q4.layout.gate, q4.layout.up, iq2, 1 << 16, 1 << 17)
+    with pytest.raises(ValueError, match=r"down.*IQ2_XXS"):
         CpuExperts(1).job(layout, kmax=2, pin=False)
 
 
