@@ -247,7 +247,9 @@ def _model(loaded: LoadedConfig, name: str | None, preset: str | None) -> Path:
     """``--synthetic NAME`` (written on first use) or the model file; never the demo model."""
     if name is None or preset is None:
         assert loaded.config.model is not None  # checked with the other flags
-        return loaded.config.model
+        from strata.daemon.engine_setup import model_path
+
+        return model_path(loaded.config)  # a file, or a library model's name
     from strata.engine.synth import ensure_synthetic
 
     bar = ProgressBar(f"writing {name}")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from strata import __version__
 from strata.daemon.config import (
     ENGINE_OPTIONS,
+    LIBRARY_OPTIONS,
     ConfigError,
     LoadedConfig,
     add_option_flags,
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the daemon (HTTP endpoint, VRAM control plane)")
     add_option_flags(srv)
     srv.set_defaults(run=_serve)
+
+    from strata.daemon import models_cmd
+
+    models = sub.add_parser("models", help="list the model library's models, or remove one")
+    models_cmd.add_arguments(models, _Parser, lambda p: add_option_flags(p, LIBRARY_OPTIONS))
 
     from strata.daemon import install_cmd
 

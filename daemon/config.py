@@ -80,7 +80,14 @@ class StrataConfig(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid", validate_default=True, frozen=True)
 
     model: Path | None = Field(
-        None, description="GGUF model file to serve; unset: the built-in demo model"
+        None,
+        description="GGUF model to serve: a file (a split model's first or any part) or a "
+        "model library name (strata models); unset: the built-in demo model",
+    )
+    models_dir: Path | None = Field(
+        None,
+        description="folder of the model library, where strata pull puts models "
+        "(unset: $XDG_DATA_HOME/strata/models)",
     )
     host: str = Field("127.0.0.1", description="address the HTTP endpoint binds")
     port: int = Field(
@@ -288,7 +295,7 @@ class StrataConfig(BaseSettings):
     def _lowercase(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("model", "simulated_vram_file", mode="before")
+    @field_validator("model", "models_dir", "simulated_vram_file", mode="before")
     @classmethod
     def _non_empty_path(cls, value: Any) -> Any:
         # "" would become Path("."): the current directory, never what was meant
@@ -296,7 +303,7 @@ class StrataConfig(BaseSettings):
             raise ValueError("expected a file path, not an empty string (unset it instead)")
         return value
 
-    @field_validator("model", mode="after")
+    @field_validator("model", "models_dir", mode="after")
     @classmethod
     def _expand_user(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
@@ -533,6 +540,9 @@ ENGINE_OPTIONS: frozenset[str] = frozenset({
     "enforce_eager", "fast_prefill", "kv_keep_conversations", "kv_fixed", "devices",
     "layer_split",
 })  # fmt: skip
+# `strata models` and `strata pull`: the library's folder, and the daemon's address (which model
+# it serves).
+LIBRARY_OPTIONS: frozenset[str] = frozenset({"models_dir", "log_level", "host", "port"})
 # `strata bench` sizes the cache itself (its --cache-mib is a list of budgets, all elastic).
 BENCH_OPTIONS = ENGINE_OPTIONS - {"cache_mib", "elastic_tail_mib", "elastic_reserve_mib"}
 

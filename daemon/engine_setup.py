@@ -16,10 +16,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def models_dir(config: StrataConfig) -> Path:
+    """The model library's folder: the ``models_dir`` option, else the XDG data folder's."""
+    from strata.daemon import library
+
+    return config.models_dir if config.models_dir is not None else library.default_dir()
+
+
 def model_path(config: StrataConfig) -> Path:
-    """The configured model, or the built-in demo model (written on first use)."""
+    """The configured model (a file, or a library name resolved to its file), or the built-in
+    demo model (written on first use)."""
     if config.model is not None:
-        return config.model
+        from strata.daemon import library
+
+        return library.resolve(models_dir(config), config.model)
     from strata.engine.demo import ensure_demo_model
 
     path = ensure_demo_model(paths.cache_dir())

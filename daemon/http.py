@@ -32,9 +32,10 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata import __version__
-from strata.daemon import page
+from strata.daemon import library, page
 from strata.daemon.bounded import Bounded
 from strata.daemon.control import BadVramRequest, parse_vram_request
+from strata.daemon.engine_setup import models_dir
 from strata.daemon.generation import Generation, Generations, NotServing, QueueFull
 from strata.daemon.leases import InvalidArgument, LeaseError, NoDevice, NotEnoughVram, Timeout
 from strata.daemon.metrics import CONTENT_TYPE, Metrics
@@ -163,7 +164,8 @@ def create_app(daemon: Any) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         engine()
-        return names().listing(created())
+        shelf = await asyncio.to_thread(library.listed, models_dir(config))
+        return names().listing(created(), shelf)
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:

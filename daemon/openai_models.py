@@ -4,7 +4,9 @@ The model's id (its GGUF file's stem), its file name, and the aliases of the ``m
 option select it. With ``serve_any_model_name`` (on by default, as llama-server serves any
 name) a request naming another model — ``gpt-4o`` from a client with OpenAI's defaults, or
 ``""`` — is served by the loaded one too; off, such a request is a 404 naming the models
-served. ``/v1/models`` lists the id, then each alias, as models of their own.
+served. ``/v1/models`` lists the id, then each alias, as models of their own, then the other
+models of the model library (``status`` says which is loaded: llama-server's router lists its
+models so; this daemon serves one model, so the others load only with ``--model NAME``).
 """
 
 from __future__ import annotations
@@ -56,9 +58,12 @@ class ModelNames:
         if not self.serve_any and not self.selects(name):
             raise model_not_found(name, [self.id, *self.aliases])
 
-    def listing(self, created: int) -> dict[str, Any]:
+    def listing(self, created: int, library: Sequence[tuple[str, int]] = ()) -> dict[str, Any]:
+        """The served names, then the library's other models (``library``: name, created)."""
         names = (self.id, *self.aliases)
-        return {"object": "list", "data": [model_entry(n, created) for n in names]}
+        data = [model_entry(n, created) for n in names]
+        data += [model_entry(n, t, loaded=False) for n, t in library if n not in names]
+        return {"object": "list", "data": data}
 
     def entry(self, name: str, created: int) -> dict[str, Any]:
         """``GET /v1/models/{name}``: a name the model answers to (any, with serve_any: a
@@ -67,5 +72,6 @@ class ModelNames:
         return model_entry(name if self.selects(name) else self.id, created)
 
 
-def model_entry(model_id: str, created: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "strata"}
+def model_entry(model_id: str, created: int, loaded: bool = True) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "strata",
+            "status": {"value": "loaded" if loaded else "unloaded"}}  # fmt: skip

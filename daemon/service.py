@@ -114,7 +114,15 @@ class Daemon:
 
     @property
     def model_id(self) -> str:
-        return self.model_path.stem if self.model_path else ""
+        # a library model's name, else its file's; looked up once per model (it reads the folder)
+        known = getattr(self, "_model_id", None)
+        if known is None or known[0] != self.model_path:
+            from strata.daemon import library
+            from strata.daemon.engine_setup import models_dir
+
+            name = library.name_of(self.model_path, models_dir(self.config))
+            self._model_id = known = (self.model_path, name)
+        return known[1]
 
     # -- the VRAM API ---------------------------------------------------------------------------
 

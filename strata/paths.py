@@ -1,4 +1,5 @@
-"""XDG base directories: config, state (the expert profile) and cache (the demo model)."""
+"""XDG base directories: config, state (the expert profile), cache (the demo model) and data (the
+model library)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,7 @@ def state_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     return _base(os.environ if environ is None else environ, "XDG_CACHE_HOME", ".cache") / APP
+
+
+def data_dir(environ: Mapping[str, str] | None = None) -> Path:
+    return _base(os.environ if environ is None else environ, "XDG_DATA_HOME", ".local/share") / APP
