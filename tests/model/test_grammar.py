@@ -11,6 +11,7 @@ import os
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -293,7 +294,11 @@ def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
 
 def test_the_output_plan_for_each_tool_choice(engine: Engine, tiny_models) -> None:
     from strata.daemon.api_errors import ApiError
-    from strata.daemon.openai_tools import ResponseFormat, ToolChoice, plan_output
+    from strata.daemon.openai_tools import ResponseFormat, ToolChoice, compile_output
+    from strata.daemon.openai_tools import plan_output as plan_only
+
+    def plan_output(eng: Engine, *args: Any) -> Any:  # the plan with its grammar compiled
+        return compile_output(eng.grammars, plan_only(eng, *args))
 
     msgs = [{"role": "user", "content": "weather?"}]
     strict = replace(WEATHER, strict=True)
