@@ -32,7 +32,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata import __version__
-from strata.daemon import library, page
+from strata.daemon import library, llama_extras, page
+from strata.daemon.api_shapes import api_of, error_json
 from strata.daemon.bounded import Bounded
 from strata.daemon.control import BadVramRequest, parse_vram_request
 from strata.daemon.engine_setup import models_dir
@@ -55,6 +56,7 @@ from strata.daemon.openai_api import (
 from strata.daemon.openai_models import ModelNames
 from strata.daemon.openai_reasoning import ReasoningDefaults
 from strata.daemon.openai_stream import ReplyStream, reply_body
+from strata.daemon.serving import Serving
 from strata.daemon.status_feed import event_stream
 from strata.engine.errors import ContextOverflow, EngineError
 
@@ -63,7 +65,8 @@ log = logging.getLogger(__name__)
 FINGERPRINT = f"strata-{__version__}"
 OPEN_PATHS = frozenset({"/health", *page.PATHS})  # the page holds no secret; its calls need the key
 ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions",
-                       "/v1/completions", "/v1/vram", "/v1/vram/events", *page.PATHS})  # fmt: skip
+                       "/v1/completions", "/v1/vram", "/v1/vram/events", *page.PATHS,
+                       *llama_extras.PATHS})  # fmt: skip
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # nginx's status for a request its client abandoned (never sent: it is gone)
 
@@ -236,6 +239,11 @@ def create_app(daemon: Any) -> FastAPI:
     for path, file in page.load().items():
         app.add_api_route(path, _page_file(file), methods=["GET"], include_in_schema=False)
 
+    # the other APIs, on the same engine request and generation path (serving.py)
+    serving = Serving(daemon, config, engine, names, created, reasoning, generations,
+                      FINGERPRINT, as_api_error)  # fmt: skip
+    for api in (llama_extras,):
+        api.add_routes(app, serving)
     return app
 
 
@@ -303,9 +311,11 @@ def as_api_error(exc: BaseException) -> ApiError:
     return ApiError(500, "internal error (see the daemon's log)", "server_error")
 
 
-def _error_response(exc: BaseException) -> JSONResponse:
+def _error_response(exc: BaseException, path: str = "") -> JSONResponse:
+    """The error in the shape of the API ``path`` speaks (api_shapes)."""
     err = as_api_error(exc)
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    body = error_json(err, api_of(path))
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -314,7 +324,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             where = _cut(f"{request.method} {request.url.path}")
             what = "no such endpoint" if exc.status_code == 404 else "method not allowed"
             exc = StarletteHTTPException(exc.status_code, f"{what}: {where}")
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     for kind in (ApiError, QueueFull, NotServing, StarletteHTTPException,
                  RequestValidationError, EngineError, ClientDisconnect, Exception):  # fmt: skip
@@ -395,7 +405,7 @@ class GuardHostAndOrigin:
             return
         err = self._check(scope)
         if err is not None:
-            await _error_response(err)(scope, receive, send)
+            await _error_response(err, scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -470,7 +480,8 @@ def _endpoint(path: str) -> str:
 
 
 class RequireKey:
-    """``Authorization: Bearer <api_key>`` on every path but ``/health``."""
+    """``Authorization: Bearer <api_key>`` (or Anthropic's ``x-api-key: <api_key>``) on every
+    path but ``/health``."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
@@ -485,10 +496,15 @@ class RequireKey:
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
             await self.app(scope, receive, send)
             return
+        other = _header(scope, b"x-api-key")
+        if other is not None and hmac.compare_digest(other.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        given = given or other
         message = "invalid API key" if given else "missing API key (Authorization: Bearer KEY)"
         err = ApiError(401, message, "invalid_request_error", None, "invalid_api_key",
                        {"WWW-Authenticate": "Bearer"})  # fmt: skip
-        await _error_response(err)(scope, receive, send)
+        await _error_response(err, scope["path"])(scope, receive, send)
 
 
 UNCAPPED_PATHS = frozenset({"/health", "/metrics"})  # monitoring answers under any load
@@ -512,7 +528,7 @@ class LimitInProgress:
                            "server takes at once (max_requests_in_progress); retry shortly",
                            "server_error", None, "too_many_requests_in_progress",
                            {"Retry-After": "1"})  # fmt: skip
-            await _error_response(err)(scope, receive, send)
+            await _error_response(err, scope["path"])(scope, receive, send)
             return
         self.load.requests += 1
         try:
@@ -547,7 +563,8 @@ class LimitBody:
             return
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _error_response(self._too_large(length.decode()))(scope, receive, send)
+            too_large = _error_response(self._too_large(length.decode()), scope["path"])
+            await too_large(scope, receive, send)
             return
         seen = 0
         load = self.load

@@ -220,7 +220,11 @@ DEFAULT_MAX_STOP = 4  # OpenAI's limit (the option max_stop_sequences)
 
 
 def parse_chat(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
-    raw = _json_object(body)
+    return chat_from(json_object(body), max_stop)
+
+
+def chat_from(raw: dict[str, Any], max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
+    """A chat request from its JSON object (the other APIs build one and come through here)."""
     _refuse_unsupported(raw, _CHAT_RULES)
     req = _validate(ChatRequest, raw)
     messages = _messages(req.messages)
@@ -256,7 +260,11 @@ def parse_chat(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
 
 
 def parse_completion(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
-    raw = _json_object(body)
+    return completion_from(json_object(body), max_stop)
+
+
+def completion_from(raw: dict[str, Any], max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
+    """A completion request from its JSON object."""
     _refuse_unsupported(raw, _COMPLETION_RULES)
     req = _validate(CompletionRequest, raw)
     prompt = req.prompt
@@ -286,7 +294,8 @@ def parse_completion(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
     )
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+def json_object(body: bytes) -> dict[str, Any]:
+    """A request body that must be a JSON object (every API's), or a 400 saying why not."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -463,15 +472,28 @@ def prepare(req: Parsed, engine: Any, defaults: ReasoningDefaults | None = None)
 def _chat_ids(
     ask: ReasoningAsk, engine: Any, plan: OutputPlan, defaults: ReasoningDefaults
 ) -> tuple[list[int], ReasoningPlan | None]:
+    text = _render(ask, engine, plan, defaults)
+    family = family_for(engine.template.source if engine.template is not None else None)
+    # The template writes BOS itself where the model wants one; encode never doubles it.
+    return engine.tokenizer.encode(text), plan_reasoning(ask, family, text, defaults)
+
+
+def chat_prompt_text(req: Parsed, engine: Any, defaults: ReasoningDefaults | None = None) -> str:
+    """A chat request's prompt as the template writes it, without generating (llama-server's
+    ``/apply-template``, the token counts of Anthropic's ``count_tokens``)."""
+    plan = plan_output(engine, req.messages, req.tools, req.tool_choice,
+                       req.parallel_tool_calls, req.response_format)  # fmt: skip
+    return _render(req.reasoning, engine, plan, defaults or ReasoningDefaults())
+
+
+def _render(ask: ReasoningAsk, engine: Any, plan: OutputPlan, defaults: ReasoningDefaults) -> str:
     template = engine.template
     family = family_for(template.source if template is not None else None)
     variables = template_variables(ask, family, defaults)
     try:
-        text = engine.render_chat(plan.messages, plan.template_tools, variables)
+        return str(engine.render_chat(plan.messages, plan.template_tools, variables))
     except EngineError as e:  # the template refused the messages, or the file has none
         raise invalid(f"messages: {e}", "messages") from None
-    # The template writes BOS itself where the model wants one; encode never doubles it.
-    return engine.tokenizer.encode(text), plan_reasoning(ask, family, text, defaults)
 
 
 def _special_ids(engine: Any, texts: Sequence[str]) -> frozenset[int]:

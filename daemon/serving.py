@@ -1,0 +1,57 @@
+"""What every API's routes share: one engine, one queue, one generation path.
+
+The OpenAI routes, Anthropic's Messages, OpenAI's Responses and Ollama's API each parse their
+own request into the OpenAI chat or completion request (:class:`Parsed`), and :meth:`start`
+takes it the one way every generation goes: the model name checked, ``prepare`` (prompt,
+sampling, grammar, tools, reasoning), the queue. Each API then writes the reply
+(``openai_stream`` gives the OpenAI body or chunks; the other APIs translate those).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from strata.daemon.api_errors import ApiError
+from strata.daemon.generation import Generation, Generations
+from strata.daemon.openai_api import Parsed, Prepared, Reply, prepare
+from strata.daemon.openai_models import ModelNames
+from strata.daemon.openai_reasoning import ReasoningDefaults
+
+
+@dataclass(frozen=True)
+class Started:
+    """A request admitted to the queue: the engine, what it will run, the generation, and
+    what the OpenAI body or chunks of its reply share."""
+
+    engine: Any
+    ready: Prepared
+    gen: Generation
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class Serving:
+    daemon: Any
+    config: Any
+    engine: Callable[[], Any]  # the loaded engine, or a 503 while loading or stopping
+    names: Callable[[], ModelNames]
+    created: Callable[[], int]  # the model file's time (seconds since the epoch)
+    reasoning: ReasoningDefaults
+    generations: Generations
+    fingerprint: str
+    error: Callable[[BaseException], ApiError]  # any exception as the error a client sees
+
+    async def start(self, request: Request, req: Parsed, received: float) -> Started:
+        eng = self.engine()
+        self.names().check(req.model)
+        ready = await asyncio.to_thread(prepare, req, eng, self.reasoning)
+        gen = await self.generations.submit(
+            ready.prompt, ready.params, received, req.stream, request.receive,
+            ready.constraint, ready.show_special,
+        )  # fmt: skip
+        return Started(eng, ready, gen, Reply.new(req, self.daemon.model_id, self.fingerprint))
