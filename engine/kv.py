@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from strata.engine.kvbook import KVBook, pages_for
+from strata.engine.recurrent import RecurrentState
 from strata.vmm.arena import ElasticArena, create_arena
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class KVCache:
         self.block_table = torch.zeros(self.table_pages, dtype=torch.int32, device=self.device)
         self._table_synced: list[int] = []
         self.length = 0  # kept for the kernels' callers; the book's active tokens are the truth
+        # a hybrid's DeltaNet layers' states (and checkpoints) for the active sequence, in the
+        # same budget: counted in mapped_bytes (``Sequences`` restores it on a rewind)
+        self.state: RecurrentState | None = None
         try:
             first = 1 + self.table_pages if fixed else 1
             self._map(self.book.bytes_for(first))
@@ -101,11 +105,16 @@ class KVCache:
 
     @property
     def mapped_bytes(self) -> int:
-        return self.arena.mapped_bytes
+        """The pages mapped, and the recurrent state with its checkpoints."""
+        return self.arena.mapped_bytes + self.state_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return 0 if self.state is None else self.state.nbytes
 
     @property
     def nbytes(self) -> int:
-        return self.arena.mapped_bytes
+        return self.mapped_bytes
 
     @property
     def chunk_bytes(self) -> int:
@@ -167,6 +176,7 @@ class KVCache:
 
     def close(self) -> None:
         self.pool = torch.empty(0)
+        self.state = None
         self.arena.close()
 
     # -- the active sequence ---------------------------------------------------------------------
@@ -202,6 +212,8 @@ class KVCache:
         """The K/V of ``tokens`` (after the active sequence's) is written."""
         self.book.extend(tokens)
         self.length = len(self.book.active.tokens)
+        if self.state is not None:
+            self.state.advance(tokens)
 
     def truncate(self, length: int) -> None:
         """Forget the active sequence's positions from ``length`` on."""
@@ -266,6 +278,7 @@ class KVCache:
             "kept_bytes": b.kept_only_pages() * self.page_bytes,
             "kept_tokens": b.kept_tokens(),
             "free_bytes": b.free_pages * self.page_bytes,
+            **({} if self.state is None else self.state.status()),
         }
 
     def floor_bytes(self) -> int:
@@ -273,7 +286,7 @@ class KVCache:
         request runs (and the sink), packed down and in whole chunks. Kept conversations, an
         idle active sequence (between requests) and free pages can go."""
         b = self.book
-        return b.bytes_for(max(1, b.used_pages - b.evictable_pages()))
+        return b.bytes_for(max(1, b.used_pages - b.evictable_pages())) + self.state_bytes
 
     def context_bytes(self, tokens: int) -> int:
         """What ``tokens`` positions of one sequence need mapped (whole pages)."""

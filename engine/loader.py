@@ -31,6 +31,7 @@ from strata.engine.models import architecture_module
 from strata.engine.models.base import MoEModel
 from strata.engine.ops import ModelShape
 from strata.engine.options import EngineOptions
+from strata.engine.recurrent import message_start_ids
 from strata.engine.reference_runner import ReferenceRunner
 from strata.engine.sequences import Sequences, new_kvs
 from strata.engine.stages import (
@@ -208,7 +209,10 @@ class _Loading:
             ReferenceRunner(self.model, i, kv, FileExpertProvider(self.index, dev))
             for i, (kv, dev) in enumerate(zip(kvs, self.model.stage_devices, strict=True))
         ]
-        return Sequences(stages, self.n_ctx, options.prefill_chunk_tokens)
+        seqs = Sequences(stages, self.n_ctx, options.prefill_chunk_tokens)
+        if self.model.shape.delta_net is not None:  # checkpoints of the state at messages
+            seqs.boundary_tokens = message_start_ids(self.index.metadata["tokenizer.ggml.tokens"])
+        return seqs
 
     def fast_path(self) -> bool:
         """The GPU runners with their kernels built, in place of the reference ones; where they

@@ -34,10 +34,23 @@ def reference_step(
             f"{len(seq.tokens)} tokens at position {seq.start} do not fit the context "
             f"of {stage.kv.n_ctx}"
         )
+    model, state = stage.model, stage.kv.state
+    kv_slots = state_slots = None
+    if model.shape.recurrent:
+        kv_slots = {layer: i for i, layer in enumerate(model.kv_layers(stage.layers))}
+        state_slots = {layer: i for i, layer in enumerate(model.state_layers(stage.layers))}
+    if state is not None:
+        if state.dirty or len(state.tokens) != seq.start:
+            held = "a failed step's" if state.dirty else f"{len(state.tokens)} positions'"
+            raise RuntimeError(
+                f"the recurrent state holds {held} state, the step starts at {seq.start}"
+            )
+        state.begin_step()
     ops = RefOps(
         seq.tensor(stage.device), seq.start, stage.kv, stage.layers.start, stage.provider,
-        rope, last_only=batch.last_only,
+        rope, last_only=batch.last_only, kv_slots=kv_slots, state=state,
+        state_slots=state_slots,
     )  # fmt: skip
-    out = stage.model.forward(ops, stage.layers, x)
+    out = model.forward(ops, stage.layers, x)
     stage.kv.length = seq.end
     return out

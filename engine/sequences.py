@@ -6,6 +6,7 @@ caller may resize an expert cache or cancel."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from strata.engine.errors import ContextOverflow
 from strata.engine.experts.cache import ExpertCache, ResizeResult
 from strata.engine.kv import KVCache
 from strata.engine.models.base import MoEModel
+from strata.engine.recurrent import DEFAULT_CHECKPOINTS, RecurrentState
 from strata.engine.step import Batch, StageRunner, run_stages
 
 if TYPE_CHECKING:
@@ -38,22 +40,28 @@ def new_kvs(
     n_ctx: int,
     kind: str,
     stage_options: Sequence[dict[str, Any]] | None = None,
+    state_checkpoints: int = DEFAULT_CHECKPOINTS,
     **options: Any,
 ) -> list[KVCache]:
     """One K/V cache per stage, of its layers on its device (``stage_options``: per stage,
-    ``KVCache`` keywords over ``options``, e.g. each stage's own arena factory). Nothing leaks
-    when one fails."""
+    ``KVCache`` keywords over ``options``, e.g. each stage's own arena factory); a hybrid's
+    stages hold their DeltaNet layers' state beside the K/V, with up to ``state_checkpoints``
+    checkpoints. Nothing leaks when one fails."""
     n = len(model.spans)
     per = list(stage_options) if stage_options is not None else [{}] * n
     if len(per) != n:
         raise ValueError(f"{len(per)} K/V option sets for {n} stages")
-    a = model.shape.attention
+    a, dn = model.shape.attention, model.shape.delta_net
     kvs: list[KVCache] = []
     try:
         for i, span in enumerate(model.spans):
             kw = {**options, **per[i]}
             dev = model.stage_devices[i]
-            kvs.append(KVCache(len(span), n_ctx, a.n_head_kv, a.head_dim, kind, dev, **kw))
+            n_kv = max(1, len(model.kv_layers(span)))  # (a stage of DeltaNet layers only: 1)
+            kvs.append(KVCache(n_kv, n_ctx, a.n_head_kv, a.head_dim, kind, dev, **kw))
+            if dn is not None:
+                n_state = len(model.state_layers(span))
+                kvs[-1].state = RecurrentState(dn, n_state, dev, state_checkpoints)
     except BaseException:
         for kv in kvs:
             kv.close()
@@ -79,6 +87,10 @@ class Sequences:
         # after a request the cache grows into the room the K/V gave back at once; the daemon's
         # worker turns this off and grows it in pieces, between requests' steps (refill_slots)
         self.settle_grows = True
+        # tokens that start a chat message (``<|im_start|>``): a hybrid's prompt chunks end
+        # before each, and its recurrent state is checkpointed there for the next turn's reuse
+        self.boundary_tokens: frozenset[int] = frozenset()
+        self._boundaries: set[int] = set()
 
     @property
     def gpu(self) -> GpuRunner | None:
@@ -277,16 +289,34 @@ class Sequences:
         # finds them in use, and waits or is refused, instead of failing the request midway
         self.make_room(start + len(ids))
         logits = None
-        for i in range(0, len(ids), self.prefill_chunk):
-            chunk = list(ids[i : i + self.prefill_chunk])
+        cuts = self._cuts(ids)
+        for i, j in itertools.pairwise(cuts):
+            chunk = list(ids[i:j])
             logits = self._chunk(chunk, len(self.tokens), last_only=True)
             self._commit(chunk)
             self.steps += 1
+            if j in self._boundaries or (j == len(ids) and len(ids) > 1):
+                checkpoint_states(self.stages)  # the start of a message, the end of a prompt read
             if safe_point is not None:
                 safe_point()
         assert logits is not None
         self._prompt_done()
         return logits[-1].float()
+
+    # -- the recurrent state (hybrid models) --------------------------------------------------
+
+    @property
+    def states(self) -> list[RecurrentState]:
+        """Each stage's recurrent state (empty where the model has none)."""
+        return [s.kv.state for s in self.stages if s.kv.state is not None]
+
+    def _cuts(self, ids: Sequence[int]) -> list[int]:
+        """Where a prompt's chunks end (``prompt_cuts``); a hybrid's checkpoints go at
+        ``self._boundaries`` (the starts of messages)."""
+        self._boundaries = set()
+        if self.states and self.boundary_tokens:
+            self._boundaries = {i for i, t in enumerate(ids) if i and t in self.boundary_tokens}
+        return prompt_cuts(len(ids), self.prefill_chunk, self._boundaries)
 
     @torch.inference_mode()
     def mask_logits(self, logits: torch.Tensor, constraint: Constraint) -> torch.Tensor:
@@ -486,11 +516,20 @@ class Sequences:
         held = [stage.kv.begin(list(prompt)) for stage in self.stages]
         # every stage's K/V went through the same steps: they hold the same conversations
         assert len(set(held)) == 1, f"the stages' K/V disagree on the prompt's prefix: {held}"
-        return list(prompt[held[0] :])
+        n = restore_states(self.stages, list(prompt[: held[0]]))
+        return list(prompt[n:])
 
     def rewind(self, length: int) -> None:
+        """Forget the active sequence from position ``length`` on. A hybrid's state goes back to
+        its latest checkpoint at or before ``length`` and reads the tokens up to it again, one
+        step per token as decoding read them (so a rewind into generated text restores the
+        state bit for bit)."""
+        tokens = self.tokens[:length]
         for stage in self.stages:
             stage.kv.truncate(length)
+        n = restore_states(self.stages, tokens)
+        for t in tokens[n:]:
+            self.feed([t])
 
     def flush_usage(self) -> list:
         """Expert uses counted on the device reach the providers' counts; the keys used."""
@@ -528,3 +567,52 @@ class Sequences:
             pos += n
         self._prompt_done()
         return torch.cat(out).float().cpu()
+
+
+# -- a hybrid's recurrent state over the stages ------------------------------------------------
+
+
+def prompt_cuts(n: int, chunk: int, boundaries: set[int]) -> list[int]:
+    """Where the chunks of an ``n``-token prompt start and end: every ``chunk`` tokens, and at
+    each of ``boundaries`` (a checkpoint of the recurrent state goes there)."""
+    cuts, i = [0], 0
+    for b in [*sorted(boundaries), n]:
+        while b - i > chunk:
+            i += chunk
+            cuts.append(i)
+        if b > i:
+            cuts.append(b)
+            i = b
+    return cuts
+
+
+def checkpoint_states(stages: Sequence[StageRunner]) -> None:
+    """Keep a copy of each stage's state after the tokens read so far, within the stage's
+    budget (the oldest checkpoint makes room; none taken where even that is not enough)."""
+    for stage in stages:
+        state = stage.kv.state
+        if state is None:
+            continue
+        room = stage.budget_room()
+        full = len(state.checkpoints) >= state.max_checkpoints
+        if room is not None and room < state.state_bytes and not full:
+            if not state.checkpoints:
+                log.debug("no room in the budget for a state checkpoint")
+                return
+            state.checkpoints.pop(0)
+        state.checkpoint()
+
+
+def restore_states(stages: Sequence[StageRunner], prefix: list[int]) -> int:
+    """A hybrid's states set to the longest prefix of ``prefix`` they (or a checkpoint) hold,
+    the K/V cut to the same length; returns it (``len(prefix)`` without a state)."""
+    states = [s.kv.state for s in stages if s.kv.state is not None]
+    if not states:
+        return len(prefix)
+    n = min(state.restore(prefix) for state in states)
+    if any(len(state.tokens) != n for state in states):  # a checkpoint one stage lost
+        n = min(state.restore(prefix[:n]) for state in states)
+    if n < len(prefix):
+        for stage in stages:
+            stage.kv.truncate(n)
+    return n

@@ -18,7 +18,7 @@ from strata.engine.gguf_index import GGUFIndex
 from strata.engine.models.base import ModelArgs
 from strata.engine.quant import SUPPORTED_TYPES
 
-SUPPORTED = ("qwen3moe", "llama")
+SUPPORTED = ("qwen3moe", "llama", "qwen35moe", "qwen3next")
 
 # {arch}.KEY that every supported file must carry, each a whole number >= 1
 REQUIRED_COUNTS = (
@@ -41,16 +41,17 @@ def architecture_module(arch: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{arch}")
 
 
-def read_args(index: GGUFIndex, **arch: object) -> ModelArgs:
+def read_args(index: GGUFIndex, args_class: type[ModelArgs] = ModelArgs, **arch: object
+              ) -> ModelArgs:  # fmt: skip
     """The decoder's hyper-parameters from ``index``, checked against each other and the file's
-    tensors (``arch``: what the architecture fixes, passed on to ``ModelArgs.read``)."""
+    tensors (``arch``: what the architecture fixes, passed on to ``args_class.read``)."""
     if not index.experts:
         raise ModelLoadError(
             f"{index.path}: {index.arch} file without routed experts (no blk.N.ffn_*_exps "
             "tensors): Strata serves MoE models"
         )
     _check_metadata(index)
-    args = ModelArgs.read(index, **arch)
+    args = args_class.read(index, **arch)
     _check_blocks(index, args)
     _check_tensors(index, args)
     return args
@@ -117,7 +118,11 @@ def _ranges(values: list[int]) -> str:
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """The shape (torch order) of every tensor the decoder reads, from the hyper-parameters."""
+    """The shape (torch order) of every tensor the decoder reads, from the hyper-parameters
+    (an architecture whose layers differ says its own: ``args.tensor_shapes()``)."""
+    own = getattr(args, "tensor_shapes", None)
+    if own is not None:
+        return own()
     d, q, kv = args.n_embd, args.n_head * args.head_dim, args.n_head_kv * args.head_dim
     e, ff = args.n_expert, args.n_ff_exp
     shapes: dict[str, tuple[int, ...]] = {

@@ -194,6 +194,16 @@ class MoEModel(ABC):
     def layer(self, ops: Ops, x: torch.Tensor, i: int) -> torch.Tensor:
         """What layer ``i`` does to the residual stream ``x``, in operations."""
 
+    def kv_layers(self, span: range) -> list[int]:
+        """The layers of ``span`` that keep K/V: all but a hybrid's recurrent ones."""
+        recurrent = self.shape.recurrent
+        return [i for i in span if not (recurrent and recurrent[i])]
+
+    def state_layers(self, span: range) -> list[int]:
+        """The layers of ``span`` that keep a recurrent state instead (a hybrid's DeltaNet)."""
+        recurrent = self.shape.recurrent
+        return [i for i in span if recurrent and recurrent[i]]
+
     # -- the weights --------------------------------------------------------------------------
 
     def attention_weights(self, i: int, device: torch.device) -> AttentionWeights:

@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 class RopeSpec:
     theta: float
     neox: bool  # dimension i rotates with i + d/2 (Qwen); else 2i with 2i + 1 (Llama, Mixtral)
+    n_rot: int | None = None  # rotate the first n_rot values of a head (None: all of them)
+    # the interleaved multi-section layout (Qwen3.5's "imrope"): rotation pair i belongs to
+    # section t, h or w by i % 3 while i < 3 * that section's size, else to the fourth; a text
+    # position fills the first three sections and leaves the fourth at position 0 (unrotated)
+    sections: tuple[int, int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class AttentionSpec:
     head_dim: int
     rms_eps: float
     rope: RopeSpec
+    gated: bool = False  # the q projection gives each head its query, then a gate: out * σ(gate)
 
     @property
     def q_dim(self) -> int:
@@ -63,6 +69,33 @@ class RoutingSpec:
 
 
 @dataclass(frozen=True)
+class DeltaNetSpec:
+    """A Gated DeltaNet layer (linear attention with a recurrent state per sequence): a causal
+    convolution of ``conv_kernel`` taps over q|k|v, ``n_k_heads`` q/k heads and ``n_v_heads``
+    v heads of ``head_dim`` values, a [head_dim, head_dim] state per v head. ``tiled_heads``:
+    v head h reads k head h % n_k_heads (Qwen3.5's file order); else h // (n_v / n_k)."""
+
+    n_k_heads: int
+    n_v_heads: int
+    head_dim: int
+    conv_kernel: int
+    rms_eps: float
+    tiled_heads: bool
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes a runner allocates its buffers by (no architecture's flags)."""
 
@@ -74,6 +107,8 @@ class ModelShape:
     rms_eps: float
     attention: AttentionSpec
     routing: RoutingSpec
+    delta_net: DeltaNetSpec | None = None  # the hybrids' linear-attention layers
+    recurrent: tuple[bool, ...] = ()  # per layer: a DeltaNet layer (no K/V; a state)
 
 
 @dataclass(frozen=True)
@@ -88,9 +123,36 @@ class AttentionWeights:
 
 
 @dataclass(frozen=True)
+class DeltaNetWeights:
+    norm: torch.Tensor  # [D] the RMSNorm before the layer
+    qkv: Weight | None  # [2 Hk S + Hv S, D] q|k|v (None: a fused qkvz)
+    z: Weight | None  # [Hv S, D] the output gate
+    beta: Weight | None  # [Hv, D] (None: a fused ba)
+    alpha: Weight | None  # [Hv, D]
+    conv: torch.Tensor  # [C, K] the causal convolution's taps
+    dt_bias: torch.Tensor  # [Hv]
+    a: torch.Tensor  # [Hv] -exp(A_log): the decay rate, negative
+    out_norm: torch.Tensor  # [S] the gated RMSNorm's weights
+    out: Weight  # [D, Hv S]
+    qkvz: Weight | None = None  # Qwen3-Next's older fused layout: per k head q, k, its v, its z
+    ba: Weight | None = None  # Qwen3-Next: per k head its β rows, then its α rows
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """A dense SwiGLU expert every token takes, scaled by σ(gate · x)."""
+
+    gate_inp: torch.Tensor  # [D]
+    gate: Weight  # [F, D]
+    up: Weight  # [F, D]
+    down: Weight  # [D, F]
+
+
+@dataclass(frozen=True)
 class MoEWeights:
     norm: torch.Tensor  # [D] the RMSNorm before the block
     router: Weight  # [E, D]
+    shared: SharedExpert | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +176,10 @@ class Ops(Protocol):
 
     def moe(
         self, x: torch.Tensor, layer: int, w: MoEWeights, spec: RoutingSpec
+    ) -> torch.Tensor: ...
+
+    def delta_net(
+        self, x: torch.Tensor, layer: int, w: DeltaNetWeights, spec: DeltaNetSpec
     ) -> torch.Tensor: ...
 
     def head(self, x: torch.Tensor, w: HeadWeights) -> torch.Tensor: ...

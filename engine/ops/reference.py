@@ -17,11 +17,16 @@ from strata.engine.kv import KVCache
 from strata.engine.ops import (
     AttentionSpec,
     AttentionWeights,
+    DeltaNetSpec,
+    DeltaNetWeights,
     HeadWeights,
     MoEWeights,
     RopeSpec,
     RoutingSpec,
+    SharedExpert,
 )
+from strata.engine.ops.delta_net import delta_net
+from strata.engine.recurrent import RecurrentState
 from strata.engine.weights import Weight, linear
 
 
@@ -32,25 +37,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rope:
-    """Rotary position embeddings in the two layouts GGUF models use (``RopeSpec.neox``)."""
+    """Rotary position embeddings in the layouts GGUF models use (``RopeSpec``): all of a head or
+    its first ``n_rot`` values, in halves (NeoX) or adjacent pairs, and the interleaved
+    multi-section layout, where the pairs of the fourth section stay unrotated for text."""
 
     def __init__(self, head_dim: int, spec: RopeSpec) -> None:
-        if head_dim % 2:
-            raise ValueError(f"rope needs an even head dimension, got {head_dim}")
-        self.head_dim, self.neox = head_dim, spec.neox
-        # inv_freq: [d/2]
-        self.inv_freq = spec.theta ** (
-            -torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-        )
+        n_rot = head_dim if spec.n_rot is None else spec.n_rot
+        if n_rot % 2 or not 0 < n_rot <= head_dim:
+            raise ValueError(f"rope over {n_rot} of {head_dim} values: must be even, at most all")
+        self.head_dim, self.n_rot, self.neox = head_dim, n_rot, spec.neox
+        # inv_freq: [n_rot/2]
+        self.inv_freq = spec.theta ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
+        if spec.sections is not None:
+            self.inv_freq = self.inv_freq * _text_pairs(spec.sections, n_rot // 2)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, H, d], positions: [T]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # [T, d/2]
-        cos = angles.cos().to(x.dtype)[:, None, :]  # [T, 1, d/2]
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # [T, n_rot/2]
+        cos = angles.cos().to(x.dtype)[:, None, :]  # [T, 1, n_rot/2]
         sin = angles.sin().to(x.dtype)[:, None, :]
-        return rotate(x, cos, sin, self.neox)
+        if self.n_rot == self.head_dim:
+            return rotate(x, cos, sin, self.neox)
+        r = self.n_rot
+        return torch.cat((rotate(x[..., :r], cos, sin, self.neox), x[..., r:]), dim=-1)
+
+
+def _text_pairs(sections: tuple[int, int, int, int], n_pairs: int) -> torch.Tensor:
+    """[n_pairs] 1.0 where a rotation pair belongs to one of the first three sections of the
+    interleaved layout (a text token's position), 0.0 for the fourth (position 0)."""
+    total = sum(sections)
+    if total <= 0 or any(s < 0 for s in sections):
+        raise ValueError(f"rope sections {sections}: need non-negative sizes, not all 0")
+    out = torch.zeros(n_pairs, dtype=torch.float64)
+    for i in range(n_pairs):
+        sector = i % total
+        text = any(sector % 3 == j and sector < 3 * sections[j] for j in range(3))
+        out[i] = 1.0 if text else 0.0
+    return out
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
@@ -77,7 +102,12 @@ def attention(
     writes their K/V into ``kv``'s layer ``layer`` (the stage's own index)."""
     T = x.shape[0]
     H, Hkv, d = spec.n_head, spec.n_head_kv, spec.head_dim
-    q = linear(x, w.q).view(T, H, d)
+    gate = None
+    if spec.gated:  # per head: its query, then its gate
+        qg = linear(x, w.q).view(T, H, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(T, H * d)
+    else:
+        q = linear(x, w.q).view(T, H, d)
     k = linear(x, w.k).view(T, Hkv, d)
     v = linear(x, w.v).view(T, Hkv, d)
     if w.q_norm is not None and w.k_norm is not None:
@@ -99,6 +129,8 @@ def attention(
     probs = torch.softmax(scores, dim=-1)
     out = probs @ values.permute(1, 0, 2)  # [Hkv, group*T, d]
     out = out.view(Hkv, group, T, d).permute(2, 0, 1, 3).reshape(T, H * d)
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
     return linear(out, w.o)
 
 
@@ -139,6 +171,12 @@ def moe(
     return (y.view(T, K, D) * weights[:, :, None]).sum(dim=1)
 
 
+def shared_expert(x: torch.Tensor, w: SharedExpert) -> torch.Tensor:
+    """The σ-gated shared expert's output for x [T, D] (already normed)."""
+    y = linear(F.silu(linear(x, w.gate)) * linear(x, w.up), w.down)  # [T, D]
+    return y * torch.sigmoid(x @ w.gate_inp)[:, None]
+
+
 class RefOps:
     """The operations of one reference step: ``tokens`` [T] at positions ``start`` .. of one
     stage, whose K/V holds its layers from ``first`` on."""
@@ -152,9 +190,15 @@ class RefOps:
         provider: ExpertProvider,
         rope: Rope,
         last_only: bool = False,
+        kv_slots: dict[int, int] | None = None,
+        state: RecurrentState | None = None,
+        state_slots: dict[int, int] | None = None,
     ) -> None:
         self.tokens, self.start, self.kv, self.first = tokens, start, kv, first
         self.provider, self.rope, self.last_only = provider, rope, last_only
+        # model layer -> its K/V layer in the stage's cache (None: every layer, from ``first``)
+        self.kv_slots = kv_slots
+        self.state, self.state_slots = state, state_slots  # the DeltaNet layers' states
 
     def embed(self, embd: Weight) -> torch.Tensor:
         return embd.rows(self.tokens)  # [T, D]
@@ -163,11 +207,24 @@ class RefOps:
         self, x: torch.Tensor, layer: int, w: AttentionWeights, spec: AttentionSpec
     ) -> torch.Tensor:
         h = rms_norm(x, w.norm, spec.rms_eps)
-        return x + attention(h, w, spec, self.rope, self.kv, layer - self.first, self.start)
+        slot = layer - self.first if self.kv_slots is None else self.kv_slots[layer]
+        return x + attention(h, w, spec, self.rope, self.kv, slot, self.start)
 
     def moe(self, x: torch.Tensor, layer: int, w: MoEWeights, spec: RoutingSpec) -> torch.Tensor:
         h = rms_norm(x, w.norm, spec.rms_eps)
-        return x + moe(h, w.router, spec, self.provider, layer)
+        out = moe(h, w.router, spec, self.provider, layer)
+        if w.shared is not None:
+            out = out + shared_expert(h, w.shared)
+        return x + out
+
+    def delta_net(
+        self, x: torch.Tensor, layer: int, w: DeltaNetWeights, spec: DeltaNetSpec
+    ) -> torch.Tensor:
+        if self.state is None or self.state_slots is None:
+            raise RuntimeError(f"layer {layer} is a DeltaNet layer and the step has no state")
+        i = self.state_slots[layer]
+        h = rms_norm(x, w.norm, spec.rms_eps)
+        return x + delta_net(h, w, spec, self.state.conv[i], self.state.ssm[i])
 
     def head(self, x: torch.Tensor, w: HeadWeights) -> torch.Tensor:
         if self.last_only:
