@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 Q = GGMLQuantizationType
 Progress = Callable[[int, int], None]
+# A plan for what follows what, in place of the one cycle (see ``write_model``): from the
+# vocabulary, the muted ids and the seed, pred: [V, k], the tokens each token follows (-1: none)
+Successors = Callable[["Vocab", np.ndarray, int], np.ndarray]
 
 # Bump whenever the bytes written for a given (spec, plan, vocab, seed) change: cached files carry
 # it in their name, so a new generator never reuses an old file.
@@ -70,7 +73,7 @@ SUPPORTED_TYPES = FLOAT_TYPES | FROM_FLOATS | frozenset(RANDOM_BLOCK_SCALES)
 
 # Output rows of end-of-generation and other control tokens are scaled by this, so their logit is
 # ~0 while the best of thousands of random logits is several sigma above 0: greedy decoding never
-# ends early or emits template tokens, and the demo's answer always runs its full length.
+# ends early or emits template tokens (the demo ends its answers by a plan of its own, demo.py).
 MUTE_SCALE = 1e-3
 CHUNK_ELEMENTS = 1 << 24  # rows generated per step: ~64 MiB of float32 scratch
 ROUTER_GAIN = 3.0  # router logits ~ N(0, 3^2): every expert used
@@ -335,15 +338,17 @@ class _OutputShape:
     """How the output matrix departs from pure noise (see ``ECHO_GAIN`` and ``MUTE_SCALE``)."""
 
     muted: np.ndarray  # token ids whose rows are scaled by MUTE_SCALE
-    pred: np.ndarray | None = None  # pred: [V], the token whose successor is v, or -1
+    # pred: [V] or [V, k], the token(s) whose successor is v, or -1
+    pred: np.ndarray | None = None
     embd: np.ndarray | None = None  # embd: [V, D], token_embd as floats
 
     def apply(self, w: np.ndarray, r0: int) -> None:
         """Shape rows [r0, r0 + len(w)) of the output matrix (floats) in place."""
         if self.pred is not None and self.embd is not None:
-            pred = self.pred[r0 : r0 + len(w)]
-            has = pred >= 0
-            w[has] += np.float32(ECHO_GAIN / w.shape[1]) * self.embd[pred[has]]
+            preds = self.pred[r0 : r0 + len(w)]
+            for pred in preds.T if preds.ndim == 2 else (preds,):
+                has = pred >= 0
+                w[has] += np.float32(ECHO_GAIN / w.shape[1]) * self.embd[pred[has]]
         self.scale_muted(w, r0)
 
     def scale_muted(self, w: np.ndarray, r0: int) -> None:
@@ -364,7 +369,9 @@ def _floats(x: TensorDesc, seed: int) -> np.ndarray:
     return np.concatenate([_float_rows(rng, x, rows) for _, rows in _row_chunks(x)])
 
 
-def _output_shape(descs: list[TensorDesc], seed: int, muted: np.ndarray) -> _OutputShape:
+def _output_shape(
+    descs: list[TensorDesc], seed: int, muted: np.ndarray, planned: np.ndarray | None = None
+) -> _OutputShape:
     embd = next(x for x in descs if x.kind is Kind.TOKEN_EMBD)
     out = next(x for x in descs if x.kind is Kind.OUTPUT)
     if ECHO_GAIN == 0 or RANDOM_BLOCK_SCALES.keys() & {embd.qtype, out.qtype}:
@@ -373,6 +380,8 @@ def _output_shape(descs: list[TensorDesc], seed: int, muted: np.ndarray) -> _Out
         log.info("vocabulary too large to keep token_embd in memory: no echo structure")
         return _OutputShape(muted)
     n_vocab = out.n_rows
+    if planned is not None:
+        return _OutputShape(muted, planned, _floats(embd, seed))
     speakable = np.setdiff1d(np.arange(n_vocab), muted)
     # One cycle through every speakable token: greedy text never falls into a short loop.
     order = np.random.default_rng([seed, zlib.crc32(b"strata.synth.echo")]).permutation(speakable)
@@ -472,6 +481,11 @@ def _token_bytes(vocab: Vocab, i: int) -> bytes:
     return text.encode()
 
 
+def token_bytes(vocab: Vocab, i: int) -> bytes:
+    """The bytes token ``i`` stands for (a byte-level BPE's mapped characters undone)."""
+    return _token_bytes(vocab, i)
+
+
 def muted_token_ids(vocab: Vocab) -> np.ndarray:
     """The output rows ``write_model`` mutes: control and unused (padding) tokens, the
     end-of-generation ids and tokens that decode to terminal control bytes."""
@@ -497,10 +511,13 @@ def write_model(
     progress: Progress | None = None,
     *,
     mute_special: bool = True,
+    successors: Successors | None = None,
 ) -> Path:
     """Write a random-weight GGUF for ``spec`` to ``path`` (atomically: temp file + rename).
 
     ``mute_special`` shrinks the output rows of control/end tokens (see ``MUTE_SCALE``).
+    ``successors`` replaces the one cycle of the bigram echo with its own plan; a muted row the
+    plan gives a predecessor (an end token that ends answers) is not muted.
     Raises ValueError, naming the dimension, when a tensor's row length does not fit its type.
     """
     path = Path(path)
@@ -509,7 +526,11 @@ def write_model(
     n_vocab = len(vocab.tokens)
     descs = tensor_descs(spec, types, n_vocab)
     muted = muted_token_ids(vocab) if mute_special else np.zeros(0, np.int64)
-    shape = _output_shape(descs, seed, muted)
+    planned = None if successors is None else successors(vocab, muted, seed)
+    if planned is not None:
+        reached = np.flatnonzero((planned.reshape(len(planned), -1) >= 0).any(axis=1))
+        muted = np.setdiff1d(muted, reached)
+    shape = _output_shape(descs, seed, muted, planned)
     total = sum(x.nbytes for x in descs)
     log.info("writing %s: %s, %.1f MiB", path, spec, total / 2**20)
     t0 = time.monotonic()
@@ -630,11 +651,14 @@ def vocab_for(arch: str) -> Vocab:
     return vocab_mod.build_bpe_vocab() if arch == "qwen3moe" else vocab_mod.build_spm_vocab()
 
 
-def content_key(spec: ModelSpec, vocab: Vocab, types: TypePlan, seed: int) -> str:
+def content_key(spec: ModelSpec, vocab: Vocab, types: TypePlan, seed: int, plan: str = "") -> str:
     """A short digest of everything that decides a file's bytes: cached files are named by it,
-    so a changed vocabulary builder or generator never reuses a stale file."""
+    so a changed vocabulary builder or generator never reuses a stale file. ``plan`` names a
+    ``successors`` plan and its version (none: the one cycle)."""
     knobs = (MUTE_SCALE, ROUTER_GAIN, OUTPUT_GAIN, LAYER_GAIN, ECHO_GAIN, CHUNK_ELEMENTS)
     text = repr((GENERATOR_VERSION, spec, types, seed, knobs, vocab))
+    if plan:
+        text += repr(plan)
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -646,14 +670,17 @@ def ensure_model(
     types: TypePlan,
     seed: int,
     progress: Progress | None = None,
+    successors: tuple[str, Successors] | None = None,
 ) -> Path:
-    """``cache_dir/<stem>-g<version>-<content key>.gguf``, written once (atomically) and reused."""
-    key = content_key(spec, vocab, types, seed)
+    """``cache_dir/<stem>-g<version>-<content key>.gguf``, written once (atomically) and reused.
+    ``successors``: (its name and version, the plan), as ``write_model`` takes it."""
+    key = content_key(spec, vocab, types, seed, successors[0] if successors else "")
     path = Path(cache_dir) / f"{stem}-g{GENERATOR_VERSION}-{key}.gguf"
     if path.is_file():
         log.debug("reusing %s", path)
         return path
-    return write_model(path, spec, vocab, types, seed, progress)
+    plan = successors[1] if successors else None
+    return write_model(path, spec, vocab, types, seed, progress, successors=plan)
 
 
 def ensure_synthetic(

@@ -133,6 +133,23 @@ def test_demo_model_answers_at_least_32_tokens_before_any_end_token(tmp_path) ->
     assert result.finish_reason == "length" and result.completion_tokens == 48
 
 
+def test_demo_model_ends_its_answers_within_a_few_hundred_tokens(tmp_path) -> None:
+    """Greedy (deterministic) and sampled, without max_tokens: an end token, neither too soon
+    (a prompt ending in ASCII runs the whole trunk) nor after thousands of tokens."""
+    from strata.engine.demo import MAX_ANSWER, TRUNK, ensure_demo_model
+
+    e = Engine.load(ensure_demo_model(tmp_path), EngineOptions())
+    prompt = e.encode_chat([{"role": "user", "content": "Write a poem about the sea."}])
+    greedy = e.generate(prompt, SamplingParams(max_tokens=4 * MAX_ANSWER, temperature=0.0))
+    assert greedy.finish_reason == "stop", greedy.completion_tokens
+    assert TRUNK <= greedy.completion_tokens <= MAX_ANSWER
+    again = e.generate(prompt, SamplingParams(max_tokens=4 * MAX_ANSWER, temperature=0.0))
+    assert again.tokens == greedy.tokens  # deterministic
+    # sampled, a token off the plan now and then starts another path: it still ends
+    sampled = e.generate(prompt, SamplingParams(max_tokens=5 * MAX_ANSWER, seed=1))
+    assert sampled.finish_reason == "stop", sampled.completion_tokens
+
+
 def test_a_context_whose_kv_cannot_fit_the_memory_names_the_option(tiny_models) -> None:
     path = tiny_models.path("qwen3moe", "F32")
     with pytest.raises(ModelLoadError, match=r"context_length 100000000000 needs a K/V cache of"):

@@ -248,6 +248,31 @@ def test_demo_model_is_written_once_and_deterministically(tmp_path):
     assert ref.meta("tokenizer.chat_template")
 
 
+def test_demo_answer_plan_leads_every_token_to_the_end_token() -> None:
+    vocab = synth.vocab_for("qwen3moe")
+    muted = synth.muted_token_ids(vocab)
+    pred = demo.answer_plan(vocab, muted, demo.DEMO_SEED)
+    follows = {int(t): row for row, ts in enumerate(pred) for t in ts if t >= 0}
+    speakable = set(range(len(vocab.tokens))) - set(muted.tolist())
+    assert set(follows) == speakable - {vocab.eos_id}  # each token follows exactly one
+    assert sum(int((ts >= 0).sum()) for ts in pred) == len(follows)
+    for token in speakable - {vocab.eos_id}:
+        steps, at = 0, token
+        while at != vocab.eos_id:
+            at, steps = follows[at], steps + 1
+            assert steps <= demo.MAX_ANSWER, f"token {token} never reaches the end"
+        data = synth.token_bytes(vocab, token)
+        if all(b < 0x80 for b in data):
+            assert steps > demo.TRUNK, (token, steps)
+        if demo._kind(data) == "piece":  # a piece of a character: a leaf, never generated
+            assert (pred[token] < 0).all(), token
+    # the plan decides the file: its name changes with it
+    spec, types = synth.PRESETS["demo"], synth.PRESET_TYPES["demo"]
+    assert synth.content_key(spec, vocab, types, 7, demo.PLAN) != synth.content_key(
+        spec, vocab, types, 7
+    )
+
+
 def test_demo_greedy_answer_runs_long(tmp_path, llama_cpp_ref):
     llm = llama_cpp_ref(demo.ensure_demo_model(tmp_path))
     llm.reset()
