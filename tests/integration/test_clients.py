@@ -115,12 +115,13 @@ def test_json_schema_without_additional_properties_admits_no_other_key(
 
 def test_parse_returns_the_pydantic_object(demo: StrataDaemon) -> None:
     client = _client(demo)
-    r = client.chat.completions.parse(model="gpt-4o", messages=ASK, response_format=Verdict,
-                                      max_tokens=40)  # fmt: skip
+    # chat.completions.parse since openai 1.92; before, under beta
+    completions = getattr(client.chat.completions, "parse", None) and client.chat.completions
+    parse = (completions or client.beta.chat.completions).parse  # type: ignore[attr-defined]
+    r = parse(model="gpt-4o", messages=ASK, response_format=Verdict, max_tokens=40)
     assert isinstance(r.choices[0].message.parsed, Verdict)
     tool = openai.pydantic_function_tool(Verdict)
-    r = client.chat.completions.parse(model="gpt-4o", messages=ASK, tools=[tool],
-                                      tool_choice="required", max_tokens=60)  # fmt: skip
+    r = parse(model="gpt-4o", messages=ASK, tools=[tool], tool_choice="required", max_tokens=60)
     (call,) = r.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, Verdict)
 
