@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the model library's models, or remove one")
     models_cmd.add_arguments(models, _Parser, lambda p: add_option_flags(p, LIBRARY_OPTIONS))
 
+    from strata.daemon import pull_cmd
+
+    pull = sub.add_parser("pull", help="download a GGUF model from Hugging Face into the library")
+    pull_cmd.add_arguments(pull)
+    add_option_flags(pull, frozenset({"models_dir", "log_level"}))
+
     from strata.daemon import install_cmd
 
     svc = sub.add_parser("service", help="install the systemd user unit and D-Bus activation")
