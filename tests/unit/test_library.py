@@ -118,6 +118,28 @@ def test_v1_models_lists_the_library_after_the_served_names(shelf: Path) -> None
     ]  # fmt: skip
 
 
+def test_the_endpoint_lists_the_library(shelf: Path) -> None:
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from strata.daemon.http import create_app
+
+    daemon = SimpleNamespace(
+        config=StrataConfig(models_dir=str(shelf)), state="ready", model_id="loose",
+        model_path=shelf / "Loose.gguf", device="cpu", started=0.0, status=lambda: {},
+        sizes=lambda: [], worker=SimpleNamespace(engine=object(), steps=0), controller=None,
+        controls=None,
+    )  # fmt: skip
+    client = TestClient(create_app(daemon), base_url="http://localhost")
+    r = client.get("/v1/models")
+    assert r.status_code == 200, r.text
+    assert [(m["id"], m["status"]["value"]) for m in r.json()["data"]] == [
+        ("loose", "loaded"), ("parted", "unloaded"),
+        ("qwen3.6-35b-a3b:ud-q4_k_m", "unloaded"),
+    ]  # fmt: skip
+
+
 # -- the command ---------------------------------------------------------------------------------
 
 
