@@ -15,6 +15,7 @@ from strata.engine.errors import EngineError
 from strata.engine.experts import ExpertProvider
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.kv import KVCache
+from strata.engine.models import REFERENCE_ONLY
 from strata.engine.models.base import MoEModel
 from strata.engine.options import EngineOptions
 from strata.engine.quant import REPACKED_TYPES
@@ -33,6 +34,8 @@ def fast_path_unavailable(
         return "the compute device is the CPU"
     if not options.fast_decode:
         return "fast_decode is off"
+    if (why := REFERENCE_ONLY.get(index.arch)) is not None:
+        return f"architecture {index.arch!r}: {why}"
     from strata.engine.kernels import unavailable
 
     if (reason := unavailable()) is not None:

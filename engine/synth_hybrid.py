@@ -45,6 +45,56 @@ log = logging.getLogger(__name__)
 ARCHS = ("qwen35moe", "qwen3next")
 TYPES = (Q.F32, Q.F16, Q.Q8_0)
 
+# A chat template that renders as Qwen3.5's does (written here, not copied): ChatML messages,
+# tools in the system turn, calls as <tool_call> JSON, tool results as user turns; the thoughts
+# of assistant turns after the last user message kept in <think> blocks, earlier ones dropped;
+# the generation prompt opens a thought (or writes an empty one with enable_thinking false).
+QWEN35_TEMPLATE = r"""{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- '# Tools\n\nYou may call functions. Their signatures, in <tools></tools>:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nCall one as <tool_call>\n{"name": <name>, "arguments": <json>}\n' }}
+{{- '</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
+{%- elif m.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' }}
+{%- if loop.index0 > ns.last_user and m.reasoning_content %}
+{{- '<think>\n' + m.reasoning_content.strip() + '\n</think>\n\n' }}
+{%- endif %}
+{{- (m.content or '') }}
+{%- for call in m.tool_calls or [] %}
+{%- set fn = call.function if call.function is defined else call %}
+{{- '\n<tool_call>\n{"name": "' + fn.name + '", "arguments": ' }}
+{%- if fn.arguments is string %}{{- fn.arguments }}
+{%- else %}{{- fn.arguments | tojson }}{%- endif %}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- elif m.role != 'system' %}
+{{- raise_exception('unsupported role: ' + m.role) }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\n\n</think>\n\n' }}
+{%- else %}{{- '<think>\n' }}{%- endif %}
+{%- endif %}
+"""
+
 
 @dataclass(frozen=True)
 class HybridSpec:
@@ -74,7 +124,7 @@ class HybridSpec:
     context_length: int = 4096
     rope_theta: float = 1e7
     rms_eps: float = 1e-6
-    chat_template: str | None = None  # None: the vocabulary's own
+    chat_template: str | None = QWEN35_TEMPLATE  # None: the vocabulary's own
     extra: dict[str, object] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:

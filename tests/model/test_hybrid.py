@@ -111,9 +111,9 @@ def test_quantised_files_agree_with_llama_cpp(arch, kind, files, engines, llama_
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunks_of_several_sizes_equal_one_token_per_step(arch, engines):
     seqs = engines(arch).sequences
-    tokens = sequence(150, seed=3)
+    tokens = sequence(80, seed=3)
     one_shot = seqs.logits_all(tokens)
-    uneven = seqs.logits_all(tokens, chunks=[1, 7, 64, 3, 29, 46])
+    uneven = seqs.logits_all(tokens, chunks=[1, 7, 33, 3, 29, 7])
     seqs.rewind(0)
     step_by_step = torch.stack([seqs.feed([t]) for t in tokens])
     assert relative_error(uneven.numpy(), one_shot.numpy()) < 1e-5
@@ -149,3 +149,48 @@ def test_damaged_hybrid_files_name_what_is_wrong(tmp_path: Path):
     path = write_hybrid(tmp_path / "bad.gguf", bad)
     with pytest.raises(ModelLoadError, match=r"ssm\.inner_size is 100"):
         Engine.load(path, EngineOptions(threads=1, context_length=64))
+
+
+@pytest.fixture(scope="module")
+def chat(files: HybridFiles) -> Engine:
+    """qwen35moe with the Qwen3.5-style template (``synth_hybrid.QWEN35_TEMPLATE``), its state
+    checkpointed at every message start."""
+    opts = EngineOptions(kv_cache_type="f32", threads=2, context_length=1024,
+                         prefill_chunk_tokens=16)  # fmt: skip
+    return Engine.load(files.path("qwen35moe", "F32"), opts)
+
+
+def test_the_next_turn_after_a_reasoning_reply_reuses_all_but_its_last_message(chat):
+    seqs = chat.sequences
+    first = [{"role": "system", "content": "Answer in one word."},
+             {"role": "user", "content": "Which colour is the sky on a clear day?"}]  # fmt: skip
+    prompt = chat.encode_chat(first)
+    seqs.feed(seqs.start(prompt))
+    reply = chat.encode_prompt("The sky scatters blue light.\n</think>\n\nBlue.<|im_end|>")
+    for t in reply:  # the reply, one decode step per token
+        seqs.feed([t])
+    second = [*first,
+              {"role": "assistant", "content": "Blue.",
+               "reasoning_content": "The sky scatters blue light."},
+              {"role": "user", "content": "And at sunset?"}]  # fmt: skip
+    again = chat.encode_chat(second)
+    # the template drops the thought of the earlier reply: the prompts part inside it, and the
+    # state is restored from the checkpoint at the start of that reply's message
+    (im_start,) = chat.sequences.boundary_tokens
+    starts = [i for i, t in enumerate(again) if t == im_start]
+    todo = seqs.start(again)
+    assert len(again) - len(todo) == starts[2]  # system and user reused, the reply read anew
+    assert again[: starts[2]] == prompt[: starts[2]]
+    logits = seqs.feed(todo)
+    whole = seqs.logits_all(again)[-1]
+    assert relative_error(logits.numpy(), whole.numpy()) < 1e-5
+
+
+def test_the_gpu_path_refuses_hybrids_with_the_reason(files: HybridFiles):
+    from strata.engine.fast_path import fast_path_unavailable
+    from strata.engine.gguf_index import GGUFIndex
+
+    for arch in ARCHS:
+        index = GGUFIndex(files.path(arch, "F32"))
+        why = fast_path_unavailable(index, torch.device("cuda"), EngineOptions())
+        assert why is not None and "Gated DeltaNet" in why and arch in why
