@@ -48,6 +48,12 @@ def test_a_grammar_after_a_thought_starts_at_its_end(grammars: Grammars) -> None
     assert matches(grammars, spec, 'free { text "b" </think>\n\n{"a": 1}')
     assert not matches(grammars, spec, 'free text</think>{"a": 1, "b": 2}')
     assert not matches(grammars, spec, "free text</think>not json")
+    # a strict function in auto mode: a marker inside the thought starts nothing
+    lazy = HermesFormat().grammar([ToolSpec("f", OPEN, strict=True)], True, '"<tool_call>"', True)
+    spec = lazy.after("</think>")
+    assert matches(grammars, spec, "<tool_call> is how I call</think>Hello")
+    assert matches(grammars, spec, 'hm</think>Hi <tool_call>\n{"name": "f", "arguments": {"a": 1}}')
+    assert not matches(grammars, spec, 'hm</think><tool_call>\n{"name": "f", "arguments": {}}')
 
 
 def test_a_strict_function_in_auto_mode_is_enforced_in_the_generic_format(

@@ -160,7 +160,12 @@ def test_a_grammar_after_a_thought_is_lazy_on_its_end() -> None:
     assert lazy.kind == "lark" and lazy.trigger == "</think>"
     assert lazy.source.startswith("start: BLANK? after_thought\n")
     calls = GrammarSpec("lark", "start: a\na: %json {}\n", trigger="<tool_call>")
-    assert calls.after("</think>") is calls  # a lazy grammar keeps its own trigger
+    later = calls.after("</think>")  # a lazy grammar keeps its trigger, looked for after it
+    assert (later.source, later.trigger, later.start_after) == (
+        calls.source,
+        "<tool_call>",
+        "</think>",
+    )
 
 
 def test_model_names() -> None:
