@@ -183,13 +183,41 @@ def looks_like_path(spec: str) -> bool:
     return "/" in spec or spec.endswith(".gguf") or spec.startswith((".", "~"))
 
 
+# what `strata pull` takes: owner/name[:QUANT], also as hf.co/owner/name or its web address
+PULL_SPEC = re.compile(
+    r"^(?:https?://)?(?:www\.)?(?:(?:hf\.co|huggingface\.co)/)?"
+    r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?::(?P<quant>[\w.-]+))?$"
+)
+
+
+def _pulled(root: Path, text: str) -> LibraryModel | None:
+    """The model pulled as ``text`` (``owner/name:QUANT``, as ``strata pull`` was given it)."""
+    m = PULL_SPEC.match(text)
+    if m is None or (m["quant"] is None and not text.startswith(("hf.co/", "huggingface.co/"))):
+        return None
+    repo, quant = m["repo"].lower(), (m["quant"] or "").lower()
+    same = [x for x in models(root) if (x.repo or "").lower() == repo]
+    found = [x for x in same if (x.quant or "").lower() == quant] if quant else same
+    if len(found) == 1:
+        return found[0]
+    raise LibraryError(
+        f"model {text!r}: no such file; "
+        + (f"the library has {m['repo']} as {', '.join(x.name for x in same)}" if same else
+           f"`strata pull {text}` gets it into the library {root}")
+    )  # fmt: skip
+
+
 def resolve(root: Path, spec: str | Path) -> Path:
     """The file to open for ``spec``: a path to a GGUF file (or any part of a split set), or a
     library name. Raises naming both places looked in when neither has it."""
     text = str(spec)
     path = Path(text).expanduser()
-    if path.exists() or looks_like_path(text):
-        return path  # the engine's own errors say what is wrong with a path
+    if path.exists():
+        return path
+    if looks_like_path(text):
+        pulled = _pulled(root, text)
+        # else the engine's own errors say what is wrong with a path
+        return pulled.path if pulled is not None and pulled.complete else path
     m = find(root, text)
     if m is None:
         have = ", ".join(x.name for x in models(root)) or "none yet"

@@ -87,6 +87,16 @@ def test_names_resolve_to_the_first_file_and_paths_stay_paths(shelf: Path) -> No
     assert str(shelf) in str(e.value) and "loose, parted" in str(e.value)
 
 
+def test_the_repository_and_quant_it_was_pulled_as_name_it_too(shelf: Path) -> None:
+    first = shelf / "qwen3.6-35b-a3b:ud-q4_k_m" / "Qwen3.6-35B-A3B-UD-Q4_K_M.gguf"
+    for spec in ("unsloth/Qwen3.6-35B-A3B-GGUF:UD-Q4_K_M", "hf.co/unsloth/qwen3.6-35b-a3b-gguf"):
+        assert library.resolve(shelf, spec) == first
+    with pytest.raises(library.LibraryError, match=r"library has unsloth/Qwen3\.6-35B"):
+        library.resolve(shelf, "unsloth/Qwen3.6-35B-A3B-GGUF:Q8_0")
+    with pytest.raises(library.LibraryError, match=r"`strata pull other/Model-GGUF:Q4_K_M` gets"):
+        library.resolve(shelf, "other/Model-GGUF:Q4_K_M")
+
+
 def test_a_name_without_its_quantisation_that_names_two_is_refused(shelf: Path) -> None:
     twin = shelf / "qwen3.6-35b-a3b:q8_0"
     shutil.copytree(shelf / "qwen3.6-35b-a3b:ud-q4_k_m", twin)
