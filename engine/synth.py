@@ -41,6 +41,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, QK_K, TENSOR_NAMES, GGMLQuantizationType, LlamaFileType
 from gguf import MODEL_TENSOR as MT
 
+from strata.engine import synth_recipes
+
 if TYPE_CHECKING:
     from strata.engine.vocab import Vocab
 
@@ -68,6 +70,7 @@ RANDOM_BLOCK_SCALES: dict[Q, tuple[tuple[int, float], ...]] = {
     Q.Q5_K: ((0, 1.0), (2, 15.5)),
     Q.Q6_K: ((QK_K // 2 + QK_K // 4 + QK_K // 16, 1.0),),  # d after ql, qh and the scales
     Q.IQ4_XS: ((0, 1.0),),
+    **synth_recipes.BLOCK_SCALES,  # the other types' (and synth_recipes.fix_blocks)
 }
 SUPPORTED_TYPES = FLOAT_TYPES | FROM_FLOATS | frozenset(RANDOM_BLOCK_SCALES)
 
@@ -283,6 +286,7 @@ def tensor_descs(spec: ModelSpec, types: TypePlan, n_vocab: int) -> list[TensorD
         out += _layer_descs(spec, types, i)
     out.append(top(MT.OUTPUT_NORM, Kind.NORM, (d,), 0.1))
     out.append(top(MT.OUTPUT, Kind.OUTPUT, (n_vocab, d), OUTPUT_GAIN * d**-0.5))
+    out = synth_recipes.apply(types.file_type, out, spec.n_layer)  # a type per tensor, if any
     for x in out:
         _check_type(x)
     return out
@@ -322,6 +326,7 @@ def _random_blocks(rng: np.random.Generator, qtype: Q, n_blocks: int, d: np.ndar
     blocks = words.view(np.uint8)[: n_blocks * size].reshape(n_blocks, size)  # blocks: [N, S]
     for offset, mult in RANDOM_BLOCK_SCALES[qtype]:
         blocks[:, offset : offset + 2].view(np.float16)[:, 0] = (d * mult).astype(np.float16)
+    synth_recipes.fix_blocks(qtype, blocks, d)
     return blocks
 
 
@@ -641,6 +646,7 @@ PRESET_TYPES: dict[str, TypePlan] = {
     "qwen3-30b-a3b-q4k": replace(Q4_K_M, experts_down_more_bits=None),
     "qwen3-30b-a3b-q5k": Q5_K_M,
 }
+synth_recipes.register(PRESETS, PRESET_TYPES, TypePlan)  # Q2_K, Q3_K_M, IQ3_S/IQ4_NL, MXFP4
 PRESET_SEED = 0
 
 

@@ -16,6 +16,7 @@ from tiny_models import (
     KINDS,
     LLAMA_CPP_KINDS,
     MODELS,
+    OFFERED,
     PREBUILT,
     SYNTH_KINDS,
     LlamaCppMissing,
@@ -96,6 +97,8 @@ def test_the_command_builds_every_file_a_test_needs_llama_cpp_for() -> None:
         where = f"{path.relative_to(TESTS)}:{line}"
         unknown += [f"{where}: {m!r}" for m in models if m not in MODELS]
         unknown += [f"{where}: {k!r}" for k in kinds if k not in KINDS]
+        unknown += [f"{where}: {m!r} in {k!r}" for m in models for k in kinds
+                    if m in MODELS and k in KINDS and (m, k) not in OFFERED]  # fmt: skip
         for model in models:
             for kind in kinds:
                 seen.add((model, kind))
@@ -108,7 +111,8 @@ def test_the_command_builds_every_file_a_test_needs_llama_cpp_for() -> None:
     # the scan reads the parametrisations: every llama.cpp-made file is asked for somewhere
     assert set(PREBUILT) <= seen
     # and, whatever a future test asks for, the command builds all the fixture can hand out
-    assert all(k in SYNTH_KINDS or (m, k) in PREBUILT for m in MODELS for k in KINDS)
+    assert all(k in SYNTH_KINDS or (m, k) in PREBUILT for m, k in OFFERED)
+    assert {k for _, k in OFFERED} == set(KINDS)
 
 
 def test_a_folder_the_builder_wrote_is_used_as_it_is(

@@ -2,9 +2,11 @@
 (tests/model/conftest.py) and ``scripts/tiny-models DIR``.
 
 ``TinyModels.path(model, kind)`` gives a GGUF file of ``model`` ("qwen3moe" or "mixtral") in
-``kind``: F32, F16, BF16 and Q8_0 are written by ``strata.engine.synth`` on any machine; Q4_K_M and
-Q6_K come from llama.cpp's own quantiser (llama-cpp-python) run on the F32 file, and the tensor
-types they really hold are checked, so a silent fallback in llama.cpp fails loudly.
+``kind``: F32, F16, BF16, Q8_0 and IQ3_XXS are written by ``strata.engine.synth`` on any machine
+(IQ3_XXS as random valid blocks: llama.cpp quantises it only with an importance matrix); Q4_K_M,
+Q6_K and the kinds of ``LLAMA_CPP_BASE`` (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_M, IQ4_NL, IQ3_S,
+MXFP4_MOE) come from llama.cpp's own quantiser (llama-cpp-python) run on the F32 file, and the
+tensor types they really hold are checked, so a silent fallback in llama.cpp fails loudly.
 
 A machine without llama-cpp-python (a GPU machine with no compiler or network for it) takes the
 llama.cpp-made files from a folder built elsewhere::
@@ -39,13 +41,45 @@ Q = gguf.GGMLQuantizationType
 log = logging.getLogger(__name__)
 
 MODELS = {"qwen3moe": "tiny-qwen3moe", "mixtral": "tiny-mixtral"}
-SYNTH_KINDS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0}
-LLAMA_CPP_KINDS = ("Q4_K_M", "Q6_K")
+SYNTH_KINDS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "IQ3_XXS": Q.IQ3_XXS}
+# IQ3_XXS as Unsloth's files have it: the experts, every other matrix Q8_0
+SYNTH_PLANS = {
+    "IQ3_XXS": synth.TypePlan(
+        token_embd=Q.Q8_0,
+        attn=Q.Q8_0,
+        experts_gate_up=Q.IQ3_XXS,
+        experts_down=Q.IQ3_XXS,
+        output=Q.Q8_0,
+    )
+}
+# llama.cpp's file types for the tiny models, and the type each gives most tensors
+LLAMA_CPP_BASE = {
+    "Q4_K_M": Q.Q4_K,
+    "Q6_K": Q.Q6_K,
+    "Q4_1": Q.Q4_1,
+    "Q5_0": Q.Q5_0,
+    "Q5_1": Q.Q5_1,
+    "Q2_K": Q.Q2_K,
+    "Q3_K_M": Q.Q3_K,
+    "IQ4_NL": Q.IQ4_NL,
+    "IQ3_S": Q.IQ3_S,
+    "MXFP4_MOE": Q.Q8_0,
+}
+LLAMA_CPP_KINDS = tuple(LLAMA_CPP_BASE)
 KINDS = (*SYNTH_KINDS, *LLAMA_CPP_KINDS)
 SEED = 0
 # What `scripts/tiny-models` builds: every file the fixture needs llama-cpp-python for, the only
 # ones it reads from TINY_MODELS_DIR (the others it writes itself on any machine).
-PREBUILT: tuple[tuple[str, str], ...] = tuple(product(MODELS, LLAMA_CPP_KINDS))
+# The kinds of the weight-type parity tests, made for the Qwen3-MoE tiny model only (their tests
+# cost a llama.cpp quantisation each); the others for every model.
+QWEN_ONLY_KINDS = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "IQ4_NL", "IQ3_S", "MXFP4_MOE")
+PREBUILT: tuple[tuple[str, str], ...] = tuple(
+    (m, k)
+    for m, k in product(MODELS, LLAMA_CPP_KINDS)
+    if m == "qwen3moe" or k not in QWEN_ONLY_KINDS
+)
+# every file the fixture hands out
+OFFERED: frozenset[tuple[str, str]] = frozenset(PREBUILT) | frozenset(product(MODELS, SYNTH_KINDS))
 ENV = "TINY_MODELS_DIR"
 COMMAND = "scripts/tiny-models"
 INSTALL_HINT = (
@@ -72,14 +106,18 @@ def _synth_kind(kind: str) -> str:
     return kind if kind in SYNTH_KINDS else "F32"
 
 
+def _plan(kind: str) -> synth.TypePlan:
+    return SYNTH_PLANS.get(kind) or synth.TypePlan.uniform(SYNTH_KINDS[kind])
+
+
 @functools.cache
 def file_name(model: str, kind: str) -> str:
     """``tiny-<model>-<kind>-<key>.gguf``; ``key`` digests everything that decides the synth
     file it is (or is quantised from)."""
-    if model not in MODELS or kind not in KINDS:
-        raise KeyError(f"no tiny model {model!r} in {kind!r}; have {list(MODELS)} x {KINDS}")
+    if (model, kind) not in OFFERED:
+        raise KeyError(f"no tiny model {model!r} in {kind!r}; have {sorted(OFFERED)}")
     s = spec(model)
-    plan = synth.TypePlan.uniform(SYNTH_KINDS[_synth_kind(kind)])
+    plan = _plan(_synth_kind(kind))
     key = synth.content_key(s, _vocab(s.arch), plan, SEED)
     return f"{MODELS[model]}-{kind}-{key}.gguf"
 
@@ -94,25 +132,31 @@ def load_llama_cpp() -> ModuleType:
 
 
 def expected_llama_cpp_type(kind: str, name: str, n_layer: int) -> Q:
-    """The type llama.cpp's quantiser gives tensor ``name`` of a tiny model (8 experts) in
-    ``kind``, from llama-quant.cpp's recipe: 1-D tensors and the router stay F32; with exactly 8
-    experts attn_k/attn_v become Q8_0 and (Q4_K_M) attn_output Q5_K; output is Q6_K; Q4_K_M
-    gives ffn_down(_exps) Q6_K on the use_more_bits layers."""
+    """The type llama.cpp's quantiser gives tensor ``name`` of a tiny model (8 experts, 4
+    layers) in ``kind``, from llama-quant.cpp's recipe: 1-D tensors and the router stay F32;
+    MXFP4_MOE makes the expert tensors MXFP4 and every other matrix Q8_0; otherwise, with
+    exactly 8 experts, attn_k/attn_v become Q8_0 and (the K-quant *_M, Q2_K and IQ kinds)
+    attn_output Q5_K; output is Q6_K; ffn_down(_exps) gets Q6_K on the use_more_bits layers
+    in Q4_K_M, Q3_K in Q2_K and Q4_K in Q3_K_M (none of the tiny layers is below n_layer / 16)."""
     parts = name.split(".")
     role = parts[2] if parts[0] == "blk" else parts[0]
     layer = int(parts[1]) if parts[0] == "blk" else None
-    base = Q.Q4_K if kind == "Q4_K_M" else Q.Q6_K
+    base = LLAMA_CPP_BASE[kind]
     if role.endswith("norm") or role == "ffn_gate_inp":
         return Q.F32
+    if kind == "MXFP4_MOE":
+        return Q.MXFP4 if role.endswith("_exps") else Q.Q8_0
     if role == "output":
         return Q.Q6_K
     if role in ("attn_k", "attn_v"):
         return Q.Q8_0
-    if role == "attn_output" and kind == "Q4_K_M":
+    if role == "attn_output" and kind in ("Q4_K_M", "Q2_K", "Q3_K_M", "IQ4_NL", "IQ3_S"):
         return Q.Q5_K
     if role == "ffn_down_exps" and kind == "Q4_K_M":
         assert layer is not None
         return Q.Q6_K if synth.use_more_bits(layer, n_layer) else Q.Q4_K
+    if role == "ffn_down_exps" and kind in ("Q2_K", "Q3_K_M"):
+        return Q.Q3_K if kind == "Q2_K" else Q.Q4_K
     return base
 
 
@@ -211,7 +255,7 @@ class TinyModels:
         name = file_name(model, kind)  # KeyError for an unknown model or kind
         s = spec(model)
         if kind in SYNTH_KINDS:
-            plan = synth.TypePlan.uniform(SYNTH_KINDS[kind])
+            plan = _plan(kind)
             return synth.write_model(self.root / name, s, _vocab(s.arch), plan, SEED)
         if self.prebuilt is not None and (self.prebuilt / name).is_file():
             check_llama_cpp_types(self.prebuilt / name, kind, s)

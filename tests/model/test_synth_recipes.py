@@ -1,0 +1,99 @@
+"""The synthetic recipes of the types people download (``strata.engine.synth_recipes``): each
+tensor of Qwen3-30B-A3B's shapes gets llama.cpp's choice (``llama-quant.cpp`` for 128 experts and
+8 query heads per K/V head), the random blocks of every new type are finite with the intended
+spread, and a tiny file of each recipe — experts of different types in one layer, and layers of
+different expert sizes — loads and computes what the independent reference computes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+from reference import RefModel, relative_error
+from test_engine_parity import engine
+
+from strata.engine import synth, synth_recipes
+from strata.engine.synth import ModelSpec
+
+Q = gguf.GGMLQuantizationType
+QWEN = "qwen3-30b-a3b"
+RECIPE_PRESETS = sorted(synth_recipes.PRESETS)
+
+
+def types_by_role(preset: str) -> dict[str, Counter]:
+    spec = synth.PRESETS[preset]
+    descs = synth.tensor_descs(spec, synth.PRESET_TYPES[preset], spec.vocab_size)
+    out: dict[str, Counter] = {}
+    for x in descs:
+        parts = x.name.split(".")
+        role = parts[2] if parts[0] == "blk" else parts[0]
+        out.setdefault(role, Counter())[x.qtype] += 1
+    return out
+
+
+def test_q2_k_follows_llama_cpp() -> None:
+    t = types_by_role("qwen3-30b-a3b-q2k")
+    assert t["attn_q"] == t["attn_k"] == t["ffn_gate_exps"] == t["ffn_up_exps"] == {Q.Q2_K: 48}
+    assert t["attn_v"] == {Q.Q4_K: 48}  # grouped-query attention of 8 heads per K/V head
+    assert t["attn_output"] == t["ffn_down_exps"] == {Q.Q3_K: 48}
+    assert t["token_embd"] == {Q.Q2_K: 1} and t["output"] == {Q.Q6_K: 1}
+    assert t["ffn_gate_inp"] == t["attn_norm"] == {Q.F32: 48}
+
+
+def test_q3_k_m_follows_llama_cpp() -> None:
+    t = types_by_role("qwen3-30b-a3b-q3km")
+    assert t["attn_q"] == t["ffn_gate_exps"] == t["ffn_up_exps"] == {Q.Q3_K: 48}
+    assert t["attn_v"] == {Q.Q5_K: 2, Q.Q4_K: 46}  # the first two layers
+    assert t["ffn_down_exps"] == {Q.Q5_K: 3, Q.Q4_K: 45}  # layers below n_layer / 16
+    assert t["attn_output"] == {Q.Q4_K: 48} and t["output"] == {Q.Q6_K: 1}
+
+
+def test_mxfp4_moe_and_the_iq_mix() -> None:
+    t = types_by_role("qwen3-30b-a3b-mxfp4moe")
+    for role in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        assert t[role] == {Q.MXFP4: 48}
+    for role in ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "output"):
+        assert set(t[role]) == {Q.Q8_0}
+    t = types_by_role("qwen3-30b-a3b-iq3s-iq4nl")
+    more = sum(synth.use_more_bits(i, 48) for i in range(48))
+    assert t["ffn_gate_exps"] == t["ffn_up_exps"] == {Q.IQ4_NL: more, Q.IQ3_S: 48 - more}
+    assert t["ffn_down_exps"] == {Q.IQ4_NL: 48}
+
+
+def test_every_preset_is_on_qwen3_30b_shapes_and_named_for_the_bench() -> None:
+    for name in RECIPE_PRESETS:
+        assert synth.PRESETS[name] == synth.PRESETS[QWEN]
+        plan = synth.PRESET_TYPES[name]
+        assert plan.file_type in synth_recipes.RECIPES
+
+
+@pytest.mark.parametrize("qtype", sorted(synth_recipes.BLOCK_SCALES), ids=lambda t: t.name)
+def test_random_blocks_are_finite_and_spread_as_asked(qtype: Q) -> None:
+    rng = np.random.default_rng(5)
+    d = np.full(256, 0.01, np.float32)
+    blocks = synth._random_blocks(rng, qtype, 256, d)
+    values = gguf.quants.dequantize(blocks, qtype)
+    assert np.isfinite(values).all()
+    # synth scales d by the std of unit blocks: the spread must follow d (MXFP4: to a power of 2)
+    std = float(values.std()) / (0.01 * synth._unit_std(qtype))
+    assert 0.6 < std < 1.5, std
+
+
+TINY = ModelSpec("qwen3moe", 4, 256, 4, 2, 64, 8, 2, 256, 4096, 1e6, 1e-6)
+
+
+@pytest.mark.parametrize("preset", RECIPE_PRESETS)
+def test_a_tiny_file_of_each_recipe_computes_what_the_reference_does(
+    preset: str, tmp_path: Path
+) -> None:
+    plan = synth.PRESET_TYPES[preset]
+    path = synth.write_model(tmp_path / "m.gguf", TINY, synth.vocab_for("qwen3moe"), plan, 0)
+    ref = RefModel(path)
+    tokens = ref.test_sequence(8)
+    ours = engine(path).sequences.logits_all(tokens).double().numpy()
+    assert relative_error(ours, ref.forward(tokens)) < 1e-4
