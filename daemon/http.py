@@ -32,7 +32,14 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata import __version__
-from strata.daemon import anthropic_api, library, llama_extras, ollama_api, page
+from strata.daemon import (
+    anthropic_api,
+    library,
+    llama_extras,
+    ollama_api,
+    page,
+    responses_api,
+)
 from strata.daemon.api_shapes import api_of, error_json
 from strata.daemon.bounded import Bounded
 from strata.daemon.control import BadVramRequest, parse_vram_request
@@ -66,7 +73,8 @@ FINGERPRINT = f"strata-{__version__}"
 OPEN_PATHS = frozenset({"/health", *page.PATHS})  # the page holds no secret; its calls need the key
 ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions",
                        "/v1/completions", "/v1/vram", "/v1/vram/events", *page.PATHS,
-                       *llama_extras.PATHS, *anthropic_api.PATHS, *ollama_api.PATHS})  # fmt: skip
+                       *llama_extras.PATHS, *anthropic_api.PATHS, *ollama_api.PATHS,
+                       *responses_api.PATHS})  # fmt: skip
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # nginx's status for a request its client abandoned (never sent: it is gone)
 
@@ -242,7 +250,7 @@ def create_app(daemon: Any) -> FastAPI:
     # the other APIs, on the same engine request and generation path (serving.py)
     serving = Serving(daemon, config, engine, names, created, reasoning, generations,
                       FINGERPRINT, as_api_error)  # fmt: skip
-    for api in (llama_extras, anthropic_api, ollama_api):
+    for api in (llama_extras, anthropic_api, ollama_api, responses_api):
         api.add_routes(app, serving)
     return app
 
