@@ -97,3 +97,42 @@ def test_a_tiny_file_of_each_recipe_computes_what_the_reference_does(
     tokens = ref.test_sequence(8)
     ours = engine(path).sequences.logits_all(tokens).double().numpy()
     assert relative_error(ours, ref.forward(tokens)) < 1e-4
+
+
+def _three_types(role: str, layer: int | None, n_layer: int) -> Q:
+    """gate, up and down of every layer in three different types; layers alternate sizes."""
+    odd = layer is not None and layer % 2 == 1
+    return {
+        "ffn_gate_exps": Q.IQ3_S if odd else Q.Q2_K,
+        "ffn_up_exps": Q.Q4_1 if odd else Q.IQ3_XXS,
+        "ffn_down_exps": Q.MXFP4 if odd else Q.Q5_1,
+    }.get(role, Q.Q8_0)
+
+
+@pytest.fixture(scope="module")
+def mixed_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ft = gguf.LlamaFileType.MOSTLY_IQ3_S
+    with pytest.MonkeyPatch.context() as mp:  # a recipe of the test's own under a file type
+        mp.setitem(synth_recipes.RECIPES, ft, _three_types)
+        plan = synth.TypePlan(token_embd=Q.Q8_0, attn=Q.Q8_0, output=Q.Q8_0, file_type=ft)
+        path = tmp_path_factory.mktemp("mixed") / "mixed.gguf"
+        return synth.write_model(path, TINY, synth.vocab_for("qwen3moe"), plan, 0)
+
+
+def test_gate_up_and_down_of_different_types_load_and_decode_on_every_path(mixed_file) -> None:
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from fastpath import decode, fast_runner, reference_runner
+
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(mixed_file).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] != types["blk.0.ffn_up_exps.weight"]
+    ref = decode(reference_runner(mixed_file), 2, 11)
+    # half the experts in VRAM slots, the rest in host homes, half of those on the CPU
+    fast = decode(fast_runner(mixed_file, 0.5, host=True, cpu_share=0.5), 2, 11)
+    for a, b in zip(ref[1:], fast[1:], strict=True):
+        assert float((a - b).abs().max() / a.abs().max()) < 1e-4  # CPU sums round otherwise
