@@ -136,3 +136,37 @@ def test_gate_up_and_down_of_different_types_load_and_decode_on_every_path(mixed
     fast = decode(fast_runner(mixed_file, 0.5, host=True, cpu_share=0.5), 2, 11)
     for a, b in zip(ref[1:], fast[1:], strict=True):
         assert float((a - b).abs().max() / a.abs().max()) < 1e-4  # CPU sums round otherwise
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", *RECIPE_PRESETS])
+def test_one_slot_size_wastes_less_than_the_size_class_bound(preset: str) -> None:
+    # every expert of a layer has one kernel size; the cache's slots take the largest
+    from strata.engine.quant.expert_layout import (
+        RUN_ALIGN,
+        SIZE_CLASS_WASTE,
+        align,
+        slot_waste,
+    )
+    from strata.engine.quant.repack import repacked_layout
+
+    spec = synth.PRESETS[preset]
+    per_layer: dict[int, list[int]] = {}
+    for x in synth.tensor_descs(spec, synth.PRESET_TYPES[preset], spec.vocab_size):
+        if x.name.endswith("_exps.weight"):
+            assert x.layer is not None
+            n = repacked_layout(x.qtype, x.shape[1:]).nbytes
+            per_layer.setdefault(x.layer, []).append(align(n, RUN_ALIGN))
+    sizes = [sum(runs) for runs in per_layer.values()]
+    waste = slot_waste(sizes * spec.n_expert)
+    print(f"\n{preset}: expert sizes {sorted(set(sizes))}, one slot size wastes {waste:.1%}")
+    assert waste < SIZE_CLASS_WASTE
+
+
+def test_a_mixed_files_waste_is_measured_on_its_index(mixed_file) -> None:
+    from strata.engine.gguf_index import GGUFIndex
+    from strata.engine.quant.expert_layout import kernel_layout, kernel_slot_waste
+
+    index = GGUFIndex(mixed_file)
+    sizes = {kernel_layout(b).nbytes for b in index.iter_experts()}
+    assert len(sizes) == 2  # the layers alternate types
+    assert 0 < kernel_slot_waste(index) < 1
