@@ -15,11 +15,13 @@ of Strata's sampling fields (``num_predict`` is ``max_tokens``; ``num_ctx`` is a
 the context Strata serves), any other is an error naming it; ``keep_alive`` must agree with the
 daemon's ``idle_release_s`` (the one idle release that exists: the cache shrinks to its core
 after that long without a request); ``images``, ``suffix``, ``template`` and ``context`` are
-refused. ``/api/pull`` is not served (the model library is not part of this daemon yet).
+refused. ``/api/tags`` lists the model served and the library's others; ``/api/pull`` is the
+library's pull (``ollama_pull``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import json
@@ -31,14 +33,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from strata.daemon import library, ollama_pull
 from strata.daemon.api_errors import invalid, unsupported, wrong_type
+from strata.daemon.engine_setup import models_dir
 from strata.daemon.openai_api import Parsed, chat_from, completion_from, json_object
 from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.daemon.serving import Serving, Started
 from strata.engine.generation import GenerationResult
 from strata.engine.reasoning import family_for
 
-PATHS = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version")
+PATHS = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version",
+         *ollama_pull.PATHS)  # fmt: skip
 # the Ollama release whose API this module follows (think, JSON Schema formats, tool calls):
 # clients read it to know which fields they may send
 OLLAMA_API_VERSION = "0.9.0"
@@ -440,7 +445,11 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     async def api_tags() -> dict[str, Any]:
         eng = serving.engine()
         names = serving.names()
-        return {"models": [_entry(serving, eng, n) for n in (names.id, *names.aliases)]}
+        served = [_entry(serving, eng, n) for n in (names.id, *names.aliases)]
+        shelf = await asyncio.to_thread(
+            _shelf, models_dir(serving.config), {e["name"] for e in served}
+        )
+        return {"models": served + shelf}
 
     @app.post("/api/show")
     async def api_show(request: Request) -> dict[str, Any]:
@@ -468,3 +477,22 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.get("/api/version")
     async def api_version() -> dict[str, str]:
         return {"version": OLLAMA_API_VERSION}
+
+    ollama_pull.add_routes(app, serving)
+
+
+def _shelf(root: Any, served: set[str]) -> list[dict[str, Any]]:
+    """The library's other models (``strata pull``'s), as ``/api/tags`` lists them; a library
+    that cannot be read lists nothing (logged by ``library``)."""
+    out = []
+    for name, created in library.listed(root):
+        m = library.find(root, name)
+        if name in served or m is None:
+            continue
+        modified = dt.datetime.fromtimestamp(created, dt.UTC).isoformat().replace("+00:00", "Z")
+        ident = f"{name}\0{m.size}\0{created}".encode()
+        details = {"parent_model": "", "format": "gguf", "family": "", "families": [],
+                   "parameter_size": "", "quantization_level": m.quant or ""}  # fmt: skip
+        out.append({"name": name, "model": name, "modified_at": modified, "size": m.size,
+                    "digest": hashlib.sha256(ident).hexdigest(), "details": details})  # fmt: skip
+    return out

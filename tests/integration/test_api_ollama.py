@@ -1,7 +1,8 @@
 """Ollama's API through the real ``ollama`` client, on a model whose template thinks as
 Qwen3.5's (the demo's random weights): chat and generate, whole and streamed (NDJSON), ``think``,
 ``format`` as "json" and as a JSON Schema, tool calls, ``options``, ``keep_alive``; tags, show,
-ps and version; bad input answered in Ollama's error shape.
+ps and version; pull from a stand-in Hugging Face Hub (test_pull's) with its progress events;
+bad input answered in Ollama's error shape.
 
 The output is meaningless: the tests hold the replies' shapes, never their content. One daemon
 for the module, small ``num_predict``.
@@ -10,10 +11,13 @@ for the module, small ``num_predict``.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
+from http.server import ThreadingHTTPServer
 from typing import Any
 
+import gguf
 import httpx
 import ollama
 import pytest
@@ -21,6 +25,9 @@ import pytest
 from strata.engine import synth
 from tests.integration.harness import StrataDaemon
 from tests.integration.test_reasoning import thinking_template
+from tests.unit.test_pull import SMALL, Hub, Repo, _handler
+
+REPO = "someone/Tiny-Pull-GGUF"
 
 ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 SHORT: Any = {"num_predict": 4, "temperature": 0}
@@ -35,12 +42,31 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 
 @pytest.fixture(scope="module")
-def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StrataDaemon]:
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """A stand-in Hub holding one tiny model in one file."""
+    folder = tmp_path_factory.mktemp("hub")
+    plan = synth.TypePlan.uniform(gguf.GGMLQuantizationType.Q4_0)
+    q4 = synth.write_model(folder / "q4.gguf", SMALL, synth.vocab_for("qwen3moe"), plan, seed=1)
+    state = Hub(repos={REPO: Repo({"Tiny-Pull-Q4_0.gguf": q4.read_bytes()})})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield state
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory, hub: Hub) -> Iterator[StrataDaemon]:
     folder = tmp_path_factory.mktemp("ollama")
     vocab = replace(synth.vocab_for("qwen3moe"), chat_template=thinking_template())
     path = synth.write_model(folder / "tiny-thinker.gguf", synth.PRESETS["tiny-qwen3moe"], vocab,
                              synth.TypePlan(), 0)  # fmt: skip
-    d = StrataDaemon(folder, ["--model", str(path), "--device", "cpu"])
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test_token", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    d = StrataDaemon(folder, ["--model", str(path), "--device", "cpu", "--models-dir",
+                              str(folder / "library")], env=env)  # fmt: skip
     yield d
     d.stop()
 
@@ -149,3 +175,25 @@ def test_bad_chat_is_an_ollama_error_naming_it(
     r = httpx.post(thinker.url + "/api/chat", json={"model": "m", "stream": False, **body},
                    timeout=30)  # fmt: skip
     assert r.status_code == 400 and set(r.json()) == {"error"}
+
+
+def test_pull_with_progress_then_listed(thinker: StrataDaemon) -> None:
+    client = _client(thinker)
+    events = list(client.pull(f"hf.co/{REPO}:Q4_0", stream=True))
+    assert events[0].status == "pulling manifest" and events[-1].status == "success"
+    steps = [e for e in events[1:-1]]
+    assert steps and all(e.status == "pulling Tiny-Pull-Q4_0.gguf" for e in steps)
+    done = [e.completed for e in steps]
+    assert done == sorted(done) and done[-1] == steps[-1].total
+    assert steps[-1].digest.startswith("sha256:")
+    names = [m.model for m in client.list().models]
+    assert names[0] == "tiny-thinker" and len(names) == 2 and "q4_0" in names[1].lower()
+    again = client.pull(f"{REPO}:Q4_0", stream=False)  # up to date: nothing fetched
+    assert again.status == "success"
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("llama3.2", stream=False)
+    assert e.value.status_code == 400 and "repository" in e.value.error
+    lines = httpx.post(thinker.url + "/api/pull", json={"model": "someone/Missing-GGUF"},
+                       timeout=60).text.splitlines()  # fmt: skip
+    assert json.loads(lines[0]) == {"status": "pulling manifest"}
+    assert set(json.loads(lines[-1])) == {"error"}
