@@ -202,6 +202,12 @@ class Daemon:
                         "(the library does not count them; words of 256 bytes or more are never "
                         "cached)", None, engine.tokenizer.cache_words_limit, "words"),
             ]  # fmt: skip
+            out += _kv_sizes(engine)
+        allocator = getattr(self.worker, "allocator", None)  # a stand-in worker may have none
+        held = allocator.held_bytes() if allocator is not None else None
+        out.append(Bounded("malloc_held_bytes", "memory the C allocator holds for the process "
+                           "(its heaps and mapped blocks; handed back after each request): "
+                           "reported, no bound of its own", held, None, "bytes"))  # fmt: skip
         out += self.feed.sizes(self.config.max_requests_in_progress)
         for source in list(self.size_sources):
             out += source()
@@ -746,6 +752,27 @@ def run(loaded: LoadedConfig, args: Any) -> int:
     except ServiceError as e:
         log.error("%s", e)
         return e.code
+
+
+def _kv_sizes(engine: Any) -> list[Bounded]:
+    """The K/V's bytes (every stage's): what is mapped, within the reservation made for the
+    whole context at load, and the kept conversations, at most ``kv_keep_conversations``."""
+    stages = getattr(engine, "stages", None) or [engine.sequences]
+    kvs = [stage.kv for stage in stages if not stage.kv.arena.closed]
+    if not kvs:
+        return []
+    status = [kv.status() for kv in kvs]
+    reserved = sum(kv.arena.reserved_bytes for kv in kvs)
+    kept = len(status[0]["kept_tokens"])  # every stage keeps the same conversations
+    return [
+        Bounded("kv_bytes", "bytes of K/V mapped: the active conversation, the kept ones and "
+                "free pages", sum(int(s["mapped_bytes"]) for s in status), reserved, "bytes"),
+        Bounded("kv_kept_bytes", "K/V bytes only kept conversations hold (the prefixes later "
+                "prompts may reuse)", sum(int(s["kept_bytes"]) for s in status), reserved,
+                "bytes"),
+        Bounded("kv_kept_conversations", "conversations kept for prefix reuse", kept,
+                kvs[0].book.keep, "conversations"),
+    ]  # fmt: skip
 
 
 def _kv_status(engine: Any, stage: int = 0) -> dict[str, Any]:

@@ -168,6 +168,8 @@ def check_bounds(client: httpx.Client, where: str) -> dict[str, float]:
     s = sizes(client)
     counted = [name for name in s if f"{name}_limit" in s]
     assert {"kv_tokens", "engine_jobs", "http_body_bytes", "stream_pieces"} <= set(counted), s
+    # the caches that grow with long prompts report their bytes (or count) against their bounds
+    assert {"kv_bytes", "kv_kept_bytes", "kv_kept_conversations"} <= set(counted), s
     for name in counted:
         assert s[name] <= s[f"{name}_limit"], f"{where}: strata_{name} {s[name]} over its bound {s}"
     return s
@@ -236,8 +238,10 @@ def test_counted_sizes_stay_bounded_and_the_heap_flat_over_passes(daemon: InProc
                 heap.append(tracemalloc.get_traced_memory()[0])
                 print(
                     f"\npass {n}: {len(requests) + len(burst)} requests; Python heap "
-                    f"{heap[-1] / 2**10:,.0f} KiB; RSS {rss_mib():.0f} MiB; K/V holds "
-                    f"{rest['kv_tokens']:.0f} of {rest['kv_tokens_limit']:.0f} tokens"
+                    f"{heap[-1] / 2**10:,.0f} KiB; RSS {rss_mib():.0f} MiB; C allocator "
+                    f"{rest.get('malloc_held_bytes', float('nan')) / 2**20:.0f} MiB; K/V holds "
+                    f"{rest['kv_tokens']:.0f} of {rest['kv_tokens_limit']:.0f} tokens, "
+                    f"{rest['kv_bytes'] / 2**20:.0f} of {rest['kv_bytes_limit'] / 2**20:.0f} MiB"
                 )
         finally:
             tracemalloc.stop()

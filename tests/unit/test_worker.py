@@ -3,6 +3,7 @@ queue until the engine reaches it, but no longer counts as waiting."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from strata.daemon.worker import EngineWorker, GenerationJob
@@ -246,3 +247,60 @@ def test_a_stage_budget_goes_to_that_stage() -> None:
     worker.on_stage_resized[1] = lambda r, why: heard.append(("stage 1", why))
     engine.stages[1].on_cache_resized(second.resize(5), "K/V growth")
     assert heard == [("stage 1", "K/V growth")]
+
+
+def test_a_waiting_job_whose_client_left_leaves_the_queue_at_once() -> None:
+    """The queue gauges (queued, and engine_jobs: what the queue holds) drop a waiting request
+    when its client goes, not when the engine reaches it or the next request comes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from strata.daemon.generation import Generations
+
+    async def check_nothing(why: str = "") -> None:
+        return None
+
+    controller = SimpleNamespace(request_began=lambda: None, request_ended=lambda: None,
+                                 check=check_nothing)  # fmt: skip
+    worker = EngineWorker(lambda: None)  # not started: jobs stay queued
+
+    async def scenario() -> None:
+        gens = Generations(worker, controller, max_queued=4)
+        first = await gens.submit([1, 2], SamplingParams(max_tokens=1), received=0.0)
+        second = await gens.submit([3, 4], SamplingParams(max_tokens=1), received=0.0)
+        assert worker.held() == 2 and worker.queued() == 2
+        second.cancel()  # its client went away while it waited
+        assert worker.held() == 1 and worker.queued() == 1
+        assert second.job.done.cancelled() and not first.job.done.done()
+        await asyncio.sleep(0)  # the done callback hops to the loop: counted as abandoned
+        assert worker.withdraw(second.job) is False  # gone already
+
+    asyncio.run(scenario())
+
+
+def test_the_allocator_hands_memory_back_after_a_request_when_nothing_waits() -> None:
+    """After a request with nothing waiting, the C allocator's free memory goes back to the
+    system (malloc_trim): a long prompt's temporaries no longer stay resident for ever."""
+    from types import SimpleNamespace
+
+    from strata.daemon.worker import CAllocator
+
+    done = SimpleNamespace(finish_reason="stop")
+    engine = SimpleNamespace(generate=lambda *a, **k: done, save_profile=lambda: None,
+                             close=lambda: None)  # fmt: skip
+    worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
+    worker.start()
+    try:
+        worker.ready.result(30)
+        job = GenerationJob([1, 2], SamplingParams(max_tokens=1))
+        worker.submit(job)
+        assert job.done.result(30) is done
+        for _ in range(3000):  # the trim follows the result; a hang guard, not a timing
+            if worker.trims:
+                break
+            threading.Event().wait(0.01)
+        assert worker.trims == 1
+    finally:
+        worker.stop(10)
+    held = CAllocator().held_bytes()
+    assert held is None or held > 0  # glibc says what it holds; elsewhere: unknown, not 0
