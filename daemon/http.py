@@ -1,12 +1,15 @@
 """The HTTP edge: parse, call one daemon method, map errors. No policy or state lives here.
 
 Routes: ``/health``, ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/vram``, ``/v1/vram/events``, ``/metrics``, and the page at ``/`` (docs/http.md). Around
-them, outermost first: request counting, the ``Host`` and ``Origin`` checks that keep web pages
-out, CORS (only when ``cors_allow_origins`` is set), the bearer key (only when ``api_key`` is
-set; ``/health`` and the page's static files stay open), the cap on requests in progress, the
-body-size limit. Every error leaves as an OpenAI-shaped JSON body, mapped once, in
-:func:`as_api_error`.
+``/v1/vram``, ``/v1/vram/events``, ``/metrics``, and the page at ``/`` (docs/http.md); the
+other APIs register theirs in one place (``anthropic_api``, ``responses_api``, ``ollama_api``,
+``llama_extras``), on the same generation path (``serving``). Around them, outermost first:
+request counting, the ``Host`` and ``Origin`` checks that keep web pages out, CORS (only when
+``cors_allow_origins`` is set), the key (``Authorization: Bearer`` or ``x-api-key``, only when
+``api_key`` is set; ``/health`` and the page's static files stay open), the cap on requests in
+progress, the body-size limit. Every error is mapped once, in :func:`as_api_error`, and leaves
+as a JSON body in the shape of the API its path speaks (``api_shapes``: OpenAI's, Anthropic's,
+Ollama's).
 
 What requests in progress hold is counted (:class:`HttpLoad`) and shown in ``/metrics`` with its
 bound: at most ``max_requests_in_progress`` requests, each with a body of at most
