@@ -424,9 +424,10 @@ class Sequences:
         if sampled:
             assert sampler is not None
             # the request draws from the state the steps use (a kept graph's) from now on
-            sampler.state = dec.sample_with(sampler.state_on(dec.logits.device, dec.logits.numel()))
+            state = sampler.state_on(dec.logits.device, dec.logits.numel())
+            sampler.state = dec.sampled.bind(state, graphs=bool(dec.graphs))
         else:
-            dec.sample_with(None)
+            dec.sampled.unbind()
         chooser = self._chooser(constraint, dec, sampled)
         pick = chooser()
         if constraint is not None and constraint.error is not None:
@@ -463,7 +464,7 @@ class Sequences:
                 self._fed(nxt[0], dec)
                 n += 1
         finally:
-            dec.sample_with(None)
+            dec.sampled.unbind()
             dec.adapt()
 
     def _chooser(

@@ -34,7 +34,7 @@ from strata.engine.gpu.staging import MissStaging, file_of
 from strata.engine.gpu.tables import ExpertTables, FastPathError
 from strata.engine.kv import KVCache
 from strata.engine.models.base import MoEModel
-from strata.engine.sampling import SamplingState, TokenLogprob
+from strata.engine.sampling import TokenLogprob
 from strata.engine.step import Batch, StageRunner, StepKind
 
 log = logging.getLogger(__name__)
@@ -355,15 +355,6 @@ class GpuRunner(StageRunner):
             graph.replay()
         else:
             self._forward(None)
-
-    def sample_with(self, state: SamplingState | None) -> SamplingState | None:
-        """Steps run ahead choose their tokens with ``state``'s sampler (``gpu.sampled``; a
-        graph of its own where steps have one), or by their own argmax (None). Returns the state
-        they draw from (a kept graph's, holding ``state``'s values)."""
-        if state is None:
-            self.sampled.unbind()
-            return None
-        return self.sampled.bind(state, graphs=bool(self.graphs))
 
     def finish(self, n: int, pick: Pick | None = None) -> None:
         """Queue the copy of step n's token to the host. ``pick(logits, slot)`` first chooses
