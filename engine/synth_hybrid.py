@@ -124,6 +124,7 @@ class HybridSpec:
     context_length: int = 4096
     rope_theta: float = 1e7
     rms_eps: float = 1e-6
+    n_mtp: int = 0  # next-token-prediction blocks after the trunk (llama.cpp's converter adds them)
     chat_template: str | None = QWEN35_TEMPLATE  # None: the vocabulary's own
     extra: dict[str, object] = field(default_factory=dict, hash=False, compare=False)
 
@@ -145,7 +146,7 @@ class HybridSpec:
             raise ValueError(f"rope_sections={self.rope_sections} exceed n_rot/2={self.n_rot // 2}")
 
     def is_recurrent(self, i: int) -> bool:
-        return (i + 1) % self.full_attention_interval != 0
+        return i < self.n_layer and (i + 1) % self.full_attention_interval != 0
 
     @property
     def key_dim(self) -> int:
@@ -206,6 +207,10 @@ def _layer_tensors(s: HybridSpec, i: int, seed: int) -> dict[str, np.ndarray]:
         w("attn_q_norm.weight", (s.head_dim,), 0.1, 1.0)
         w("attn_k_norm.weight", (s.head_dim,), 0.1, 1.0)
         w("attn_output.weight", (d, q), LAYER_GAIN * q**-0.5)
+    if i >= s.n_layer:  # an MTP block: gated attention and the experts, and its own inputs
+        w("nextn.eh_proj.weight", (d, 2 * d), (2 * d) ** -0.5)
+        w("nextn.enorm.weight", (d,), 0.1, 1.0)
+        w("nextn.hnorm.weight", (d,), 0.1, 1.0)
     E, ff, sh = s.n_expert, s.n_ff_exp, s.n_ff_shexp
     w("ffn_gate_inp.weight", (E, d), ROUTER_GAIN * d**-0.5)
     w("ffn_gate_exps.weight", (E, ff, d), d**-0.5)
@@ -234,7 +239,7 @@ def tensors(s: HybridSpec, vocab: Vocab, seed: int) -> dict[str, np.ndarray]:
     n_vocab = len(vocab.tokens)
     embd = _normal(seed, "token_embd.weight", (n_vocab, s.n_embd), 1.0)
     out = {"token_embd.weight": embd}
-    for i in range(s.n_layer):
+    for i in range(s.n_layer + s.n_mtp):
         out |= _layer_tensors(s, i, seed)
     out["output_norm.weight"] = _normal(seed, "output_norm.weight", (s.n_embd,), 0.1, 1.0)
     out["output.weight"] = _output(s, embd, muted_token_ids(vocab), seed)
@@ -262,7 +267,9 @@ def _metadata(w: gguf.GGUFWriter, s: HybridSpec, qtype: Q, n_vocab: int, seed: i
     w.add_name(f"strata synthetic {s.arch} (random weights)")
     w.add_context_length(s.context_length)
     w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layer)
+    w.add_block_count(s.n_layer + s.n_mtp)
+    if s.n_mtp:
+        w.add_nextn_predict_layers(s.n_mtp)
     w.add_feed_forward_length(s.n_ff_exp * s.n_expert_used)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)

@@ -10,7 +10,7 @@ how k heads spread over v heads, and how the DeltaNet's input projections are st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -140,9 +140,10 @@ def _count(index: GGUFIndex, name: str, default: object = ...) -> int:
     return value
 
 
-def _pattern(index: GGUFIndex, n_layer: int) -> tuple[bool, ...]:
-    """Which layers are DeltaNet layers: the file's list, else every layer but each
-    ``full_attention_interval``-th (llama.cpp's default interval: 4)."""
+def _pattern(index: GGUFIndex, n_layer: int, n_trunk: int) -> tuple[bool, ...]:
+    """Which of the ``n_layer`` blocks are DeltaNet layers: the file's list, else every layer of
+    the first ``n_trunk`` but each ``full_attention_interval``-th (llama.cpp's default: 4); the
+    next-token-prediction blocks after the trunk are attention blocks."""
     listed = index.key("attention.recurrent_layers", None)
     if listed is not None:
         if (
@@ -154,8 +155,8 @@ def _pattern(index: GGUFIndex, n_layer: int) -> tuple[bool, ...]:
         pattern = tuple(bool(v) for v in listed[:n_layer])
     else:
         every = _count(index, "full_attention_interval", 4)
-        pattern = tuple((i + 1) % every != 0 for i in range(n_layer))
-    if all(pattern) or not any(pattern):
+        pattern = tuple(i < n_trunk and (i + 1) % every != 0 for i in range(n_layer))
+    if all(pattern[:n_trunk]) or not any(pattern[:n_trunk]):
         kind = "DeltaNet" if all(pattern) else "attention"
         raise ModelLoadError(
             f"{index.path}: every layer is a {kind} layer (attention.recurrent_layers or "
@@ -170,6 +171,10 @@ def read_hybrid(index: GGUFIndex, tiled_heads: bool, sections: bool) -> HybridAr
     from strata.engine.models import read_args
 
     n_layer = _count(index, "block_count")
+    # next-token-prediction (MTP) blocks after the trunk: read and checked, never run
+    n_mtp = index.key("nextn_predict_layers", 0)
+    if isinstance(n_mtp, bool) or not isinstance(n_mtp, int) or not 0 <= n_mtp < n_layer:
+        raise _bad(index, "nextn_predict_layers", n_mtp, f"0 to block_count - 1 ({n_layer - 1})")
     head_dim = _count(index, "attention.key_length")
     value_length = _count(index, "attention.value_length", head_dim)
     if value_length != head_dim:
@@ -210,7 +215,8 @@ def read_hybrid(index: GGUFIndex, tiled_heads: bool, sections: bool) -> HybridAr
     args = read_args(
         index, HybridArgs,
         rope_neox=True, qk_norm=True, norm_topk=True,
-        n_rot=n_rot, rope_sections=rope_sections, recurrent=_pattern(index, n_layer),
+        n_rot=n_rot, rope_sections=rope_sections,
+        recurrent=_pattern(index, n_layer, n_layer - n_mtp),
         conv_kernel=_count(index, "ssm.conv_kernel"), ssm_state=state,
         ssm_k_heads=k_heads, ssm_v_heads=v_heads, n_ff_shexp=n_ff_shexp,
         tiled_heads=tiled_heads,
@@ -222,6 +228,8 @@ def read_hybrid(index: GGUFIndex, tiled_heads: bool, sections: bool) -> HybridAr
         raise _bad(index, "expert_feed_forward_length", ff,
                    f"the experts' {args.n_ff_exp} rows (ffn_gate_exps)")  # fmt: skip
     assert isinstance(args, HybridArgs)
+    if n_mtp:  # the blocks were checked; the model is the trunk
+        args = replace(args, n_layer=n_layer - n_mtp, recurrent=args.recurrent[: n_layer - n_mtp])
     return args
 
 

@@ -13,12 +13,13 @@ several sizes against one token per step, and a rewind that restores it bit for 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pytest
 import torch
-from conftest import skip_without_llama_cpp
 from hybrid_files import ARCHS, HybridFiles, dequantised_copy
 from reference import relative_error, top1_agreement
 from tiny_models import LlamaCppMissing
@@ -49,6 +50,13 @@ def engines(files: HybridFiles):
         return cache[arch, kind]
 
     return get
+
+
+def skip_without_llama_cpp(reason: str) -> NoReturn:
+    """A skip, or a failure under CI (as the model tests' conftest does)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI must run the llama.cpp parity tests)")
+    pytest.skip(reason)
 
 
 def file(files: HybridFiles, arch: str, kind: str) -> Path:
@@ -194,3 +202,16 @@ def test_the_gpu_path_refuses_hybrids_with_the_reason(files: HybridFiles):
         index = GGUFIndex(files.path(arch, "F32"))
         why = fast_path_unavailable(index, torch.device("cuda"), EngineOptions())
         assert why is not None and "Gated DeltaNet" in why and arch in why
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_file_with_a_prediction_block_runs_its_trunk(arch, tmp_path: Path, llama_cpp_ref):
+    """llama.cpp's converter appends the next-token-prediction (MTP) block to the layers
+    (``nextn_predict_layers``): read and checked, never run in the forward."""
+    spec = HybridSpec(arch, n_layer=2, n_mtp=1, n_ff_exp=256, n_ff_shexp=256)
+    path = write_hybrid(tmp_path / f"{arch}-mtp.gguf", spec)
+    engine = Engine.load(path, EngineOptions(kv_cache_type="f32", threads=2, context_length=256))
+    assert engine.sequences.model.shape.n_layer == 2
+    tokens = sequence(70, seed=9)
+    ours = engine.sequences.logits_all(tokens).double().numpy()
+    assert relative_error(ours, llama_cpp_logits(llama_cpp_ref(path), tokens)) < 1e-4
