@@ -19,8 +19,8 @@ exact subtraction rather than conversion instructions, which run at a quarter of
 Every type with units of 32 elements (all but Q8_0 and the floats) shares ``k_tile``'s
 structure; IQ4_XS gathers its levels from the table in the matrix's own bytes. Q4_K, Q5_K, Q6_K,
 IQ4_XS and Q4_0 have inner loops of their own; the gathered types (Q4_1, Q5_0, Q5_1, IQ4_NL,
-MXFP4, Q2_K, Q3_K, IQ3_XXS, IQ3_S) dequantise their tile with ``quant.unit_kernels``' decoders
-(grids and levels read from the matrix's own tables) and multiply.
+MXFP4, Q2_K, Q3_K, IQ3_XXS, IQ3_S) theirs in ``quant.unit_kernels.unit_dot`` (factored where the
+type allows; the grid types dequantise the tile, grids read from the matrix's own tables).
 That is the same function as "dequantise, then multiply" up to float rounding; the callers'
 tests bound the difference.
 """
@@ -36,7 +36,7 @@ import triton.language as tl
 from strata.engine.quant.format import Q8 as Q8_KIND
 from strata.engine.quant.format import UNIT32
 from strata.engine.quant.formats import FORMATS
-from strata.engine.quant.unit_kernels import unit_halves
+from strata.engine.quant.unit_kernels import unit_dot
 
 Q = gguf.GGMLQuantizationType
 # GGML type ids the kernels dispatch on (constexpr), from gguf's table.
@@ -190,9 +190,8 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         s_hi = tl.load(wp[None, :] + o2 + s6 + 8, mask=m2, other=0).to(tl.int8, bitcast=True)
         d = tl.load(_f16_plane(wp[None, :], o3) + db, mask=m2, other=0).to(tl.float32)
         out = d * (s_lo.to(tl.float32) * dl + s_hi.to(tl.float32) * dh)
-    else:  # the gathered types: dequantise the tile (quant.unit_kernels), then multiply
-        lo, hi = unit_halves(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT)
-        out = tl.sum(lo * xl[None, :, :], 2) + tl.sum(hi * xh[None, :, :], 2)
+    else:  # the gathered types: their tiles in quant.unit_kernels
+        out = unit_dot(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT, xl, xh, sx)
     return out
 
 

@@ -1,6 +1,6 @@
 """Triton decoders of the gathered types' repacked planes: one function per format that every
-kernel reading those types shares (the dequantiser here in ``repack_kernels``, the decode dot
-products of ``kernels.dot``, the prompt-chunk GEMM of ``kernels.gemm``).
+kernel reading those types shares (the dequantiser here in ``repack_kernels``, the prompt-chunk
+GEMM of ``kernels.gemm``) and ``unit_dot``, the decode dot products' tile (``kernels.dot``).
 
 ``unit_halves`` gives the values of units ``u`` (32 elements each, counted from a row's start)
 of rows ``r`` as two float32 tiles ``[BN, T, 16]``: elements 32u + k (the low half) and
@@ -235,3 +235,78 @@ def dequantize_launch(data, out, rows, row0: int, n: int, lay, has_ids: bool) ->
         data, out, rows, row0, *o, NK=nk, QT=int(lay.qtype), S=s, HAS_IDS=has_ids,
         enable_fp_fusion=False,
     )  # fmt: skip
+
+
+@triton.jit
+def _fsum(q, x):
+    """sum over k of float(q) * x: [BN, T, 16] ints and [T, 16] inputs -> [BN, T]."""
+    return tl.sum(q.to(tl.float32) * x[None, :, :], 2)
+
+
+@triton.jit
+def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexpr, xl, xh, sx):
+    """The decode kernels' tile of a gathered type: rows r [BN] x units u [T] dotted with the
+    input halves xl, xh ([T, 16]: elements 32u + k and 32u + 16 + k; sx [T] their sums) ->
+    [BN, T]. The scales come out of the sums where the type allows (a scale times an integer
+    dot product, minus or plus a min times the input's sum); the grid types dequantise the tile
+    (``unit_halves``) and multiply."""
+    k = tl.arange(0, 16)[None, None, :]
+    m3 = rm[:, None, None] & um[None, :, None]
+    m2 = rm[:, None] & um[None, :]
+    wp3 = wp[None, :, None]
+    wp2 = wp[None, :]
+    if QT == Q2_K or QT == Q3_K:
+        blk2 = (r * (NK // K_UNITS))[:, None] + u[None, :] // K_UNITS  # [BN, T]
+        j2 = (u % K_UNITS)[None, :]
+        blk = blk2[:, :, None]
+        j = j2[:, :, None]
+        at = blk * K2_QS + 32 * (j // 4) + k
+        q_lo = (_u8(wp3, at, m3) >> (2 * (j % 4))) & 3
+        q_hi = (_u8(wp3, at + 16, m3) >> (2 * (j % 4))) & 3
+        if QT == Q2_K:
+            sc_lo = _u8(wp2 + o1, blk2 * Q2K_SC + 2 * j2, m2)
+            sc_hi = _u8(wp2 + o1, blk2 * Q2K_SC + 2 * j2 + 1, m2)
+            d = _f16(wp2 + o2, blk2, m2)
+            dm = _f16(wp2 + o3, blk2, m2)
+            s_lo = tl.sum(xl, 1)[None, :]
+            s_hi = tl.sum(xh, 1)[None, :]
+            out = d * ((sc_lo & 15).to(tl.float32) * _fsum(q_lo, xl))
+            out += d * ((sc_hi & 15).to(tl.float32) * _fsum(q_hi, xh))
+            out -= dm * ((sc_lo >> 4).to(tl.float32) * s_lo + (sc_hi >> 4).to(tl.float32) * s_hi)
+        else:  # Q3_K: q - 4 where the hmask bit is 0
+            h_lo = (_u8(wp3 + o1, blk * Q3K_HM + k, m3) >> j) & 1
+            h_hi = (_u8(wp3 + o1, blk * Q3K_HM + 16 + k, m3) >> j) & 1
+            d = _f16(wp2 + o3, blk2, m2)
+            lo = _fsum(q_lo - 4 * (1 - h_lo), xl)
+            hi = _fsum(q_hi - 4 * (1 - h_hi), xh)
+            out = d * (_q3k_scale(wp2, o2, blk2, 2 * j2, m2) * lo)
+            out += d * (_q3k_scale(wp2, o2, blk2, 2 * j2 + 1, m2) * hi)
+    elif QT == IQ3_XXS or QT == IQ3_S:
+        lo, hi = unit_halves(wp, o1, o2, o3, o4, r, rm, u, um, NK, QT)
+        out = tl.sum(lo * xl[None, :, :], 2) + tl.sum(hi * xh[None, :, :], 2)
+    else:  # blocks of 32: a unit is a block
+        blk2 = (r * NK)[:, None] + u[None, :]
+        q = _u8(wp3, blk2[:, :, None] * Q4_BYTES + k, m3)
+        q_lo = q & 15
+        q_hi = q >> 4
+        if QT == Q5_0 or QT == Q5_1:
+            h = _u32(wp3 + o1, blk2[:, :, None], m3)
+            q_lo = q_lo | (((h >> k) & 1) << 4).to(tl.int32)
+            q_hi = q_hi | (((h >> (k + 16)) & 1) << 4).to(tl.int32)
+        if QT == IQ4_NL or QT == MXFP4:  # a scale times the levels' dot product
+            lv = wp3 + o2  # the 16 levels (IQ4_NL and MXFP4 alike)
+            dot = tl.sum(_f32_table(lv, q_lo, m3) * xl[None, :, :], 2)
+            dot += tl.sum(_f32_table(lv, q_hi, m3) * xh[None, :, :], 2)
+            if QT == IQ4_NL:
+                out = _f16(wp2 + o1, blk2, m2) * dot
+            else:
+                out = _e8m0_half(_u8(wp2 + o1, blk2, m2)) * dot
+        else:
+            dot = _fsum(q_lo, xl) + _fsum(q_hi, xh)
+            if QT == Q4_1:  # sum of (d q + m) x = d (q . x) + m sum(x)
+                out = _f16(wp2 + o1, blk2, m2) * dot + _f16(wp2 + o2, blk2, m2) * sx[None, :]
+            elif QT == Q5_1:
+                out = _f16(wp2 + o2, blk2, m2) * dot + _f16(wp2 + o3, blk2, m2) * sx[None, :]
+            else:  # Q5_0: d (q . x - 16 sum(x))
+                out = _f16(wp2 + o2, blk2, m2) * (dot - 16.0 * sx[None, :])
+    return out
