@@ -480,7 +480,7 @@ $("reserve-clear").addEventListener("click", () => setReserve(0));
 // -- the chat ---------------------------------------------------------------------------------
 
 const chat = {
-  messages: JSON.parse(sessionStorage.getItem(CHAT_STORE) || "[]"), // {role, content, note}
+  messages: JSON.parse(sessionStorage.getItem(CHAT_STORE) || "[]"), // {role, content, reasoning, note}
   abort: null,
 };
 
@@ -491,10 +491,15 @@ function saveChat() {
 function messageNode(m) {
   const div = document.createElement("div");
   div.className = "msg msg-" + m.role;
+  // a thinking model's thought (reasoning_content), shown apart from the answer
+  const thought = document.createElement("span");
+  thought.className = "msg-thought";
+  thought.textContent = m.reasoning || "";
+  thought.hidden = !m.reasoning;
   const body = document.createElement("span");
   body.className = "msg-text";
   body.textContent = m.content;
-  div.append(body);
+  div.append(thought, body);
   if (m.note) {
     const note = document.createElement("span");
     note.className = "msg-note";
@@ -560,6 +565,7 @@ async function send() {
   showChat();
   const node = $("messages").lastElementChild;
   const textNode = node.querySelector(".msg-text");
+  const thoughtNode = node.querySelector(".msg-thought");
   const controller = new AbortController();
   chat.abort = controller;
   setBusy(true);
@@ -584,6 +590,13 @@ async function send() {
         if (chunk.usage) usage = chunk.usage;
         const choice = chunk.choices && chunk.choices[0];
         if (!choice) return;
+        if (choice.delta && choice.delta.reasoning_content) {
+          if (first === null) first = performance.now();
+          reply.reasoning = (reply.reasoning || "") + choice.delta.reasoning_content;
+          thoughtNode.textContent = reply.reasoning;
+          thoughtNode.hidden = false;
+          $("messages").scrollTop = $("messages").scrollHeight;
+        }
         if (choice.delta && choice.delta.content) {
           if (first === null) first = performance.now();
           reply.content += choice.delta.content;
@@ -613,7 +626,7 @@ async function send() {
   } finally {
     chat.abort = null;
     setBusy(false);
-    if (!reply.content && reply.note === "failed") {
+    if (!reply.content && !reply.reasoning && reply.note === "failed") {
       // nothing came back: the message goes back into the box, to send again once fixed
       chat.messages.splice(-2, 2);
       if (!$("prompt").value) $("prompt").value = prompt;
