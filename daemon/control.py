@@ -760,7 +760,7 @@ def parse_vram_request(raw: bytes) -> tuple[int, int | None]:
             "reserve_mib",
         )
     device = body.get("device")
-    if device is not None and (not is_int(device) or device < 0):
+    if device is not None and not is_int(device):  # a number the daemon lacks: named there
         raise BadVramRequest(
             f"device: expected a device number (0, 1, …), got {json.dumps(device)}", "device"
         )

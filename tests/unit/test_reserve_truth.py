@@ -103,7 +103,7 @@ def test_a_refused_reserve_is_not_left_in_force(tmp_path: Path) -> None:
         (b'{"reserve_mib": 1.5}', "reserve_mib", "got 1.5"),
         (b"{}", "reserve_mib", "reserve_mib is missing"),
         (b'{"reserve_mib": 1, "gpu": 1}', "gpu", "unknown field 'gpu'"),
-        (b'{"reserve_mib": 1, "device": -1}', "device", "device: expected a device number"),
+        (b'{"reserve_mib": 1, "device": "1"}', "device", "device: expected a device number"),
         (b"[1]", "reserve_mib", "expected a JSON object"),
         (b"nope", "reserve_mib", "the body is not JSON"),
     ],
