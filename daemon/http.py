@@ -54,12 +54,10 @@ from strata.daemon.openai_api import (
     SSE_DONE,
     ApiError,
     Parsed,
-    Reply,
     error_body,
     invalid,
     parse_chat,
     parse_completion,
-    prepare,
     retry_after_s,
     sse,
 )
@@ -150,22 +148,20 @@ def create_app(daemon: Any) -> FastAPI:
         return ModelNames.of(daemon.model_id, path.name if path else "", config.model_alias,
                              config.serve_any_model_name)  # fmt: skip
 
+    # every API's requests take this one path (serving.py): name, prepare, queue
+    serving = Serving(daemon, config, engine, names, created, reasoning, generations,
+                      FINGERPRINT, as_api_error)  # fmt: skip
+
     async def generate(request: Request, req: Parsed, received: float) -> Response:
-        eng = engine()
-        names().check(req.model)
-        ready = await asyncio.to_thread(prepare, req, eng, reasoning)
-        gen = await generations.submit(
-            ready.prompt, ready.params, received, req.stream, request.receive,
-            ready.constraint, ready.show_special,
-        )  # fmt: skip
-        reply = Reply.new(req, daemon.model_id, FINGERPRINT)
+        s = await serving.start(request, req, received)
         if req.stream:
             return StreamingResponse(
-                _events(ReplyStream(reply, ready, eng.tokenizer), gen),
+                _events(ReplyStream(s.reply, s.ready, s.engine.tokenizer), s.gen),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        return JSONResponse(reply_body(reply, await gen.result(), ready, eng.tokenizer))
+        r = await s.gen.result()
+        return JSONResponse(reply_body(s.reply, r, s.ready, s.engine.tokenizer))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -250,9 +246,7 @@ def create_app(daemon: Any) -> FastAPI:
     for path, file in page.load().items():
         app.add_api_route(path, _page_file(file), methods=["GET"], include_in_schema=False)
 
-    # the other APIs, on the same engine request and generation path (serving.py)
-    serving = Serving(daemon, config, engine, names, created, reasoning, generations,
-                      FINGERPRINT, as_api_error)  # fmt: skip
+    # the other APIs, on the same generation path
     for api in (llama_extras, anthropic_api, ollama_api, responses_api):
         api.add_routes(app, serving)
     return app
