@@ -134,8 +134,9 @@ def test_demo_model_answers_at_least_32_tokens_before_any_end_token(tmp_path) ->
 
 
 def test_demo_model_ends_its_answers_within_a_few_hundred_tokens(tmp_path) -> None:
-    """Greedy (deterministic) and sampled, without max_tokens: an end token, neither too soon
-    (a prompt ending in ASCII runs the whole trunk) nor after thousands of tokens."""
+    """Greedy, without max_tokens: an end token, neither too soon (a prompt ending in ASCII runs
+    the whole trunk) nor after thousands of tokens (it ran 8,180 before). The plan's bound for
+    every token is tests/model/test_synth.py's."""
     from strata.engine.demo import MAX_ANSWER, TRUNK, ensure_demo_model
 
     e = Engine.load(ensure_demo_model(tmp_path), EngineOptions())
@@ -143,11 +144,6 @@ def test_demo_model_ends_its_answers_within_a_few_hundred_tokens(tmp_path) -> No
     greedy = e.generate(prompt, SamplingParams(max_tokens=4 * MAX_ANSWER, temperature=0.0))
     assert greedy.finish_reason == "stop", greedy.completion_tokens
     assert TRUNK <= greedy.completion_tokens <= MAX_ANSWER
-    again = e.generate(prompt, SamplingParams(max_tokens=4 * MAX_ANSWER, temperature=0.0))
-    assert again.tokens == greedy.tokens  # deterministic
-    # sampled, a token off the plan now and then starts another path: it still ends
-    sampled = e.generate(prompt, SamplingParams(max_tokens=5 * MAX_ANSWER, seed=1))
-    assert sampled.finish_reason == "stop", sampled.completion_tokens
 
 
 def test_a_context_whose_kv_cannot_fit_the_memory_names_the_option(tiny_models) -> None:
