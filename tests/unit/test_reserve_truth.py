@@ -98,7 +98,7 @@ def test_a_refused_reserve_is_not_left_in_force(tmp_path: Path) -> None:
     ("body", "param", "words"),
     [
         (b'{"reserve_mib": -5}', "reserve_mib", "0 or more (0 clears the reserve), got -5"),
-        (b'{"reserve_mib": "4000"}', "reserve_mib", 'whole number of MiB, 0 or more'),
+        (b'{"reserve_mib": "4000"}', "reserve_mib", "whole number of MiB, 0 or more"),
         (b'{"reserve_mib": true}', "reserve_mib", "got true"),
         (b'{"reserve_mib": 1.5}', "reserve_mib", "got 1.5"),
         (b"{}", "reserve_mib", "reserve_mib is missing"),
