@@ -97,6 +97,12 @@ def to_openai(raw: dict[str, Any], counting: bool = False) -> dict[str, Any]:
     out["messages"] = _system(raw.get("system")) + [
         m for i, msg in enumerate(messages) for m in _message(msg, f"messages[{i}]")
     ]
+    if isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+        # Anthropic continues a last assistant turn (a prefill); the template would close it
+        # and start a new one instead, which is another answer: refused, never approximated
+        where = f"messages[{len(messages) - 1}]"
+        raise unsupported(f"{where}.role", "continuing a last assistant turn (a prefill) is "
+                          "not supported; end with a user turn")  # fmt: skip
     tools = raw.get("tools")
     if tools not in (None, []):
         out["tools"] = _tools(tools)

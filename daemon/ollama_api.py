@@ -145,6 +145,8 @@ def _common(raw: dict[str, Any], out: dict[str, Any], serving: Serving, n_ctx: i
     model = raw.get("model")
     if model is None:
         raise invalid("model: missing required field", "model")
+    if not isinstance(model, str):
+        raise wrong_type("model", "a string", model)
     out["model"] = model
     stream = raw.get("stream", True)  # Ollama streams unless told not to
     if not isinstance(stream, bool):
@@ -166,6 +168,11 @@ def chat_request(raw: dict[str, Any], serving: Serving, n_ctx: int) -> dict[str,
     if not isinstance(messages, list):
         raise wrong_type("messages", "a list of messages", messages)
     out["messages"] = _messages(messages)
+    if out["messages"] and out["messages"][-1].get("role") == "assistant":
+        # Ollama continues a last assistant message; the template would close it and start a
+        # new turn instead, which is another answer: refused, never approximated
+        raise unsupported(f"messages[{len(messages) - 1}].role", "continuing a last assistant "
+                          "message is not supported; end with a user or tool message")  # fmt: skip
     if raw.get("tools") not in (None, []):
         out["tools"] = raw["tools"]
     return out

@@ -161,6 +161,9 @@ def test_bad_input_is_an_openai_400(thinker: StrataDaemon) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="m", input="hi", previous_response_id="resp_nope")
     assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    unkept = client.responses.create(model="m", input="hi", store=False, max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="m", input="hi", previous_response_id=unkept.id)
     bad: list[dict[str, Any]] = [
         {"input": "hi", "tools": [{"type": "web_search"}]},
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

@@ -66,6 +66,8 @@ def test_anthropic_blocks_become_the_chat_they_mean() -> None:
         ({"max_tokens": 2, "messages": HI, "tools": [{"type": "bash_20250124", "name": "b"}]},
          "tools[0].type"),
         ({"max_tokens": 2, "messages": [], "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+        ({"max_tokens": 2, "messages": [*HI, {"role": "assistant", "content": "The"}]},
+         "messages[1].role"),
     ],
 )  # fmt: skip
 def test_anthropic_refusals_name_the_field(raw: dict[str, Any], named: str) -> None:
@@ -128,6 +130,10 @@ def test_ollama_options_and_keep_alive() -> None:
     with pytest.raises(ApiError) as e:
         ollama_api.chat_request({**raw, "options": {"num_thread": 4}}, serving, 4096)
     assert e.value.param == "options.num_thread"
+    prefill = [*HI, {"role": "assistant", "content": "The"}]
+    with pytest.raises(ApiError) as e:
+        ollama_api.chat_request({**raw, "messages": prefill}, serving, 4096)
+    assert e.value.param == "messages[1].role"
     # a tool result answers the earliest open call of its function
     msgs = ollama_api._messages([
         {"role": "assistant", "content": "", "tool_calls": [
