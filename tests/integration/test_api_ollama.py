@@ -104,11 +104,10 @@ def test_chat_without_thinking_and_format(thinker: StrataDaemon) -> None:
     for fmt in ("json", SCHEMA):
         r = client.chat(model="m", messages=ASK, think=False, format=fmt,
                         options={"num_predict": 40, "seed": 1})  # fmt: skip
-        if r.done_reason == "stop":
-            value = json.loads(r.message.content)
-            assert isinstance(value, dict)
-            if fmt == SCHEMA:
-                assert set(value) == {"ok"}
+        if fmt == SCHEMA:  # the schema closes the object within a few tokens
+            assert r.done_reason == "stop" and set(json.loads(r.message.content)) == {"ok"}
+        elif r.done_reason == "stop":  # any object: it may run to num_predict
+            assert isinstance(json.loads(r.message.content), dict)
 
 
 def test_chat_tool_calls_whole_and_streamed(thinker: StrataDaemon) -> None:

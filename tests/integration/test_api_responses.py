@@ -152,8 +152,8 @@ def test_text_format_json_schema(thinker: StrataDaemon) -> None:
         max_output_tokens=40,
         extra_body={"seed": 1},
     )
-    if r.status == "completed":
-        assert set(json.loads(r.output_text)) == {"ok"}
+    assert r.status == "completed"  # the schema closes the object within a few tokens
+    assert set(json.loads(r.output_text)) == {"ok"}
 
 
 def test_bad_input_is_an_openai_400(thinker: StrataDaemon) -> None:
