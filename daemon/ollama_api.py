@@ -305,62 +305,80 @@ def line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 
 
-async def _stream(serving: Serving, s: Started, kind: str, model: str,
-                  received: float) -> AsyncIterator[bytes]:  # fmt: skip
-    openai = ReplyStream(s.reply, s.ready, s.engine.tokenizer)
-    calls: list[dict[str, Any]] = []  # a call goes out whole, once its arguments are complete
-    finish = "stop"
+class NdjsonLines:
+    """The chat chunks of one streamed reply as Ollama's NDJSON objects: one per piece of text
+    (``message.content``/``thinking``, or ``response``/``thinking``); a call goes out whole,
+    once its arguments are complete, just before the last object (``done: true``)."""
 
-    def lines(chunk: dict[str, Any]) -> list[bytes]:
-        nonlocal finish
+    def __init__(self, kind: str, model: str) -> None:
+        self.kind = kind
+        self.model = model
+        self.calls: list[dict[str, Any]] = []
+        self.finish = "stop"
+
+    def _head(self) -> dict[str, Any]:
+        return {"model": self.model, "created_at": _now()}
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
         out = []
         for choice in chunk.get("choices", ()):
-            finish = choice.get("finish_reason") or finish
+            self.finish = choice.get("finish_reason") or self.finish
             d = choice.get("delta") or {"content": choice.get("text")}
             text, thought = d.get("content") or "", d.get("reasoning_content") or ""
             for c in d.get("tool_calls") or ():
                 if "id" in c:
-                    calls.append({"function": {"name": c["function"]["name"], "arguments": ""}})
-                calls[-1]["function"]["arguments"] += c["function"].get("arguments") or ""
+                    self.calls.append({"function": {"name": c["function"]["name"],
+                                                    "arguments": ""}})  # fmt: skip
+                self.calls[-1]["function"]["arguments"] += c["function"].get("arguments") or ""
             if not text and not thought:
                 continue
-            head: dict[str, Any] = {"model": model, "created_at": _now()}
-            if kind == "chat":
+            if self.kind == "chat":
                 message = {"role": "assistant", "content": text}
                 if thought:
                     message["thinking"] = thought
-                out.append(line({**head, "message": message, "done": False}))
+                out.append(line({**self._head(), "message": message, "done": False}))
             else:
                 extra = {"thinking": thought} if thought else {}
-                out.append(line({**head, "response": text, **extra, "done": False}))
+                out.append(line({**self._head(), "response": text, **extra, "done": False}))
         return out
 
+    def end(self, r: GenerationResult, received: float) -> list[bytes]:
+        out = []
+        if self.calls and self.kind == "chat":
+            message = {"role": "assistant", "content": "", "tool_calls": _ollama_calls(self.calls)}
+            out.append(line({**self._head(), "message": message, "done": False}))
+        last: dict[str, Any] = (
+            {"message": {"role": "assistant", "content": ""}} if self.kind == "chat"
+            else {"response": ""}
+        )  # fmt: skip
+        done = {"done": True, "done_reason": _done_reason(self.finish), **_counts(r, received)}
+        out.append(line({**self._head(), **last, **done}))
+        return out
+
+
+async def _stream(serving: Serving, s: Started, kind: str, model: str,
+                  received: float) -> AsyncIterator[bytes]:  # fmt: skip
+    openai = ReplyStream(s.reply, s.ready, s.engine.tokenizer)
+    lines = NdjsonLines(kind, model)
     try:
         for chunk in openai.start():
-            for b in lines(chunk):
+            for b in lines.chunk(chunk):
                 yield b
         async for piece in s.gen.pieces():
             for chunk in openai.piece(piece):
-                for b in lines(chunk):
+                for b in lines.chunk(chunk):
                     yield b
         r = s.gen.final()
         for chunk in openai.end(r):
-            for b in lines(chunk):
+            for b in lines.chunk(chunk):
                 yield b
     except Exception as e:  # the status line is sent: the error travels in the stream
         yield line({"error": serving.error(e).message})
         return
     finally:
         s.gen.close()
-    head = {"model": model, "created_at": _now()}
-    if calls and kind == "chat":
-        whole = _ollama_calls(calls)
-        message = {"role": "assistant", "content": "", "tool_calls": whole}
-        yield line({**head, "message": message, "done": False})
-    last: dict[str, Any] = {"message": {"role": "assistant", "content": ""}} if kind == "chat" \
-        else {"response": ""}  # fmt: skip
-    yield line({**head, **last, "done": True, "done_reason": _done_reason(finish),
-                **_counts(r, received)})  # fmt: skip
+    for b in lines.end(r, received):
+        yield b
 
 
 # -- the model ----------------------------------------------------------------------------------

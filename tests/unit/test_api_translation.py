@@ -171,3 +171,98 @@ def test_errors_take_the_shape_of_the_path() -> None:
     assert api_of("/api/chat") == "ollama" and error_json(err, "ollama") == {"error": "x: bad"}
     assert api_of("/v1/responses") == api_of("/tokenize") == "openai"
     assert error_json(err, "openai") == err.body()
+
+
+# -- the streams, from the chat chunks a reply with a thought, text and two calls makes ---------
+
+
+def _chunk(**delta: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+CHUNKS = [
+    _chunk(role="assistant", content=""),
+    _chunk(reasoning_content="hm"),
+    _chunk(reasoning_content="m"),
+    _chunk(content="Sure."),
+    _chunk(tool_calls=[{"index": 0, "id": "c0", "type": "function",
+                        "function": {"name": "f", "arguments": ""}}]),
+    _chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"a": '}}]),
+    _chunk(tool_calls=[{"index": 0, "function": {"arguments": "1}"}}]),
+    _chunk(tool_calls=[{"index": 1, "id": "c1", "type": "function",
+                        "function": {"name": "g", "arguments": "{}"}}]),
+    {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+]  # fmt: skip
+RESULT: Any = SimpleNamespace(prompt_tokens=5, completion_tokens=9, cached_tokens=0,
+                              prefill_s=0.1, decode_s=0.2)  # fmt: skip
+
+
+def _sse(data: list[bytes]) -> list[dict[str, Any]]:
+    out = []
+    for b in data:
+        kind, payload = b.decode().strip().split("\n")
+        obj = json.loads(payload.removeprefix("data: "))
+        assert kind == f"event: {obj['type']}"
+        out.append(obj)
+    return out
+
+
+def test_anthropic_events_from_chunks() -> None:
+    s: Any = SimpleNamespace(ready=SimpleNamespace(prompt=[1, 2, 3]),
+                             reply=SimpleNamespace(id="chatcmpl-x", model="m"))  # fmt: skip
+    events = anthropic_api.MessageEvents(s)
+    data = events.start() + [b for c in CHUNKS for b in events.chunk(c)]
+    data += events.end("tool_calls", None, 9)
+    got = _sse(data)
+    kinds = [(e["type"], (e.get("content_block") or e.get("delta") or {}).get("type")) for e in got]
+    assert kinds == [
+        ("message_start", None),
+        ("content_block_start", "thinking"), ("content_block_delta", "thinking_delta"),
+        ("content_block_delta", "thinking_delta"), ("content_block_delta", "signature_delta"),
+        ("content_block_stop", None),
+        ("content_block_start", "text"), ("content_block_delta", "text_delta"),
+        ("content_block_stop", None),
+        ("content_block_start", "tool_use"), ("content_block_delta", "input_json_delta"),
+        ("content_block_delta", "input_json_delta"), ("content_block_stop", None),
+        ("content_block_start", "tool_use"), ("content_block_delta", "input_json_delta"),
+        ("content_block_stop", None),
+        ("message_delta", None), ("message_stop", None),
+    ]  # fmt: skip
+    assert [e["index"] for e in got if e["type"] == "content_block_start"] == [0, 1, 2, 3]
+    assert got[0]["message"]["usage"]["input_tokens"] == 3
+    assert got[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_responses_events_from_chunks() -> None:
+    shape: Any = SimpleNamespace(body=lambda items, status, usage=None: {
+        "status": status, "output": list(items)})  # fmt: skip
+    events = responses_api.ResponseEvents(shape)
+    data = events.start() + [b for c in CHUNKS for b in events.chunk(c)]
+    data += events.end("tool_calls", {})
+    got = _sse(data)
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    added = [e["item"]["type"] for e in got if e["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "message", "function_call", "function_call"]
+    final = got[-1]
+    assert final["type"] == "response.completed"
+    reasoning, message, f, g = final["response"]["output"]
+    assert reasoning["content"][0]["text"] == "hmm" and message["content"][0]["text"] == "Sure."
+    assert (f["name"], json.loads(f["arguments"]), g["call_id"]) == ("f", {"a": 1}, "c1")
+    done = [e for e in got if e["type"] == "response.function_call_arguments.done"]
+    assert [e["arguments"] for e in done] == ['{"a": 1}', "{}"]
+    turn = responses_api.output_as_messages(final["response"]["output"])[0]
+    assert turn["reasoning_content"] == "hmm" and len(turn["tool_calls"]) == 2
+
+
+def test_ollama_lines_from_chunks() -> None:
+    lines = ollama_api.NdjsonLines("chat", "m")
+    data = [b for c in CHUNKS for b in lines.chunk(c)] + lines.end(RESULT, 0.0)
+    got = [json.loads(b) for b in data]
+    assert [g["done"] for g in got] == [False] * (len(got) - 1) + [True]
+    assert "".join(g["message"].get("thinking", "") for g in got) == "hmm"
+    assert "".join(g["message"]["content"] for g in got) == "Sure."
+    (calls,) = [g["message"]["tool_calls"] for g in got if "tool_calls" in g["message"]]
+    assert calls == [{"function": {"name": "f", "arguments": {"a": 1}}},
+                     {"function": {"name": "g", "arguments": {}}}]  # fmt: skip
+    assert got[-1]["done_reason"] == "stop" and got[-1]["eval_count"] == 9
+    assert got[-1]["prompt_eval_duration"] == 100_000_000
