@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from strata.daemon.api_errors import invalid, unsupported, wrong_type
+from strata.daemon.api_shapes import error_json
 from strata.daemon.openai_api import Parsed, chat_from, chat_prompt_text, json_object
 from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.daemon.serving import Serving, Started
@@ -447,8 +448,7 @@ async def _stream(serving: Serving, s: Started) -> AsyncIterator[bytes]:
                     yield b
         r = s.gen.final()
     except Exception as e:  # the status line is sent: the error travels in the stream
-        err = serving.error(e)
-        yield event("error", {"error": {"type": "api_error", "message": err.message}})
+        yield event("error", {"error": error_json(serving.error(e), "anthropic")["error"]})
         return
     finally:
         s.gen.close()
