@@ -1,4 +1,4 @@
-"""``strata bench``: the CLI edge of ``strata.engine.bench``.
+"""``strata bench``: the CLI edge of ``strata.bench``.
 
 Parses and validates the flags into one ``BenchSettings`` (a bad value is one line naming it, exit
 2), runs the bench with a progress bar on stderr, and prints the table, or the JSON with
@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from strata import paths
+from strata.bench import settings as bs
 from strata.daemon.config import BENCH_OPTIONS, LoadedConfig, Origin, add_option_flags
 from strata.daemon.engine_setup import engine_options
 from strata.daemon.generate_cmd import ProgressBar
-from strata.engine.bench import settings as bs
 from strata.engine.errors import EngineError, ModelLoadError
 
 if TYPE_CHECKING:
-    from strata.engine.bench.settings import BenchSettings
+    from strata.bench.settings import BenchSettings
     from strata.engine.options import EngineOptions
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ def merged_result(args: argparse.Namespace) -> dict[str, Any]:
                 f"--merge combines earlier results and measures nothing: drop {flag}"
             )
     _check_plot(args)
-    from strata.engine.bench.merge import merge_results
+    from strata.bench.merge import merge_results
 
     results = []
     for name in args.merge:
@@ -227,7 +227,7 @@ def _check_plot(args: argparse.Namespace) -> None:
     """Fail before a long run, or before reading anything, when the plot cannot be drawn."""
     if args.plot is None:
         return
-    from strata.engine.bench.report import PlotUnavailable, require_matplotlib
+    from strata.bench.report import PlotUnavailable, require_matplotlib
 
     try:
         require_matplotlib()
@@ -262,7 +262,7 @@ def run(loaded: LoadedConfig, args: argparse.Namespace) -> int:
             _output(merged_result(args), args)
             return 0  # an interrupted input is named in the result; this command was not
         settings = build_settings(loaded, args)  # before torch is imported: bad flags fail fast
-        from strata.engine.bench.session import run_bench
+        from strata.bench.session import run_bench
 
         result = run_bench(settings, progress=ProgressBar("bench"))
     except bs.BenchError as e:
@@ -283,7 +283,7 @@ def _error(message: str, code: int) -> int:
 
 def _output(result: dict[str, Any], args: argparse.Namespace) -> None:
     """The table, or the JSON with ``--json``, on stdout; the plot with ``--plot``."""
-    from strata.engine.bench import report
+    from strata.bench import report
 
     # the arguments as typed after the program name (whose path says only where it was installed)
     result["command"] = ["strata", *sys.argv[1:]]

@@ -46,11 +46,11 @@ _INTERP_BN = 128  # rows per program in Triton's interpreter: few, wide programs
 MAX_SPLITS = 64  # most splits of the attention's key range
 
 # Rows per program and warps (None: one thread per unit of a step) of each launch, measured on an
-# H200 with the profile tool's --sweep (``python -m strata.engine.bench.profile``) on the
+# H200 with the profile tool's --sweep (``python -m strata.bench.profile``) on the
 # Qwen3-30B-A3B shapes; the kernels take any values, the interpreter its own (``kernels.dot``).
 # down: 4 rows, not 8: the same speed from VRAM (295.9 against 295.7 tok/s with every expert
 # cached), and its reads of experts in RAM over PCIe go at 47 GB/s, not 37 (more reads in
-# flight; ``python -m strata.engine.bench.moe_sweep``). One value for both, so residency never
+# flight; ``python -m strata.bench.moe_sweep``). One value for both, so residency never
 # changes a kernel's arithmetic.
 TUNED: dict[str, tuple[int, int | None]] = {
     "qkv": (4, 8),

@@ -18,7 +18,7 @@ instructions may stop another with SIGILL), and it is renamed into place whole, 
 never loads a half-written one. Without a working compiler ``library``
 raises ``CpuExpertsUnavailable`` saying why, and the caller keeps every expert on the GPU.
 
-``python -m strata.engine.bench.cpu_experts`` measures the throughput (GB/s of weight bytes).
+``python -m strata.bench.cpu_experts`` measures the throughput (GB/s of weight bytes).
 """
 
 from __future__ import annotations

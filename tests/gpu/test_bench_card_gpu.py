@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.engine.bench import card
-from strata.engine.bench.settings import BenchError
+from strata.bench import card
+from strata.bench.settings import BenchError
 
 pytestmark = pytest.mark.gpu
 GiB = 2**30

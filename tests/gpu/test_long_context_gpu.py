@@ -1,5 +1,5 @@
 """A 64K-token prompt on the synthetic Qwen3-30B-A3B (Q4_K) on a 24 GiB card emulated on a
-larger GPU (the cache and the K/V sized from ``24 GiB - used``, as ``strata.engine.bench.
+larger GPU (the cache and the K/V sized from ``24 GiB - used``, as ``strata.bench.
 long_context`` does): its greedy output is the same when a lease of 8 GiB is taken and returned
 during its prefill and again during its decode (the engine applying the budgets the policy would
 give, at its safe points, as the daemon's worker does), and the cache and the K/V never hold
@@ -18,7 +18,7 @@ import time
 import pytest
 
 from strata import paths
-from strata.engine.bench.long_context import _engine, _prompt
+from strata.bench.long_context import _engine, _prompt
 from strata.engine.params import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -21,8 +21,8 @@ import jsonschema
 import openai
 import pytest
 
+from strata.bench.strata_run import BENCH_GRAMMAR
 from strata.engine import synth
-from strata.engine.bench.strata_run import BENCH_GRAMMAR
 from strata.engine.generate import Engine
 from strata.engine.grammar import GrammarSpec
 from strata.engine.options import EngineOptions

@@ -148,7 +148,7 @@ def test_budgets_skipped_sizes_and_llama_bench_side_by_side(tmp_path: Path) -> N
 def test_grammar_row_reports_the_mask_cost(tmp_path: Path) -> None:
     """``--grammar``: each decode run again under the bench grammar; its rate and the mask's
     host time per token, recomputed from the raw runs, and the line under the table."""
-    from strata.engine.bench.report import text_report
+    from strata.bench.report import text_report
 
     proc = strata_bench("--synthetic", "tiny", "--json", "--grammar", "--reps", "2",
                         "--decode-tokens", "16", "--prefill", "16", tmp=tmp_path)  # fmt: skip

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from strata.bench import card, report
+from strata.bench.settings import BenchError, BenchSettings, parse_card_gib
 from strata.daemon import bench_cmd
 from strata.daemon.config import load_config
-from strata.engine.bench import card, report
-from strata.engine.bench.settings import BenchError, BenchSettings, parse_card_gib
 
 GiB, MiB = 2**30, 2**20
 

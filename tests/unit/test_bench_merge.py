@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from strata.engine.bench import report, stats
-from strata.engine.bench.merge import REQUIRED, SAME_FIELDS, merge_results
-from strata.engine.bench.settings import BenchError
+from strata.bench import report, stats
+from strata.bench.merge import REQUIRED, SAME_FIELDS, merge_results
+from strata.bench.settings import BenchError
 
 MiB = 2**20
 N_EXPERTS = 64

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from strata.engine.bench import llama, report, stats
-from strata.engine.bench.settings import BenchError, parse_budgets, parse_int_list
+from strata.bench import llama, report, stats
+from strata.bench.settings import BenchError, parse_budgets, parse_int_list
 
 MiB = 2**20
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
+from strata.bench import session
 from strata.engine import cpuinfo
-from strata.engine.bench import session
 
 # two hyper-threads of one core, then a second core; the last block has no blank line after it
 TEXT = """processor\t: 0

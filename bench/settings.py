@@ -165,7 +165,7 @@ class BenchSettings:
     n_cpu_moe: tuple[int, ...] = DEFAULT_N_CPU_MOE
     seed: int = 0
     grammar: bool = False  # also decode under a grammar: the token mask's cost per token
-    card_gib: float | None = None  # emulate a card with this much free (engine.bench.card)
+    card_gib: float | None = None  # emulate a card with this much free (bench.card)
     # per llama-bench process: it loads the model once and runs every test
     llama_timeout_s: float = 600.0
 

@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata.engine.bench import stats
+from strata.bench import stats
 
 if TYPE_CHECKING:
-    from strata.engine.bench.probes import VramPeak
+    from strata.bench.probes import VramPeak
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from strata.bench import card, llama, probes, stats
+from strata.bench.settings import DECODE_PROMPT_TOKENS, BenchSettings
+from strata.bench.strata_run import StrataBench, dense_bytes_per_token, slots_for
 from strata.engine import cpuinfo, quant
-from strata.engine.bench import card, llama, probes, stats
-from strata.engine.bench.settings import DECODE_PROMPT_TOKENS, BenchSettings
-from strata.engine.bench.strata_run import StrataBench, dense_bytes_per_token, slots_for
 from strata.engine.devices import resolve_device
 from strata.engine.fast_path import fast_path_unavailable
 from strata.engine.generate import Engine

@@ -1,7 +1,7 @@
 """The CPU expert kernels' throughput (``engine/kernels/cpu_experts.c``): GB/s of weight bytes
 for jobs of k experts on a pool of each size, cycling through more slots than the caches hold.
 
-    python -m strata.engine.bench.cpu_experts --types Q4_K,Q6_K --threads 1,4,15
+    python -m strata.bench.cpu_experts --types Q4_K,Q6_K --threads 1,4,15
 
 A developer's tool beside ``strata bench``: its numbers go into the closing notes as measured.
 """

@@ -7,7 +7,7 @@ chosen expert in RAM, in VRAM, or half and half, for several row blocks and warp
 them: the copy engine and a plain copy kernel moving the same bytes, the rates a kernel that reads
 RAM over PCIe can hope for. Prints one table (GB/s of RAM bytes, µs per layer)::
 
-    python -m strata.engine.bench.moe_sweep --d 2048 --f 768 --down Q6_K
+    python -m strata.bench.moe_sweep --d 2048 --f 768 --down Q6_K
 """
 
 from __future__ import annotations

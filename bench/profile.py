@@ -1,6 +1,6 @@
 """Where a decode step's time goes on a GPU: a developer's tool beside ``strata bench``.
 
-    python -m strata.engine.bench.profile --synthetic qwen3-30b-a3b-q4k [--json OUT]
+    python -m strata.bench.profile --synthetic qwen3-30b-a3b-q4k [--json OUT]
 
 Loads the model with every expert cached (or ``--cache-mib`` of them, the rest in the host tier),
 then reports:
@@ -103,7 +103,7 @@ def _sampled_speed(engine: Any, prompt: list[int], n_tokens: int) -> dict[str, A
     and the GPU time of that graph alone (replays back to back)."""
     from dataclasses import replace
 
-    from strata.engine.bench.strata_run import BENCH_SAMPLED
+    from strata.bench.strata_run import BENCH_SAMPLED
 
     params = replace(BENCH_SAMPLED, max_tokens=n_tokens, seed=0)
     engine.generate(prompt, replace(params, max_tokens=8))  # warm: compiles, captures
@@ -392,7 +392,7 @@ def compiled_kernels() -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m strata.engine.bench.profile", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m strata.bench.profile", description=__doc__)
     p.add_argument("--synthetic", help="a synth preset, written on first use")
     p.add_argument("--model", type=Path, help="a GGUF file")
     p.add_argument("--tokens", type=int, default=128, help="decode tokens per timed run")

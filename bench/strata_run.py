@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from strata.engine.bench import probes, stats
-from strata.engine.bench.settings import (
+from strata.bench import probes, stats
+from strata.bench.settings import (
     DECODE_PROMPT_TOKENS,
     RESIZE_BYTES,
     RESIZE_DECODE_TOKENS,

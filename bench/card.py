@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from strata.engine.bench.settings import BenchError, GiB, MiB
+from strata.bench.settings import BenchError, GiB, MiB
 
 if TYPE_CHECKING:
     import torch

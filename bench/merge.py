@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from strata.engine.bench import stats
-from strata.engine.bench.settings import BenchError
+from strata.bench import stats
+from strata.bench.settings import BenchError
 
 Result = dict[str, Any]
 Named = tuple[str, Mapping[str, Any]]  # (source name, parsed result)

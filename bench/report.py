@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from strata.engine.bench.stats import llama_speeds, strata_speeds
+from strata.bench.stats import llama_speeds, strata_speeds
 
 MiB = 2**20
 GiB = 2**30

@@ -1,6 +1,6 @@
 """Long contexts on a GPU: the growing K/V beside a fixed one, on a card of a chosen size.
 
-    python -m strata.engine.bench.long_context --synthetic qwen3-30b-a3b-q4k --card-gib 24
+    python -m strata.bench.long_context --synthetic qwen3-30b-a3b-q4k --card-gib 24
 
 The card is emulated on a larger GPU: the cache and the K/V are sized from ``card - used``
 (``torch.cuda.mem_get_info``: everything allocated on the device, the VMM arenas included)
