@@ -155,6 +155,12 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/api/pull")
     async def api_pull(request: Request) -> Response:
         spec, stream = spec_of(json_object(await request.body()))
+        from strata.daemon import hf_pull
+
+        try:  # a name that is no repository is a 400 before any stream starts
+            hf_pull.parse_spec(spec)
+        except hf_pull.UsageError as e:
+            raise as_error(e) from None
         if stream:
             return StreamingResponse(ndjson(spec), media_type=NDJSON)
         last: Event = {}

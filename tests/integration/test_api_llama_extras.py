@@ -81,3 +81,46 @@ def test_bad_input_is_an_openai_400_naming_the_field(
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"]
+
+
+# every path of the other APIs, on hostile bodies: a 400 in the shape of the path's API
+POSTS = ("/tokenize", "/detokenize", "/apply-template", "/v1/messages",
+         "/v1/messages/count_tokens", "/v1/responses", "/api/chat", "/api/generate", "/api/show",
+         "/api/pull")  # fmt: skip
+HOSTILE = (
+    b"",
+    b"null",
+    b"[]",
+    b"1",
+    b"{",
+    b"\xff{}",
+    b"[" * 100_000,
+    b"{" * 100_000,
+    b'{"model": 1}',
+)
+# well-formed enough for the paths that only read a model name or a text: for the generation ones
+GENERATING = ("/v1/messages", "/v1/responses", "/api/chat")
+BAD_REQUESTS = (b'{"model": "m", "messages": "x", "input": {}, "prompt": 2}',
+                b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}], '
+                b'"max_tokens": 1, "input": [{"role": "user", "content": [null]}]}',
+                b'{"model": "m", "max_tokens": -1, "messages": [{"role": "user", "content": '
+                b'"hi"}], "input": "hi", "max_output_tokens": -1, '
+                b'"options": {"num_predict": "x"}}')  # fmt: skip
+
+
+def test_hostile_bodies_get_a_400_in_each_apis_shape(demo: StrataDaemon) -> None:
+    cases = [(p, b) for p in POSTS for b in HOSTILE]
+    cases += [(p, b) for p in GENERATING for b in BAD_REQUESTS]
+    with httpx.Client(base_url=demo.url, timeout=60) as client:
+        for path, body in cases:
+            r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+            what = (path, body[:40], r.text[:200])
+            assert r.status_code == 400, what
+            err = r.json()
+            if path.startswith("/v1/messages"):
+                assert err["type"] == "error" and err["error"]["message"], what
+            elif path.startswith("/api/"):
+                assert set(err) == {"error"} and err["error"], what
+            else:
+                assert err["error"]["type"] == "invalid_request_error", what
+        assert client.get("/health").status_code == 200
