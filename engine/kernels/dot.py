@@ -36,7 +36,7 @@ import triton.language as tl
 from strata.engine.quant.format import Q8 as Q8_KIND
 from strata.engine.quant.format import UNIT32
 from strata.engine.quant.formats import FORMATS
-from strata.engine.quant.unit_kernels import unit_dot
+from strata.engine.quant.unit_kernels import K_UNITS, unit_dot
 
 Q = gguf.GGMLQuantizationType
 # GGML type ids the kernels dispatch on (constexpr), from gguf's table.
@@ -125,13 +125,13 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     16 + k of the uint32 word u; IQ4_XS: nibbles index the 16 levels at o3. Q4_0: a unit is a
     block, its d at u. Q6_K: the bytes hold the low 4 bits, bits 4(u % 2) (+ 2) of qh byte
     16(u // 2) + k the high 2, and the scales sit at 16(u // 8) + u % 8 (+ 8)."""
-    nb: tl.constexpr = NK // 8  # 256-element blocks per row (the K-quants and IQ4_XS)
+    nb: tl.constexpr = NK // K_UNITS  # 256-element blocks per row (the K-quants and IQ4_XS)
     k = tl.arange(0, 16)
     m3 = rmask[:, None, None] & um[None, :, None]
     m2 = rmask[:, None] & um[None, :]
     wp3 = wp[None, :, None]
     q_at = (r * (NK * 16))[:, None, None] + (16 * u)[None, :, None] + k[None, None, :]
-    db = (r * nb)[:, None] + (u // 8)[None, :]  # [BN, T]: each unit's 256-block
+    db = (r * nb)[:, None] + (u // K_UNITS)[None, :]  # [BN, T]: each unit's 256-block
     if QT == Q4_K:
         q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
         dl = tl.sum(_to_f32(q & 15, 0.0) * xl[None, :, :], 2)  # [BN, T]

@@ -54,7 +54,7 @@ from strata.engine.kernels.dot import (
     plane_offsets,
 )
 from strata.engine.quant.repack import RepackedLayout, dequantize_repacked
-from strata.engine.quant.unit_kernels import unit_halves
+from strata.engine.quant.unit_kernels import K_UNITS, unit_halves
 
 Q = gguf.GGMLQuantizationType
 UNIT = 32  # elements of one unit along K
@@ -82,7 +82,7 @@ def w_halves(wp, o1, o2, o3, o4, r, rm, u, um, K: tl.constexpr, QT: tl.constexpr
     k = tl.arange(0, 16)
     m3 = rm[:, None, None] & um[None, :, None]
     m2 = rm[:, None] & um[None, :]
-    blk = (r * (NK // 8))[:, None] + (u // 8)[None, :]  # [BN, S]: the unit's 256-block
+    blk = (r * (NK // K_UNITS))[:, None] + (u // K_UNITS)[None, :]  # [BN, S]: its 256-block
     if QT == Q4_K:
         q_at = (r * (NK * 16))[:, None, None] + (16 * u)[None, :, None] + k[None, None, :]
         q = tl.load(wp + q_at, mask=m3, other=0).to(tl.int32)
