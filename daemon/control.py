@@ -739,6 +739,11 @@ def parse_vram_request(raw: bytes) -> tuple[int, int | None]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise BadVramRequest(f"the body is not JSON: expected {example}", "reserve_mib") from None
+    except RecursionError:
+        raise BadVramRequest(
+            f"the body is not JSON this daemon reads: nested too deeply; expected {example}",
+            "reserve_mib",
+        ) from None
     if not isinstance(body, dict):
         raise BadVramRequest(
             f"expected a JSON object such as {example}, got {type(body).__name__}", "reserve_mib"

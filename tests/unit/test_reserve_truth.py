@@ -118,3 +118,10 @@ def test_a_bad_reserve_body_is_named_in_words(body: bytes, param: str, words: st
 def test_a_good_reserve_body() -> None:
     assert parse_vram_request(json.dumps({"reserve_mib": 0}).encode()) == (0, None)
     assert parse_vram_request(b'{"reserve_mib": 4000, "device": 1}') == (4000, 1)
+
+
+def test_a_body_nested_too_deeply_is_a_clear_refusal_not_an_error() -> None:
+    from strata.daemon.control import BadVramRequest, parse_vram_request
+
+    with pytest.raises(BadVramRequest, match="nested too deeply"):
+        parse_vram_request(b"[" * 100_000)
