@@ -460,7 +460,8 @@ INLINE void dec_q3_k(const uint8_t *const *p, int b, float *w) { /* qs 64, hm 32
     const uint8_t *qs = p[0] + 64 * b, *hm = p[1] + 32 * b, *sc = p[2] + 12 * b;
     const float d = ld_f16(p[3] + 2 * b);
     for (int g = 0; g < 16; g++) {
-        const int s = ((sc[g % 8] >> (4 * (g / 8))) & 15) | ((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4;
+        const int s =
+            ((sc[g % 8] >> (4 * (g / 8))) & 15) | ((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4;
         const float dl = d * (float)(s - 32);
         const int n = g / 8, j = (g / 2) % 4, l0 = 16 * (g % 2);
         for (int l = 0; l < 16; l++) {
