@@ -381,149 +381,214 @@ INLINE void blk_bf16(const uint8_t *const *p, int b, const float *x, const float
     c->a[0] += (vf)(h << 16) * ldf(x + H * b);
 }
 
-/* -- the gathered types (repack.GATHERED_TYPES): a block's values decoded into floats, then
- * multiplied with x. Each plane holds the file's field, in the file's order; the decoders follow
- * the types' descriptions (strata/engine/quant/legacy.py, kquants.py, grids.py). */
+/* -- the gathered types (repack.GATHERED_TYPES): each plane holds the file's field in the file's
+ * order; the decoders follow the types' descriptions (strata/engine/quant/legacy.py, kquants.py,
+ * grids.py). */
 
 /* 2^(e - 128) as a float, exactly (MXFP4's scale: ggml's e8m0 to float, halved). */
 INLINE float e8m0_half(uint32_t e) {
     return u2f(e < 2 ? 0x00200000u << e : (e - 1) << 23);
 }
 
-/* Blocks of 32: byte k of qs holds element k (low nibble) and 16 + k (high nibble). */
-INLINE void dec_q4_1(const uint8_t *const *p, int b, float *w) {
-    const uint8_t *qs = p[0] + 16 * b;
+/* The lanes' numbers 0..H-1, for picking each lane's bit of a word. */
+INLINE vu lane_ids(void) {
+    vu lanes;
+    for (int k = 0; k < H; k++) lanes[k] = (uint32_t)k;
+    return lanes;
+}
+
+/* Blocks of 32 (one unit): byte k of qs holds element k (low nibble) and 16 + k (high nibble);
+ * xs[b] is the block's sum of x. Q4_1 (qs 16, d 2, m 2): value = d q + m, so the block adds
+ * d (q . x) + m xs[b]. */
+INLINE void blk_q4_1(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    const uint8_t *q = p[0] + 16 * b;
     const float d = ld_f16(p[1] + 2 * b), m = ld_f16(p[2] + 2 * b);
-    for (int k = 0; k < 16; k++) {
-        w[k] = d * (float)(qs[k] & 15) + m;
-        w[16 + k] = d * (float)(qs[k] >> 4) + m;
+    x += 32 * b;
+    vf t = {0};
+#pragma GCC unroll 2
+    for (int j = 0; j < 16; j += H) {
+        const vb v = ldb(q + j);
+        t += b2f(v & 15) * ldf(x + j) + b2f(shr16(v, 4) & 15) * ldf(x + 16 + j);
     }
+    c->a[0] += d * t;
+    c->a[1][0] += m * xs[b];
 }
 
-INLINE void dec_q5_0(const uint8_t *const *p, int b, float *w) { /* qs, qh (u32), d */
-    const uint8_t *qs = p[0] + 16 * b;
-    const uint32_t h = ld_u32(p[1] + 4 * b);
+/* Q5_0 / Q5_1 (qs 16, qh 4: bit i of the u32 is element i's fifth bit, d 2, Q5_1: m 2):
+ * value = d (q - 16), or d q + m. */
+INLINE vf q5_dot(const uint8_t *q, uint32_t h, const float *x) {
+    const vu lanes = lane_ids(), w = (vu){0} + h;
+    vf t = {0};
+#pragma GCC unroll 2
+    for (int j = 0; j < 16; j += H) {
+        const vb v = ldb(q + j);
+        const vu lo = __builtin_convertvector(v & 15, vu) | ((w >> (lanes + j)) & 1) << 4;
+        const vu hi = __builtin_convertvector(shr16(v, 4) & 15, vu) |
+                      ((w >> (lanes + 16 + j)) & 1) << 4;
+        t += __builtin_convertvector((vi)lo, vf) * ldf(x + j) +
+             __builtin_convertvector((vi)hi, vf) * ldf(x + 16 + j);
+    }
+    return t;
+}
+
+INLINE void blk_q5_0(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
     const float d = ld_f16(p[2] + 2 * b);
-    for (int k = 0; k < 16; k++) {
-        w[k] = d * (float)((int)((qs[k] & 15) | ((h >> k) & 1) << 4) - 16);
-        w[16 + k] = d * (float)((int)((qs[k] >> 4) | ((h >> (16 + k)) & 1) << 4) - 16);
-    }
+    c->a[0] += d * q5_dot(p[0] + 16 * b, ld_u32(p[1] + 4 * b), x + 32 * b);
+    c->a[1][0] -= 16.0f * d * xs[b];
 }
 
-INLINE void dec_q5_1(const uint8_t *const *p, int b, float *w) { /* qs, qh, d, m */
-    const uint8_t *qs = p[0] + 16 * b;
-    const uint32_t h = ld_u32(p[1] + 4 * b);
+INLINE void blk_q5_1(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
     const float d = ld_f16(p[2] + 2 * b), m = ld_f16(p[3] + 2 * b);
-    for (int k = 0; k < 16; k++) {
-        w[k] = d * (float)((qs[k] & 15) | ((h >> k) & 1) << 4) + m;
-        w[16 + k] = d * (float)((qs[k] >> 4) | ((h >> (16 + k)) & 1) << 4) + m;
-    }
+    c->a[0] += d * q5_dot(p[0] + 16 * b, ld_u32(p[1] + 4 * b), x + 32 * b);
+    c->a[1][0] += m * xs[b];
 }
 
-INLINE void dec_iq4_nl(const uint8_t *const *p, int b, float *w) { /* qs, d, lv (16 floats) */
-    const uint8_t *qs = p[0] + 16 * b;
-    const float d = ld_f16(p[1] + 2 * b);
-    const uint8_t *lv = p[2];
-    for (int k = 0; k < 16; k++) {
-        w[k] = d * u2f(ld_u32(lv + 4 * (qs[k] & 15)));
-        w[16 + k] = d * u2f(ld_u32(lv + 4 * (qs[k] >> 4)));
+/* IQ4_NL / MXFP4 (qs 16, d 2 / e 1, lv: their 16 levels as floats, once per matrix):
+ * value = d * lv[q] (MXFP4: d = 2^(e - 128)). */
+INLINE vf lv_dot(const uint8_t *q, const float *lv, const float *x) {
+#if H == 16
+    const vf lv0 = ldf(lv);
+#define LEVELS(i) __builtin_shuffle(lv0, i)
+#else
+    const vf lv0 = ldf(lv), lv1 = ldf(lv + 8);
+#define LEVELS(i) __builtin_shuffle(lv0, lv1, i)
+#endif
+    vf t = {0};
+#pragma GCC unroll 2
+    for (int j = 0; j < 16; j += H) {
+        const vb v = ldb(q + j);
+        const vi lo = __builtin_convertvector(v & 15, vi);
+        const vi hi = __builtin_convertvector(shr16(v, 4) & 15, vi);
+        t += LEVELS(lo) * ldf(x + j) + LEVELS(hi) * ldf(x + 16 + j);
     }
+#undef LEVELS
+    return t;
 }
 
-INLINE void dec_mxfp4(const uint8_t *const *p, int b, float *w) { /* qs, e, lv (16 floats) */
-    const uint8_t *qs = p[0] + 16 * b;
-    const float d = e8m0_half(p[1][b]);
-    const uint8_t *lv = p[2];
-    for (int k = 0; k < 16; k++) {
-        w[k] = d * u2f(ld_u32(lv + 4 * (qs[k] & 15)));
-        w[16 + k] = d * u2f(ld_u32(lv + 4 * (qs[k] >> 4)));
-    }
+INLINE void blk_iq4_nl(const uint8_t *const *p, int b, const float *x, const float *xs,
+                       acc_t *c) {
+    (void)xs;
+    c->a[0] += ld_f16(p[1] + 2 * b) * lv_dot(p[0] + 16 * b, (const float *)p[2], x + 32 * b);
 }
 
-/* Q2_K / Q3_K (256): element e = 128 n + 32 j + l is bits 2j of qs[32 n + l]; its scale group
- * is e / 16. */
-INLINE void dec_q2_k(const uint8_t *const *p, int b, float *w) { /* qs 64, sc 16, d, dmin */
+INLINE void blk_mxfp4(const uint8_t *const *p, int b, const float *x, const float *xs,
+                      acc_t *c) {
+    (void)xs;
+    c->a[0] += e8m0_half(p[1][b]) * lv_dot(p[0] + 16 * b, (const float *)p[2], x + 32 * b);
+}
+
+/* Q2_K / Q3_K (256): unit u (32 elements) is bits 2 (u % 4) of qs[32 (u / 4) + k], k < 32; its
+ * two groups of 16 have a scale each. Q2_K (qs 64, sc 16: low nibble scale, high nibble min,
+ * d 2, dmin 2): value = (d sc) q - dmin mn. */
+INLINE void blk_q2_k(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    (void)xs;
     const uint8_t *qs = p[0] + 64 * b, *sc = p[1] + 16 * b;
     const float d = ld_f16(p[2] + 2 * b), dm = ld_f16(p[3] + 2 * b);
-    for (int g = 0; g < 16; g++) {
-        const float dl = d * (float)(sc[g] & 15), ml = dm * (float)(sc[g] >> 4);
-        const int n = g / 8, j = (g / 2) % 4, l0 = 16 * (g % 2);
-        for (int l = 0; l < 16; l++)
-            w[16 * g + l] = dl * (float)((qs[32 * n + l0 + l] >> (2 * j)) & 3) - ml;
-    }
-}
-
-/* Q3_K: the third bit of element e is bit e / 32 of hm[e % 32] (0: the value is q - 4); the
- * 6-bit scale of group g has its low 4 bits in nibble g / 8 of sc[g % 8] and its high 2 in
- * bits 2 (g / 4) of sc[8 + g % 4], minus 32. */
-INLINE void dec_q3_k(const uint8_t *const *p, int b, float *w) { /* qs 64, hm 32, sc 12, d */
-    const uint8_t *qs = p[0] + 64 * b, *hm = p[1] + 32 * b, *sc = p[2] + 12 * b;
-    const float d = ld_f16(p[3] + 2 * b);
-    for (int g = 0; g < 16; g++) {
-        const int s =
-            ((sc[g % 8] >> (4 * (g / 8))) & 15) | ((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4;
-        const float dl = d * (float)(s - 32);
-        const int n = g / 8, j = (g / 2) % 4, l0 = 16 * (g % 2);
-        for (int l = 0; l < 16; l++) {
-            const int q = (qs[32 * n + l0 + l] >> (2 * j)) & 3;
-            const int h = (hm[l0 + l] >> (4 * n + j)) & 1;
-            w[16 * g + l] = dl * (float)(q - (h ? 0 : 4));
+    x += 256 * b;
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) {
+        const uint8_t *q = qs + 32 * (u / 4);
+        const int sh = 2 * (u % 4);
+        const float d0 = d * (float)(sc[2 * u] & 15), d1 = d * (float)(sc[2 * u + 1] & 15);
+        const float m0 = dm * (float)(sc[2 * u] >> 4), m1 = dm * (float)(sc[2 * u + 1] >> 4);
+        for (int j = 0; j < 16; j += H) {
+            const vf w0 = d0 * b2f(shr16(ldb(q + j), sh) & 3) - m0;
+            const vf w1 = d1 * b2f(shr16(ldb(q + 16 + j), sh) & 3) - m1;
+            c->a[CHAIN(u, j)] += w0 * ldf(x + 32 * u + j) + w1 * ldf(x + 32 * u + 16 + j);
         }
     }
 }
 
-/* IQ3_XXS (256; qs 64 grid indices, ss 32 = a u32 per 32 elements, d, grid 256 x 4 bytes,
- * ks 128 sign patterns): unit j's word: scale in bits 28..31, the sign pattern of its i-th 8
- * elements at bits 7i. value = (d (0.5 + s) 0.5) * grid, negated where the pattern says. */
-INLINE void dec_iq3_xxs(const uint8_t *const *p, int b, float *w) {
+/* Q3_K (qs 64, hm 32, sc 12, d 2): the third bit of element 32 u + k is bit u of hm[k]
+ * (0: the value is q - 4); group g's 6-bit scale has its low 4 bits in nibble g / 8 of sc[g % 8]
+ * and its high 2 in bits 2 (g / 4) of sc[8 + g % 4], minus 32. value = (d s) q. */
+INLINE void blk_q3_k(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    (void)xs;
+    const uint8_t *qs = p[0] + 64 * b, *hm = p[1] + 32 * b, *sc = p[2] + 12 * b;
+    const float d = ld_f16(p[3] + 2 * b);
+    float ds[16];
+    for (int g = 0; g < 16; g++)
+        ds[g] = d * (float)((((sc[g % 8] >> (4 * (g / 8))) & 15) |
+                             ((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4) - 32);
+    x += 256 * b;
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) {
+        const uint8_t *q = qs + 32 * (u / 4);
+        const int sh = 2 * (u % 4);
+        for (int j = 0; j < 16; j += H) {
+            /* q - 4 (1 - h) = (q | 4 h) - 4 */
+            const vb lo = (shr16(ldb(q + j), sh) & 3) | (shr16(ldb(hm + j), u) & 1) << 2;
+            const vb hi = (shr16(ldb(q + 16 + j), sh) & 3) | (shr16(ldb(hm + 16 + j), u) & 1) << 2;
+            const vc l = (vc)lo - 4, h = (vc)hi - 4;
+            c->a[CHAIN(u, j)] += ds[2 * u] * (c2f(l) * ldf(x + 32 * u + j)) +
+                                 ds[2 * u + 1] * (c2f(h) * ldf(x + 32 * u + 16 + j));
+        }
+    }
+}
+
+/* The grid types: four elements are one grid row (4 bytes), eight share a sign byte; eight
+ * values are made at once (two rows, the sign bits onto the floats' sign bits) and multiplied
+ * with x. Their sums go into the chains' v8f partner, c->m, negated (acc_sum subtracts it). */
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+INLINE v8f grid8(float db, const uint8_t *r0, const uint8_t *r1, uint32_t signs) {
+    uint8_t rows[8];
+    memcpy(rows, r0, 4);
+    memcpy(rows + 4, r1, 4);
+    v8b b;
+    memcpy(&b, rows, 8);
+    const v8f g = __builtin_convertvector(__builtin_convertvector(b, v8i), v8f);
+    const v8u neg = (((v8u){0} + signs) >> (v8u){0, 1, 2, 3, 4, 5, 6, 7} & 1) << 31;
+    return (v8f)((v8u)(db * g) ^ neg);
+}
+
+/* IQ3_XXS (256; qs 64 grid indices, ss 32 = a u32 per 32 elements, d 2, grid 256 x 4 bytes,
+ * ks 128 sign patterns): unit j's word: scale s in bits 28..31, the sign pattern of its i-th 8
+ * elements at bits 7i; value = (d (0.5 + s) 0.5) * grid, negated where the pattern says. */
+INLINE void blk_iq3_xxs(const uint8_t *const *p, int b, const float *x, const float *xs,
+                        acc_t *c) {
+    (void)xs;
     const uint8_t *qs = p[0] + 64 * b, *ss = p[1] + 32 * b, *grid = p[3], *ks = p[4];
     const float d = ld_f16(p[2] + 2 * b);
+    x += 256 * b;
+    v8f t = {0};
     for (int j = 0; j < 8; j++) {
         const uint32_t word = ld_u32(ss + 4 * j);
         const float db = d * (0.5f + (float)(word >> 28)) * 0.5f;
-        for (int t = 0; t < 32; t++) {
-            const float v = db * (float)grid[4 * qs[8 * j + t / 4] + t % 4];
-            const int neg = (ks[(word >> (7 * (t / 8))) & 127] >> (t % 8)) & 1;
-            w[32 * j + t] = neg ? -v : v;
+        const uint8_t *q = qs + 8 * j;
+        for (int i = 0; i < 4; i++) {
+            const uint32_t sg = ks[(word >> (7 * i)) & 127];
+            t += grid8(db, grid + 4 * q[2 * i], grid + 4 * q[2 * i + 1], sg) *
+                 ldf8(x + 32 * j + 8 * i);
         }
     }
+    c->m -= t;
 }
 
-/* IQ3_S (256; qs 64 low bits of grid indices, hs 44 = qh 8 | signs 32 | scales 4, d, grid
+/* IQ3_S (256; qs 64 low bits of grid indices, hs 44 = qh 8 | signs 32 | scales 4, d 2, grid
  * 512 x 4 bytes): index i's ninth bit is bit i % 8 of qh[i / 8]; element e is negative where
- * bit e % 8 of signs[e / 8] is set; unit j's scale is nibble j % 2 of scales[j / 2]. */
-INLINE void dec_iq3_s(const uint8_t *const *p, int b, float *w) {
+ * bit e % 8 of signs[e / 8] is set; unit j's scale s is nibble j % 2 of scales[j / 2];
+ * value = (d (1 + 2 s)) * grid. */
+INLINE void blk_iq3_s(const uint8_t *const *p, int b, const float *x, const float *xs,
+                      acc_t *c) {
+    (void)xs;
     const uint8_t *qs = p[0] + 64 * b, *hs = p[1] + 44 * b, *grid = p[3];
     const float d = ld_f16(p[2] + 2 * b);
+    x += 256 * b;
+    v8f t = {0};
     for (int j = 0; j < 8; j++) {
         const float db = d * (float)(1 + 2 * ((hs[40 + j / 2] >> (4 * (j % 2))) & 15));
-        for (int t = 0; t < 32; t++) {
-            const int i = 8 * j + t / 4;
-            const int idx = qs[i] | ((hs[i / 8] >> (i % 8)) & 1) << 8;
-            const float v = db * (float)grid[4 * idx + t % 4];
-            w[32 * j + t] = (hs[8 + 4 * j + t / 8] >> (t % 8)) & 1 ? -v : v;
+        const uint8_t *q = qs + 8 * j;
+        const uint32_t high = hs[j];
+        for (int i = 0; i < 4; i++) {
+            const int i0 = q[2 * i] | ((high >> (2 * i)) & 1) << 8;
+            const int i1 = q[2 * i + 1] | ((high >> (2 * i + 1)) & 1) << 8;
+            t += grid8(db, grid + 4 * i0, grid + 4 * i1, hs[8 + 4 * j + i]) *
+                 ldf8(x + 32 * j + 8 * i);
         }
     }
+    c->m -= t;
 }
-
-#define DECODED(T, BLOCK)                                                                     \
-    INLINE void blk_##T(const uint8_t *const *p, int b, const float *x, const float *xs,     \
-                        acc_t *c) {                                                           \
-        (void)xs;                                                                             \
-        float w[BLOCK];                                                                       \
-        dec_##T(p, b, w);                                                                     \
-        x += (BLOCK) * b;                                                                     \
-        for (int i = 0; i < (BLOCK); i += H) c->a[(i / H) & 3] += ldf(w + i) * ldf(x + i);     \
-    }
-DECODED(q4_1, 32)
-DECODED(q5_0, 32)
-DECODED(q5_1, 32)
-DECODED(iq4_nl, 32)
-DECODED(mxfp4, 32)
-DECODED(q2_k, 256)
-DECODED(q3_k, 256)
-DECODED(iq3_xxs, 256)
-DECODED(iq3_s, 256)
 
 INLINE float el_f32(const uint8_t *w, int i) { return u2f(ld_u32(w + 4 * i)); }
 INLINE float el_f16(const uint8_t *w, int i) { return ld_f16(w + 2 * i); }
