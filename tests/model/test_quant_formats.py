@@ -52,7 +52,10 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def test_every_description_matches_ggufs_block_sizes() -> None:
+    from strata.engine.quant.unit_kernels import HALVES_TYPES
+
     assert set(NEW_TYPES) <= SUPPORTED_TYPES
+    assert HALVES_TYPES == set(NEW_TYPES)  # the types read through quant.unit_kernels
     for q, f in FORMATS.items():
         assert (f.block, f.type_size) == gguf.GGML_QUANT_SIZES[q], q.name
 
