@@ -234,3 +234,18 @@ def test_grouped_prefill_products_with_gate_and_up_of_different_types(types, rng
         act_ref = torch.nn.functional.silu(gw @ x) * (uw @ x)
         want[a] = (dn @ act_ref.half().float()) * float(flat_w[a])
     assert rel_err(y, want) < 2e-3  # float16 products on tensor cores (test_prefill_kernels)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.IQ4_NL, Q.MXFP4], ids=lambda t: t.name)
+def test_rows_that_are_not_a_multiple_of_256_as_llama_cpps_fallbacks_write_them(qtype, rng):
+    # gpt-oss's 2880 is 90 blocks of 32; here 3 blocks: a step of 4 units is masked
+    K = 96
+    m = mat(qtype, 5, K, rng)
+    x = torch.randn(K, device=DEVICE)
+    y = torch.full((5,), float("nan"), device=DEVICE)
+    matvec(y, x, [m])
+    assert rel_err(y, matvec_reference(x, [m])) < TOL
+    h = (torch.randn(3, K, device=DEVICE) * 0.25).half()
+    out = torch.full((3, 5), float("nan"), device=DEVICE)
+    gemm.gemm(out, h, m.data, m.lay)
+    assert rel_err(out, gemm.gemm_reference(h, m.data, m.lay)) < 2e-3
