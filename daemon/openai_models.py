@@ -17,6 +17,8 @@ from typing import Any
 
 from strata.daemon.api_errors import ApiError
 
+MAX_NAME_CHARS = 256  # a longer model name, or one with control characters, is a 400
+
 
 def model_not_found(asked: str, served: str | Sequence[str]) -> ApiError:
     """The 404 of a name no model served answers to; ``served``: the names it answers to."""
@@ -54,7 +56,17 @@ class ModelNames:
         return name == self.id or name in self.aliases or (bool(name) and name == self.file_name)
 
     def check(self, name: str) -> None:
-        """Raises the 404 when ``name`` is not served."""
+        """Raises the 404 when ``name`` is not served, the 400 when it cannot be a model's name
+        (control characters, or longer than ``MAX_NAME_CHARS``: never served, any name or not)."""
+        if len(name) > MAX_NAME_CHARS or any(ord(c) < 32 or ord(c) == 127 for c in name):
+            shown = repr(name[:40]) + ("…" if len(name) > 40 else "")
+            raise ApiError(
+                400,
+                f"model: {shown} ({len(name)} characters) is not a model name: names have at "
+                f"most {MAX_NAME_CHARS} characters and no control characters",
+                "invalid_request_error",
+                "model",
+            )
         if not self.serve_any and not self.selects(name):
             raise model_not_found(name, [self.id, *self.aliases])
 

@@ -181,3 +181,15 @@ def test_model_names() -> None:
     ModelNames.of("m", "m.gguf", None, True).check("")  # serve any name
     listing = names.listing(0)["data"]
     assert [m["id"] for m in listing] == ["strata-demo", "gpt-4o"]
+
+
+def test_a_name_no_model_can_have_is_a_400_even_when_any_name_is_served() -> None:
+    from strata.daemon.api_errors import ApiError
+    from strata.daemon.openai_models import ModelNames
+
+    names = ModelNames.of("m", "m.gguf", None, serve_any=True)
+    names.check("gpt-4o")  # any name is served
+    for bad in ("\x00", "a\nb", "x" * 257):
+        with pytest.raises(ApiError) as e:
+            names.check(bad)
+        assert e.value.status == 400 and e.value.param == "model"
