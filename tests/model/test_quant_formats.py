@@ -249,3 +249,31 @@ def test_rows_that_are_not_a_multiple_of_256_as_llama_cpps_fallbacks_write_them(
     out = torch.full((3, 5), float("nan"), device=DEVICE)
     gemm.gemm(out, h, m.data, m.lay)
     assert rel_err(out, gemm.gemm_reference(h, m.data, m.lay)) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=IDS)
+def test_grouped_prefill_on_the_30b_models_expert_shapes(qtype, rng) -> None:
+    if DEVICE.type != "cuda":
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    T, k, E, D, F = 64, 8, 16, 2048, 768
+    ex = Experts(E, D, F, (qtype, qtype, qtype), rng)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=gen)
+    h = (torch.randn(T, D, device=DEVICE) * 0.25).half()
+    tile = gemm.MOE_TILE
+    g = gemm.group_by_expert(ids.to(DEVICE), E, tile.bm)
+    act = torch.full((g.rows.numel(), F), float("nan"), dtype=torch.float16, device=DEVICE)
+    y = torch.full((T * k, D), float("nan"), device=DEVICE)
+    gemm.moe_gate_up(act, h, g, ex.table, ex.arena, ex.gate, ex.up, ex.up_off, tile)
+    flat_w = wts.reshape(-1).to(DEVICE)
+    gemm.moe_down(y, act, g, flat_w, ex.table, ex.arena, ex.down, ex.down_off, tile)
+    want = torch.empty(T * k, D)
+    for a, e in enumerate(ids.reshape(-1).tolist()):
+        gw, uw, dn = ex.dense[e]
+        x = h[a // k].float().cpu()
+        act_ref = torch.nn.functional.silu(gw @ x) * (uw @ x)
+        want[a] = (dn @ act_ref.half().float()) * float(flat_w[a])
+    assert rel_err(y, want) < 2e-3
