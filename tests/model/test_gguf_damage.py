@@ -12,6 +12,7 @@ anything.
 from __future__ import annotations
 
 import struct
+import tempfile
 from pathlib import Path
 
 import gguf
@@ -174,6 +175,18 @@ def set_tensor_type(data: bytes, name: str, qtype: int) -> bytes:
     return data[:at] + struct.pack("<I", qtype) + data[at + 4 :]
 
 
+def retype_last(data: bytes, qtype: int) -> bytes:
+    """The file with its last tensor (by offset) of type ``qtype``, zero bytes appended where the
+    new type takes more (nothing after that tensor moves)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.gguf"
+        path.write_bytes(data)
+        last = max(gguf.GGUFReader(path).tensors, key=lambda t: t.data_offset)
+        name, n, old = last.name, int(last.n_elements), int(last.n_bytes)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    return set_tensor_type(data, name, qtype) + bytes(max(0, n // block * size - old))
+
+
 MODEL_CASES = [
     ("no block count", lambda d: hide(d, "block_count"), "qwen3moe.block_count is missing"),
     ("no head count", lambda d: hide(d, "attention.head_count"),
@@ -203,10 +216,9 @@ MODEL_CASES = [
      "tensor token_embd.weight has shape"),
     ("a NaN epsilon", lambda d: set_f32(d, "attention.layer_norm_rms_epsilon", float("nan")),
      "layer_norm_rms_epsilon is nan, expected a finite number above 0"),
-    # IQ4_NL blocks are 18 bytes of 32 weights, as Q4_0's: the sizes still add up
-    ("a type Strata cannot read", lambda d: set_tensor_type(d, "blk.1.attn_q.weight",
-                                                            int(Q.IQ4_NL)),
-     "tensor blk.1.attn_q.weight is of type IQ4_NL, which Strata cannot read"),
+    # Q8_1 (blocks of 32 weights in 40 bytes) is llama.cpp's type for activations, not weights
+    ("a type Strata cannot read", lambda d: retype_last(d, int(Q.Q8_1)),
+     "is of type Q8_1, which Strata cannot read"),
 ]  # fmt: skip
 
 
