@@ -25,6 +25,10 @@ SYNTHETIC_NAMES = (
     "qwen3-30b-a3b",
     "qwen3-30b-a3b-q4k",
     "qwen3-30b-a3b-q5k",
+    "qwen3-30b-a3b-q2k",
+    "qwen3-30b-a3b-q3km",
+    "qwen3-30b-a3b-iq3s-iq4nl",
+    "qwen3-30b-a3b-mxfp4moe",
     "mixtral-8x7b",
 )
 

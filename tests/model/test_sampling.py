@@ -223,5 +223,5 @@ def test_ignore_eos_never_chooses_a_banned_token() -> None:
     assert greedy.on_device and greedy(logits) == 1
     hot = Sampler(SamplingParams(temperature=2.0, top_k=0, seed=4), banned=[0])
     assert all(hot(logits) != 0 for _ in range(200))
-    with pytest.raises(ValueError, match="^ignore_eos: invalid value"):
+    with pytest.raises(ValueError, match=r"^ignore_eos: invalid value"):
         SamplingParams(ignore_eos="yes")  # type: ignore[arg-type]
