@@ -143,10 +143,16 @@ def create_app(daemon: Any) -> FastAPI:
 
     reasoning = ReasoningDefaults(config.reasoning_format, config.enable_thinking)
 
+    def in_library(name: str) -> bool:
+        try:
+            return library.find(models_dir(config), name) is not None
+        except (library.LibraryError, OSError):  # several quantisations, an unreadable folder
+            return False
+
     def names() -> ModelNames:
         path = getattr(daemon, "model_path", None)
         return ModelNames.of(daemon.model_id, path.name if path else "", config.model_alias,
-                             config.serve_any_model_name)  # fmt: skip
+                             config.serve_any_model_name, in_library)  # fmt: skip
 
     # every API's requests take this one path (serving.py): name, prepare, queue
     serving = Serving(daemon, config, engine, names, created, reasoning, generations,

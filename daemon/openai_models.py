@@ -11,7 +11,7 @@ models so; this daemon serves one model, so the others load only with ``--model 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +43,16 @@ class ModelNames:
     file_name: str = ""
     aliases: tuple[str, ...] = ()
     serve_any: bool = True
+    # whether the model library has a model of that name (asked only for a name not served)
+    in_library: Callable[[str], bool] | None = None
 
     @classmethod
     def of(cls, model_id: str, file_name: str, aliases: Sequence[str] | None,
-           serve_any: bool) -> ModelNames:  # fmt: skip
+           serve_any: bool, in_library: Callable[[str], bool] | None = None,
+           ) -> ModelNames:  # fmt: skip
         # the id first, each alias once (an alias equal to the id adds nothing)
         listed = tuple(dict.fromkeys(a for a in (aliases or ()) if a != model_id))
-        return cls(model_id, file_name, listed, serve_any)
+        return cls(model_id, file_name, listed, serve_any, in_library)
 
     def selects(self, name: str) -> bool:
         """Whether ``name`` is one of the model's own names (id, alias, file name)."""
@@ -68,7 +71,19 @@ class ModelNames:
                 "model",
             )
         if not self.serve_any and not self.selects(name):
-            raise model_not_found(name, [self.id, *self.aliases])
+            served = [self.id, *self.aliases]
+            if self.in_library is not None and name and self.in_library(name):
+                shown = ", ".join(map(repr, served))
+                raise ApiError(
+                    404,
+                    f"the model {name!r} is in the model library but not loaded: this daemon "
+                    f"serves {shown} (one model at a time; `strata serve --model {name}` "
+                    "serves that one)",
+                    "invalid_request_error",
+                    "model",
+                    "model_not_found",
+                )
+            raise model_not_found(name, served)
 
     def listing(self, created: int, library: Sequence[tuple[str, int]] = ()) -> dict[str, Any]:
         """The served names, then the library's other models (``library``: name, created)."""

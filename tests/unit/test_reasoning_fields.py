@@ -193,3 +193,19 @@ def test_a_name_no_model_can_have_is_a_400_even_when_any_name_is_served() -> Non
         with pytest.raises(ApiError) as e:
             names.check(bad)
         assert e.value.status == 400 and e.value.param == "model"
+
+
+def test_a_library_model_not_loaded_is_named_as_such_when_only_served_names_are_served() -> None:
+    from strata.daemon.api_errors import ApiError
+    from strata.daemon.openai_models import ModelNames
+
+    shelf = {"qwen3.6-35b-a3b:ud-q4_k_m"}
+    names = ModelNames.of("m", "m.gguf", None, serve_any=False, in_library=shelf.__contains__)
+    with pytest.raises(ApiError) as e:
+        names.check("qwen3.6-35b-a3b:ud-q4_k_m")
+    assert e.value.status == 404 and "in the model library but not loaded" in str(e.value)
+    assert "--model qwen3.6-35b-a3b:ud-q4_k_m" in str(e.value)
+    with pytest.raises(ApiError) as e:
+        names.check("gpt-4o")  # not in the library either: the plain 404
+    assert "does not exist" in str(e.value)
+    ModelNames.of("m", "m.gguf", None, True, shelf.__contains__).check("gpt-4o")  # any name
