@@ -64,7 +64,10 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _env(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+    # the clone's own run, as a user's: none of this run's STRATA_ options or pytest options
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("STRATA_") and k != "PYTEST_ADDOPTS"
+    }
     env.update(
         XDG_CACHE_HOME=str(tmp / "cache"),
         XDG_CONFIG_HOME=str(tmp / "config"),
