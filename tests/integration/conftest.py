@@ -95,3 +95,16 @@ def slow_loading_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / "big-vocab.gguf"
     types = synth.TypePlan.uniform(synth.Q.F16)
     return synth.write_model(path, spec, synth.vocab_for("qwen3moe"), types, seed=3)
+
+
+@pytest.fixture(autouse=True)
+def _daemon_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a failed test, the last 80 lines of each daemon it used (module fixtures too)."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        return
+    for name, value in getattr(request.node, "funcargs", {}).items():
+        if isinstance(value, StrataDaemon):
+            print(f"\n----- daemon log of {name} (last 80 lines) -----")
+            print("\n".join(value.log.splitlines()[-80:]))

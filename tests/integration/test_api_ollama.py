@@ -71,15 +71,6 @@ def thinker(tmp_path_factory: pytest.TempPathFactory, hub: Hub) -> Iterator[Stra
     d.stop()
 
 
-@pytest.fixture(autouse=True)
-def _daemon_log_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    failed = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed and "thinker" in request.fixturenames:
-        print("\n----- daemon log (last 80 lines) -----")
-        print("\n".join(request.getfixturevalue("thinker").log.splitlines()[-80:]))
-
-
 def _client(d: StrataDaemon) -> ollama.Client:
     return ollama.Client(host=d.url)
 

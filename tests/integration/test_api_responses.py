@@ -45,15 +45,6 @@ def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StrataDaemon]:
     d.stop()
 
 
-@pytest.fixture(autouse=True)
-def _daemon_log_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    failed = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed and "thinker" in request.fixturenames:
-        print("\n----- daemon log (last 80 lines) -----")
-        print("\n".join(request.getfixturevalue("thinker").log.splitlines()[-80:]))
-
-
 def _client(d: StrataDaemon) -> openai.OpenAI:
     return openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0)
 

@@ -54,15 +54,6 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StrataDaemon]:
     d.stop()
 
 
-@pytest.fixture(autouse=True)
-def _daemon_log_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    failed = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed and "demo" in request.fixturenames:
-        print("\n----- daemon log (last 80 lines) -----")
-        print("\n".join(request.getfixturevalue("demo").log.splitlines()[-80:]))
-
-
 def _client(d: StrataDaemon) -> openai.OpenAI:
     return openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0)
 

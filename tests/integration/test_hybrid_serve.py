@@ -34,15 +34,6 @@ def daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     d.stop()
 
 
-@pytest.fixture(autouse=True)
-def _daemon_log_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    failed = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed and "daemon" in request.fixturenames:
-        print("\n----- daemon log (last 80 lines) -----")
-        print("\n".join(request.getfixturevalue("daemon").log.splitlines()[-80:]))
-
-
 def _thought(message: Any) -> str | None:
     return (message.model_extra or {}).get("reasoning_content")
 
