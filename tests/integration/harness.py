@@ -458,6 +458,14 @@ class BusClient:
         )  # fmt: skip
         return from_variant(value)
 
+    async def strata_props(self) -> dict[str, Any]:
+        """Every property of org.strata.Vram1 (``GetAll``), unpacked."""
+        (values,) = await bus_call(
+            self.bus, "GetAll", "s", [INTERFACE], destination=BUS_NAME, path=OBJECT_PATH,
+            interface="org.freedesktop.DBus.Properties",
+        )  # fmt: skip
+        return from_variant(values)
+
     async def wait_signal(
         self, member: str, predicate: Any = lambda body: True, timeout: float = 30, start: int = 0
     ) -> tuple[float, list[Any]]:
