@@ -258,10 +258,10 @@ class KVCache:
         self.pool[pages, layer, 0, rows] = k.to(self.dtype)
         self.pool[pages, layer, 1, rows] = v.to(self.dtype)
 
-    def read(self, layer: int, end: int, dtype: torch.dtype = torch.float32
+    def read(self, layer: int, end: int, dtype: torch.dtype = torch.float32, begin: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        # -> k, v: [end, Hkv, d] (a copy, gathered through the block table)
-        pages, rows = self._where(0, end)
+        # -> k, v: [end - begin, Hkv, d] (a copy, gathered through the block table)
+        pages, rows = self._where(begin, end)
         return (self.pool[pages, layer, 0, rows].to(dtype),
                 self.pool[pages, layer, 1, rows].to(dtype))  # fmt: skip
 

@@ -18,11 +18,16 @@ from strata.engine.gguf_index import GGUFIndex
 from strata.engine.models.base import ModelArgs
 from strata.engine.quant import SUPPORTED_TYPES
 
-SUPPORTED = ("qwen3moe", "llama", "qwen35moe", "qwen3next")
+SUPPORTED = ("qwen3moe", "llama", "qwen35moe", "qwen3next", "gpt-oss")
 # architectures only the reference operations run yet, and why (the GPU path says so and falls
 # back to the reference path on the same device)
 _DELTA_NET = "its Gated DeltaNet layers and gated attention have no GPU kernels yet"
-REFERENCE_ONLY = {"qwen35moe": _DELTA_NET, "qwen3next": _DELTA_NET}
+REFERENCE_ONLY = {
+    "qwen35moe": _DELTA_NET,
+    "qwen3next": _DELTA_NET,
+    "gpt-oss": "its attention sinks, sliding window, biases and clamped SwiGLU experts have no "
+    "GPU kernels yet",
+}
 
 # {arch}.KEY that every supported file must carry, each a whole number >= 1
 REQUIRED_COUNTS = (
@@ -42,7 +47,8 @@ def architecture_module(arch: str) -> ModuleType:
         raise UnsupportedArchitecture(
             f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})"
         )
-    return importlib.import_module(f"{__name__}.{arch}")
+    # a module name cannot hold the hyphen of "gpt-oss"
+    return importlib.import_module(f"{__name__}.{arch.replace('-', '_')}")
 
 
 def read_args(index: GGUFIndex, args_class: type[ModelArgs] = ModelArgs, **arch: object

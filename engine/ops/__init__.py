@@ -35,6 +35,22 @@ class RopeSpec:
     # section t, h or w by i % 3 while i < 3 * that section's size, else to the fourth; a text
     # position fills the first three sections and leaves the fourth at position 0 (unrotated)
     sections: tuple[int, int, int, int] | None = None
+    yarn: YarnSpec | None = None  # YaRN's interpolation of long contexts (gpt-oss)
+
+
+@dataclass(frozen=True)
+class YarnSpec:
+    """YaRN, as llama.cpp's ``rope_yarn`` computes it: each rotation pair's angle mixes the
+    interpolated one (position / ``factor``) and the original by a ramp over the pairs between
+    the correction dimensions of ``beta_fast`` and ``beta_slow`` (times ``ext_factor``), and
+    cos and sin are scaled by ``mscale``."""
+
+    factor: float  # the context's stretch (1 / llama.cpp's freq_scale)
+    orig_ctx: int  # the context the model was trained at before the stretch
+    ext_factor: float = 1.0
+    mscale: float = 1.0  # 1 + 0.1 ln(factor) unless the file says otherwise
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,8 @@ class AttentionSpec:
     rms_eps: float
     rope: RopeSpec
     gated: bool = False  # the q projection gives each head its query, then a gate: out * σ(gate)
+    # a sliding window: a query at position p sees keys p - window + 1 .. p (None: all before it)
+    window: int | None = None
 
     @property
     def q_dim(self) -> int:
@@ -58,14 +76,27 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class SwigluOAI:
+    """gpt-oss's clamped SwiGLU: gate g clamped above at ``limit``, up u into [-limit, limit],
+    out = g σ(alpha g) (u + 1)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+@dataclass(frozen=True)
 class RoutingSpec:
     """A routed-expert block: softmax over ``n_expert`` router logits, the top ``n_used``,
-    their weights renormalised to sum to 1 with ``norm_topk``; SwiGLU experts."""
+    their weights renormalised to sum to 1 with ``norm_topk``; SwiGLU experts.
+    ``softmax_after_topk``: the top ``n_used`` logits first, then a softmax over those alone
+    (gpt-oss); ``activation``: the clamped SwiGLU instead of the plain one."""
 
     n_expert: int
     n_used: int
     norm_topk: bool
     rms_eps: float
+    softmax_after_topk: bool = False
+    activation: SwigluOAI | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +140,10 @@ class ModelShape:
     routing: RoutingSpec
     delta_net: DeltaNetSpec | None = None  # the hybrids' linear-attention layers
     recurrent: tuple[bool, ...] = ()  # per layer: a DeltaNet layer (no K/V; a state)
+    # per layer: attention over a sliding window of ``window`` positions (its K/V keeps only
+    # that window's pages); () or False: over every position before it
+    windowed: tuple[bool, ...] = ()
+    window: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,6 +155,11 @@ class AttentionWeights:
     o: Weight
     q_norm: torch.Tensor | None = None  # [d] per-head RMSNorm (Qwen3)
     k_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # [H] a learned logit per head beside the keys (gpt-oss)
+    q_bias: torch.Tensor | None = None  # [H d] biases added by the projections
+    k_bias: torch.Tensor | None = None  # [Hkv d]
+    v_bias: torch.Tensor | None = None  # [Hkv d]
+    o_bias: torch.Tensor | None = None  # [D]
 
 
 @dataclass(frozen=True)
@@ -149,10 +189,22 @@ class SharedExpert:
 
 
 @dataclass(frozen=True)
+class ExpertBiases:
+    """The routed experts' biases (gpt-oss), small enough to live beside the dense weights:
+    the cache holds the matrices only."""
+
+    gate: torch.Tensor  # [E, F]
+    up: torch.Tensor  # [E, F]
+    down: torch.Tensor  # [E, D]
+
+
+@dataclass(frozen=True)
 class MoEWeights:
     norm: torch.Tensor  # [D] the RMSNorm before the block
     router: Weight  # [E, D]
     shared: SharedExpert | None = None
+    router_bias: torch.Tensor | None = None  # [E]
+    expert_bias: ExpertBiases | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from strata.engine.ops import (
     RopeSpec,
     RoutingSpec,
     SharedExpert,
+    SwigluOAI,
+    YarnSpec,
 )
 from strata.engine.ops.delta_net import delta_net
 from strata.engine.recurrent import RecurrentState
@@ -50,14 +52,18 @@ class Rope:
         self.inv_freq = spec.theta ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
         if spec.sections is not None:
             self.inv_freq = self.inv_freq * _text_pairs(spec.sections, n_rot // 2)
+        self.mscale = 1.0
+        if spec.yarn is not None:
+            self.inv_freq = self.inv_freq * _yarn_mix(spec.yarn, spec.theta, n_rot)
+            self.mscale = spec.yarn.mscale if spec.yarn.ext_factor else 1.0
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, H, d], positions: [T]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # [T, n_rot/2]
-        cos = angles.cos().to(x.dtype)[:, None, :]  # [T, 1, n_rot/2]
-        sin = angles.sin().to(x.dtype)[:, None, :]
+        cos = (angles.cos() * self.mscale).to(x.dtype)[:, None, :]  # [T, 1, n_rot/2]
+        sin = (angles.sin() * self.mscale).to(x.dtype)[:, None, :]
         if self.n_rot == self.head_dim:
             return rotate(x, cos, sin, self.neox)
         r = self.n_rot
@@ -76,6 +82,24 @@ def _text_pairs(sections: tuple[int, int, int, int], n_pairs: int) -> torch.Tens
         text = any(sector % 3 == j and sector < 3 * sections[j] for j in range(3))
         out[i] = 1.0 if text else 0.0
     return out
+
+
+def _yarn_mix(yarn: YarnSpec, theta: float, n_rot: int) -> torch.Tensor:
+    """[n_rot/2] each rotation pair's angle per position under YaRN, over its original: the
+    interpolated angle (1 / factor) mixed with the original by a ramp that is 1 below the
+    correction dimension of ``beta_fast`` and 0 above that of ``beta_slow``."""
+    if yarn.factor <= 0 or yarn.orig_ctx < 1:
+        raise ValueError(f"YaRN factor {yarn.factor} / original context {yarn.orig_ctx}")
+
+    def corr_dim(beta: float) -> float:
+        return n_rot * math.log(yarn.orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(0.0, math.floor(corr_dim(yarn.beta_fast)))
+    high = min(n_rot - 1.0, math.ceil(corr_dim(yarn.beta_slow)))
+    pair = torch.arange(n_rot // 2, dtype=torch.float64)
+    ramp = 1 - ((pair - low) / max(0.001, high - low)).clamp(0, 1)
+    mix = ramp * yarn.ext_factor
+    return (1 - mix) / yarn.factor + mix
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
@@ -107,50 +131,77 @@ def attention(
         qg = linear(x, w.q).view(T, H, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(T, H * d)
     else:
-        q = linear(x, w.q).view(T, H, d)
-    k = linear(x, w.k).view(T, Hkv, d)
-    v = linear(x, w.v).view(T, Hkv, d)
+        q = _biased(linear(x, w.q), w.q_bias).view(T, H, d)
+    k = _biased(linear(x, w.k), w.k_bias).view(T, Hkv, d)
+    v = _biased(linear(x, w.v), w.v_bias).view(T, Hkv, d)
     if w.q_norm is not None and w.k_norm is not None:
         q = rms_norm(q, w.q_norm, spec.rms_eps)
         k = rms_norm(k, w.k_norm, spec.rms_eps)
     positions = torch.arange(start, start + T, device=x.device)
     q, k = rope(q, positions), rope(k, positions)
     kv.write(layer, start, k, v)
-    keys, values = kv.read(layer, start + T)  # [S, Hkv, d], S = start + T
+    S = start + T
+    # a window's first query sees keys from start - window + 1 on: only those are read
+    lo = 0 if spec.window is None else max(0, start - spec.window + 1)
+    keys, values = kv.read(layer, S, begin=lo)  # [S - lo, Hkv, d]
     group = H // Hkv
     # q: [Hkv, group*T, d] so each K/V head serves its group of query heads without a copy of K/V
     qg = q.view(T, Hkv, group, d).permute(1, 2, 0, 3).reshape(Hkv, group * T, d)
-    scores = qg @ keys.permute(1, 2, 0) / math.sqrt(d)  # [Hkv, group*T, S]
-    # causal mask: query at position start+t sees keys 0..start+t
-    S = start + T
+    scores = qg @ keys.permute(1, 2, 0) / math.sqrt(d)  # [Hkv, group*T, S - lo]
+    # causal mask: query at position start+t sees keys 0..start+t (and within its window)
     q_pos = positions.repeat(group)  # [group*T]
-    mask = torch.arange(S, device=x.device)[None, :] > q_pos[:, None]  # [group*T, S]
+    k_pos = torch.arange(lo, S, device=x.device)
+    mask = k_pos[None, :] > q_pos[:, None]  # [group*T, S - lo]
+    if spec.window is not None:
+        mask |= k_pos[None, :] <= q_pos[:, None] - spec.window
     scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if w.sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # each head's sink logit joins the softmax, then takes its share away
+        sink = w.sinks.view(Hkv, group, 1, 1).expand(Hkv, group, T, 1).reshape(Hkv, group * T, 1)
+        probs = torch.softmax(torch.cat((scores, sink.to(scores.dtype)), dim=-1), dim=-1)
+        probs = probs[..., :-1]
     out = probs @ values.permute(1, 0, 2)  # [Hkv, group*T, d]
     out = out.view(Hkv, group, T, d).permute(2, 0, 1, 3).reshape(T, H * d)
     if gate is not None:
         out = out * torch.sigmoid(gate)
-    return linear(out, w.o)
+    return _biased(linear(out, w.o), w.o_bias)
 
 
-def route(x: torch.Tensor, router: Weight, spec: RoutingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def _biased(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
+
+
+def route(
+    x: torch.Tensor, router: Weight, spec: RoutingSpec, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     # x: [T, D] -> weights: [T, K], ids: [T, K]
-    probs = torch.softmax(linear(x, router), dim=-1)  # [T, E]
+    logits = _biased(linear(x, router), bias)  # [T, E]
+    if spec.softmax_after_topk:  # the top k logits, then a softmax over them alone
+        top, ids = torch.topk(logits, spec.n_used, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    probs = torch.softmax(logits, dim=-1)  # [T, E]
     weights, ids = torch.topk(probs, spec.n_used, dim=-1)
     if spec.norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
 
 
+def swiglu_oai(g: torch.Tensor, u: torch.Tensor, act: SwigluOAI) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of gate ``g`` and up ``u`` (same shapes)."""
+    g = g.clamp(max=act.limit)
+    u = u.clamp(-act.limit, act.limit)
+    return g * torch.sigmoid(act.alpha * g) * (u + 1)
+
+
 def moe(
-    x: torch.Tensor, router: Weight, spec: RoutingSpec, provider: ExpertProvider, layer: int
+    x: torch.Tensor, w: MoEWeights, spec: RoutingSpec, provider: ExpertProvider, layer: int
 ) -> torch.Tensor:
     """The routed-expert block's output for x [T, D] (already normed): the only place the
     reference reads expert weights (through ``provider``, by the model's layer index)."""
     T, D = x.shape
     K = spec.n_used
-    weights, ids = route(x, router, spec)  # [T, K] each
+    weights, ids = route(x, w.router, spec, w.router_bias)  # [T, K] each
     # The T*K (token, choice) assignments grouped by expert: one host sync per layer (the counts),
     # then each chosen expert is fetched (and dequantised) once, for all of its tokens.
     flat = ids.reshape(-1)  # [T*K], assignment a = t*K + k
@@ -159,12 +210,18 @@ def moe(
     xs = x.index_select(0, order // K)  # [T*K, D] each assignment's token
     ys = torch.empty_like(xs)
     start = 0
+    b = w.expert_bias
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        w = provider.expert(layer, e)
+        ew = provider.expert(layer, e)
         h = xs[start : start + n]  # [n, D]
-        ys[start : start + n] = linear(F.silu(linear(h, w.gate)) * linear(h, w.up), w.down)
+        g, u = linear(h, ew.gate), linear(h, ew.up)  # [n, F] each
+        if b is not None:
+            g, u = g + b.gate[e], u + b.up[e]
+        a = F.silu(g) * u if spec.activation is None else swiglu_oai(g, u, spec.activation)
+        y = linear(a, ew.down)
+        ys[start : start + n] = y if b is None else y + b.down[e]
         start += n
     y = torch.empty_like(ys).index_copy_(0, order, ys)  # [T*K, D] back in (t, k) order
     # the K outputs of each token summed in a fixed order: the same bits whatever is cached
@@ -212,7 +269,7 @@ class RefOps:
 
     def moe(self, x: torch.Tensor, layer: int, w: MoEWeights, spec: RoutingSpec) -> torch.Tensor:
         h = rms_norm(x, w.norm, spec.rms_eps)
-        out = moe(h, w.router, spec, self.provider, layer)
+        out = moe(h, w, spec, self.provider, layer)
         if w.shared is not None:
             out = out + shared_expert(h, w.shared)
         return x + out
