@@ -156,6 +156,16 @@ class RecurrentState:
         }
 
 
+def begin_state(state: RecurrentState, start: int) -> None:
+    """A step that reads from position ``start`` begins writing ``state``: refused where the
+    state holds another prefix's length or a step's that did not complete (a failed one, or
+    one run ahead whose token was never committed: the caller restores a checkpoint first)."""
+    if state.dirty or len(state.tokens) != start:
+        held = "an unfinished step's" if state.dirty else f"{len(state.tokens)} positions'"
+        raise RuntimeError(f"the recurrent state holds {held} state, the step starts at {start}")
+    state.begin_step()
+
+
 # the tokens that open a chat message in the templates Strata renders (ChatML, harmony, Llama 3)
 MESSAGE_STARTS = ("<|im_start|>", "<|start|>", "<|start_header_id|>")
 

@@ -50,6 +50,8 @@ from strata.engine.kv import KVCache
 from strata.engine.ops import (
     AttentionSpec,
     AttentionWeights,
+    DeltaNetSpec,
+    DeltaNetWeights,
     HeadWeights,
     ModelShape,
     MoEWeights,
@@ -107,6 +109,8 @@ class ChunkBuffers:
         self.k = torch.zeros(T, a.n_head_kv, a.head_dim, dtype=kv.dtype, device=dev)
         self.v = torch.zeros(T, a.n_head_kv, a.head_dim, dtype=kv.dtype, device=dev)
         self.attn = torch.zeros(T, a.q_dim, dtype=torch.float16, device=dev)
+        # gated attention's gates, from before attention to the output product
+        self.gate = torch.zeros(T, a.q_dim, dtype=torch.float32, device=dev) if a.gated else None
         self.n = torch.full((1,), T, dtype=torch.long, device=dev)  # the real rows (no padding)
         rows = out_rows if parts.is_last else 0  # (a stage before the last has no head)
         self.logits = torch.zeros(rows, s.vocab_size, dtype=torch.float32, device=dev)
@@ -183,17 +187,39 @@ class ChunkOps:
     def attention(
         self, x: torch.Tensor, layer: int, w: AttentionWeights, spec: AttentionSpec
     ) -> torch.Tensor:
-        j, path = layer - self.first, self.path
+        j, path, hy = layer - self.first, self.path, self.path.hybrid
+        own = hy is not None and (spec.gated or 2 * path.p.cos.shape[1] != spec.head_dim)
+        if hy is not None:
+            j = hy.kv_slots[layer]
         if self.seg.live:
-            path.pre(x, w, spec, self.b)
+            if own:
+                hy.pre(path, x, w, spec, self.b)
+            else:
+                path.pre(x, w, spec, self.b)
         self.seg.cut(lambda: path.attend(j, self.b, self.start, spec))
         if self.seg.live:
-            path.mm(x, self.b.attn, w.o, add=True)
+            attn = hy.gated(self.b) if hy is not None and spec.gated else self.b.attn
+            path.mm(x, attn, w.o, add=True)
+        return x
+
+    def delta_net(
+        self, x: torch.Tensor, layer: int, w: DeltaNetWeights, spec: DeltaNetSpec
+    ) -> torch.Tensor:
+        assert self.path.hybrid is not None
+        if self.seg.live:
+            self.path.hybrid.delta_net(self.path, x, layer, w, spec, self.b.n)
         return x
 
     def moe(self, x: torch.Tensor, layer: int, w: MoEWeights, spec: RoutingSpec) -> torch.Tensor:
         if self.seg.live:
+            hy = self.path.hybrid
+            shared = None
+            if w.shared is not None:  # from the block's input, before the experts add to it
+                assert hy is not None
+                shared = hy.shared(self.path, x, w.norm, spec.rms_eps, w.shared)
             self.path.moe(layer - self.first, x, w, spec, self.b.n)
+            if shared is not None:
+                x.add_(shared)
         return x
 
     def head(self, x: torch.Tensor, w: HeadWeights) -> torch.Tensor:
@@ -219,6 +245,15 @@ class ChunkPath:
         self.pool: tuple[int, int] | None = None  # their one memory pool (run one at a time)
         self.capturing = False
         self._stage: torch.Tensor | None = None  # staging slots for the experts in RAM homes
+        # the hybrids' DeltaNet layers, gated attention and shared expert (``gpu.delta``)
+        self.hybrid = None
+        s = parts.shape
+        if s.recurrent or s.attention.gated:
+            from strata.engine.gpu.delta import HybridChunk
+
+            g = parts.geometry
+            layers = range(g.first, g.first + len(g.slot_layouts))
+            self.hybrid = HybridChunk(s, parts.kv, layers, self.device)
 
     # -- products and the pieces of a layer ------------------------------------------------------
 

@@ -23,16 +23,19 @@ from strata.engine.gpu.ahead import CopiesAhead
 from strata.engine.gpu.buffers import ExpertGeometry, StepBuffers
 from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.cpu_share import CpuShare
+from strata.engine.gpu.delta import rope_tables_for
 from strata.engine.gpu.tables import ExpertTables
 from strata.engine.kernels import moe
 from strata.engine.kernels.attention import DecodeAttention
 from strata.engine.kernels.matvec import Mat, matvec
-from strata.engine.kernels.rope import rope_store, rope_tables
+from strata.engine.kernels.rope import rope_store
 from strata.engine.kernels.step import advance
 from strata.engine.kv import KVCache
 from strata.engine.ops import (
     AttentionSpec,
     AttentionWeights,
+    DeltaNetSpec,
+    DeltaNetWeights,
     HeadWeights,
     ModelShape,
     MoEWeights,
@@ -106,13 +109,20 @@ class DecodeOps:
         self.p, self.shape, self.ffn = parts, shape, ffn
         self.first, self.eps = parts.geometry.first, shape.rms_eps
         dev, a, kv = parts.buf.anchor.device, shape.attention, parts.kv
-        self.cos, self.sin = rope_tables(a.head_dim, a.rope.theta, kv.n_ctx, dev)
+        self.cos, self.sin = rope_tables_for(a.head_dim, a.rope, kv.n_ctx, dev)
         self.attend = DecodeAttention(
             a.n_head, a.n_head_kv, a.head_dim, kv.page, attention_splits(a.n_head_kv, dev), dev
         )
         # the tuned block sizes on a GPU; the kernels' own defaults in the interpreter
         self.tuned = TUNED if dev.type == "cuda" else {k: (_INTERP_BN, None) for k in TUNED}
         self.mats: dict[int, _Mats] = {}
+        # the hybrids' DeltaNet layers, gated attention and shared expert (``gpu.delta``)
+        self.hybrid = None
+        if shape.recurrent or a.gated or any(f.shared is not None for f in ffn):
+            from strata.engine.gpu.delta import HybridDecode
+
+            layers = range(self.first, self.first + len(ffn))
+            self.hybrid = HybridDecode(shape, kv, layers, dev)
         # how the step now being queued runs (``GpuRunner._forward`` sets them)
         self.mode = PLAIN
         self.stage: Callable[[int], None] | None = None  # stages a layer's misses
@@ -161,9 +171,12 @@ class DecodeOps:
         b, kv, j = self.p.buf, self.p.kv, layer - self.first
         if self.on_layer is not None:
             self.on_layer(layer)
+        m = self._mats(j, w)
         if self.mode == AHEAD and j == 0:  # the later layers' guesses come a layer early (moe)
             self._prefetch(0)
-        m = self._mats(j, w)
+        own = spec.gated or 2 * self.cos.shape[1] != spec.head_dim or self.shape.recurrent
+        if self.hybrid is not None and own:
+            return self.hybrid.attention(self, x, layer, w, spec)
         if m.qkv is not None:
             bn, warps = self.tuned["qkv"]
             matvec(b.qkv, x, m.qkv, w.norm, self.eps, bn=bn, num_warps=warps)
@@ -183,6 +196,19 @@ class DecodeOps:
         self.attend(b.attn_out, b.qkv, k_cache, v_cache, kv.block_table, b.pos, kv.page_stride)
         self._dense(x, b.attn_out, w.o, m.o, residual=True)
         return x
+
+    def delta_net(
+        self, x: torch.Tensor, layer: int, w: DeltaNetWeights, spec: DeltaNetSpec
+    ) -> torch.Tensor:
+        j = layer - self.first
+        if self.on_layer is not None:
+            self.on_layer(layer)
+        if j not in self.mats:  # a layer without attention: only its router's matrix
+            self.mats[j] = _Mats(None, None, mat(self.ffn[j].router))
+        if self.mode == AHEAD and j == 0:
+            self._prefetch(0)
+        assert self.hybrid is not None
+        return self.hybrid.delta_net(self, x, layer, w, spec)
 
     def _prefetch(self, j: int) -> None:
         """Predict local layer ``j``'s experts from the residual stream as it is now (its
@@ -221,6 +247,9 @@ class DecodeOps:
         moe.down(x, b.act, b.eoffs[j], b.wts[j], b.anchor, lay.down, lay.down_offset, bn, warps)
         if cpu:
             p.cpu.take(j)
+        if w.shared is not None:
+            assert self.hybrid is not None
+            self.hybrid.shared(self, x, b.h, w.shared)
         return x
 
     def head(self, x: torch.Tensor, w: HeadWeights) -> torch.Tensor:

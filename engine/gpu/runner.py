@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -29,11 +29,13 @@ from strata.engine.gpu.chunk import ChunkOps, ChunkParts, ChunkPath
 from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.cpu_share import CPU_SHARE_CANDIDATES, CpuShare, CpuShareFault
 from strata.engine.gpu.decode import AHEAD, CPU, PLAIN, DecodeOps, DecodeParts
+from strata.engine.gpu.delta import keep_state
 from strata.engine.gpu.sampled import SampledSteps
 from strata.engine.gpu.staging import MissStaging, file_of
 from strata.engine.gpu.tables import ExpertTables, FastPathError
 from strata.engine.kv import KVCache
 from strata.engine.models.base import MoEModel
+from strata.engine.recurrent import begin_state
 from strata.engine.sampling import TokenLogprob
 from strata.engine.step import Batch, StageRunner, StepKind
 
@@ -225,6 +227,8 @@ class GpuRunner(StageRunner):
     def run(self, batch: Batch, x: torch.Tensor | None = None) -> torch.Tensor:
         seq = batch.one
         self._last = batch.kind
+        if self.kv.state is not None and (batch.kind == StepKind.DECODE or self.prefill):
+            begin_state(self.kv.state, seq.start)  # (the reference operations check their own)
         if batch.kind == StepKind.DECODE:
             if x is not None:  # a later stage: the previous stage's hidden state
                 self.buf.x.copy_(x)
@@ -348,6 +352,8 @@ class GpuRunner(StageRunner):
         """Queue a greedy run's next step: its input is the token its predecessor left on the
         device. ``finish`` then files its token."""
         self.counters.dirty = True
+        if self.kv.state is not None:  # it holds a token not committed yet
+            self.kv.state.begin_step()
         if self.mode == CPU:
             self._arm_cpu()
         graph = self.graph
@@ -390,12 +396,14 @@ class GpuRunner(StageRunner):
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def _uncounted(self) -> AbstractContextManager[None]:
+    @contextmanager
+    def _uncounted(self) -> Iterator[None]:
         """Steps run inside count nothing (``UseCounters.uncounted``), copies ahead and the
-        CPU's share included."""
+        CPU's share included, and leave a hybrid's recurrent state as it was."""
         self.ahead.zero()
         self.cpu.zero()
-        return self.counters.uncounted(self.provider, self.device)
+        with self.counters.uncounted(self.provider, self.device), keep_state(self.kv.state):
+            yield
 
     def warm_up(self, on_layer: Callable[[int], None] | None = None,
                 mode: str | None = None) -> None:  # fmt: skip

@@ -132,3 +132,84 @@ def rope_tables(
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+@triton.jit
+def _rope_gated_kernel(
+    qkv, cos, sin, qn, kn, q_out, gate_out, kc, vc, bt, pos_p, eps, H, HKV, PS,
+    D: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, NEOX: tl.constexpr,
+    QK_NORM: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    pos = tl.load(pos_p)
+    d = tl.arange(0, D)
+    QS: tl.constexpr = 2 * D if GATED else D  # a query head's rows: its query, then its gate
+    at = tl.load(bt + pos // PAGE).to(tl.int64) * PS + (pos % PAGE) * HKV * D
+    if i < H + HKV:
+        if i < H:
+            src = qkv + i * QS
+            w = qn
+        else:
+            src = qkv + H * QS + (i - H) * D
+            w = kn
+        # the pair partner of each value, and its angle's column; values from R on stay
+        if NEOX:
+            first = d < R // 2
+            partner = tl.where(first, d + R // 2, d - R // 2)
+            col = tl.where(first, d, d - R // 2)
+        else:
+            first = d % 2 == 0
+            partner = tl.where(first, d + 1, d - 1)
+            col = d // 2
+        rot = d < R
+        partner = tl.where(rot, partner, d)
+        col = tl.where(rot, col, 0)
+        x = tl.load(src + d)
+        xp = tl.load(src + partner)
+        if QK_NORM:
+            scale = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+            x = x * scale * tl.load(w + d)
+            xp = xp * scale * tl.load(w + partner)
+        c = tl.load(cos + pos * (R // 2) + col)
+        s = tl.load(sin + pos * (R // 2) + col)
+        y = tl.where(first, x * c - xp * s, x * c + xp * s)
+        y = tl.where(rot, y, x)
+        if i < H:
+            tl.store(q_out + i * D + d, y)
+            if GATED:
+                tl.store(gate_out + i * D + d, tl.load(src + D + d))
+        else:
+            tl.store(kc + at + (i - H) * D + d, y.to(kc.dtype.element_ty))
+    else:
+        hv = i - H - HKV
+        v = tl.load(qkv + H * QS + HKV * D + hv * D + d)
+        tl.store(vc + at + hv * D + d, v.to(vc.dtype.element_ty))
+
+
+def rope_store_gated(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None, q_out: torch.Tensor, gate_out: torch.Tensor | None,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor,
+    eps: float, n_head: int, n_head_kv: int, head_dim: int, page: int, neox: bool,
+    page_stride: int,
+) -> None:  # fmt: skip
+    """``rope_store`` for partial rotary (the first ``2 * cos.shape[1]`` values of a head) and
+    gated attention: qkv [H * (2 d if gated else d) + 2 Hkv d] float32 holds each query head's
+    query then its gate (``gate_out`` given) before k and v; the normed, rotated queries go to
+    ``q_out`` [H d], the gates to ``gate_out`` [H d], k and v into the pages."""
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim} is not a power of two")
+    n_rot = 2 * cos.shape[1]
+    if not 0 < n_rot <= head_dim:
+        raise ValueError(f"RoPE tables of {n_rot} values for heads of {head_dim}")
+    gated = gate_out is not None
+    want = n_head * head_dim * (2 if gated else 1) + 2 * n_head_kv * head_dim
+    if qkv.numel() != want:
+        raise ValueError(f"qkv holds {qkv.numel()} values, want {want}")
+    qk = q_norm is not None and k_norm is not None
+    _rope_gated_kernel[(n_head + 2 * n_head_kv,)](
+        qkv, cos, sin, q_norm if qk else qkv, k_norm if qk else qkv, q_out,
+        gate_out if gated else q_out, k_cache, v_cache, block_table, pos, eps, n_head,
+        n_head_kv, page_stride,
+        D=head_dim, R=n_rot, PAGE=page, NEOX=neox, QK_NORM=qk, GATED=gated, num_warps=1,
+    )  # fmt: skip

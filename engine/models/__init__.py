@@ -21,10 +21,7 @@ from strata.engine.quant import SUPPORTED_TYPES
 SUPPORTED = ("qwen3moe", "llama", "qwen35moe", "qwen3next", "gpt-oss")
 # architectures only the reference operations run yet, and why (the GPU path says so and falls
 # back to the reference path on the same device)
-_DELTA_NET = "its Gated DeltaNet layers and gated attention have no GPU kernels yet"
 REFERENCE_ONLY = {
-    "qwen35moe": _DELTA_NET,
-    "qwen3next": _DELTA_NET,
     "gpt-oss": "its attention sinks, sliding window, biases and clamped SwiGLU experts have no "
     "GPU kernels yet",
 }

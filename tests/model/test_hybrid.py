@@ -194,16 +194,6 @@ def test_the_next_turn_after_a_reasoning_reply_reuses_all_but_its_last_message(c
     assert relative_error(logits.numpy(), whole.numpy()) < 1e-5
 
 
-def test_the_gpu_path_refuses_hybrids_with_the_reason(files: HybridFiles):
-    from strata.engine.fast_path import fast_path_unavailable
-    from strata.engine.gguf_index import GGUFIndex
-
-    for arch in ARCHS:
-        index = GGUFIndex(files.path(arch, "F32"))
-        why = fast_path_unavailable(index, torch.device("cuda"), EngineOptions())
-        assert why is not None and "Gated DeltaNet" in why and arch in why
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_file_with_a_prediction_block_runs_its_trunk(arch, tmp_path: Path, llama_cpp_ref):
     """llama.cpp's converter appends the next-token-prediction (MTP) block to the layers

@@ -1,0 +1,113 @@
+"""The hybrids (qwen35moe, qwen3next) on the GPU runner: DeltaNet layers, gated attention with
+partial/sectioned RoPE and the shared expert through the fast operations (``gpu.delta``),
+against the reference path on tiny Q8_0 files.
+
+Tolerances: decode steps (after a prompt read by the reference operations) within 1e-5 of the
+reference's logits, relative to the largest (float32 throughout: the same arithmetic in
+another order); prompt chunks within 1e-2 (their products take float16 inputs on tensor cores,
+as every architecture's chunks do: ``test_fast_prefill``). Residency never changes a step's
+numbers (every expert staged, half cached, all cached: the same bits). A look-ahead stopped
+with a step run ahead leaves the state to be restored from its checkpoint, never trusted.
+
+On the CPU in Triton's interpreter (CI) on small shapes; the ``gpu`` test runs the same on the
+device with the prompt chunks' graphs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from strata.engine.synth_hybrid import ARCHS, HybridSpec, write_hybrid
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed")
+from fastpath import PROMPT, decode, fast_runner, reference_runner, worst
+
+TOL = 1e-5
+CHUNK_TOL = 1e-2
+# small enough for the interpreter: 2 DeltaNet and 2 gated-attention layers, 2 k / 4 v heads
+SMALL = dict(n_embd=128, n_ff_exp=64, n_ff_shexp=64)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hybrid-fast")
+    return {
+        arch: write_hybrid(root / f"{arch}.gguf", HybridSpec(arch, **SMALL), Q.Q8_0)
+        for arch in ARCHS
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fast_steps_and_chunks_agree_with_the_reference_path(arch: str, files) -> None:
+    path = files[arch]
+    ref = decode(reference_runner(path), 3, 11)
+    fast = decode(fast_runner(path, 1.0), 3, 11)
+    assert torch.equal(ref[0], fast[0]), "the prompt takes the reference path"
+    for a, b in zip(ref[1:], fast[1:], strict=True):
+        assert worst(a[None], b[None], TOL) < TOL
+    chunks = decode(fast_runner(path, 1.0, prefill=True), 3, 11)
+    for a, b in zip(ref, chunks, strict=True):
+        assert worst(a[None], b[None], CHUNK_TOL) < CHUNK_TOL
+
+
+def test_residency_never_changes_the_numbers(files) -> None:
+    path = files["qwen35moe"]
+    none, half, every = (decode(fast_runner(path, s), 2, 23) for s in (None, 0.5, 1.0))
+    for a, b, c in zip(none[1:], half[1:], every[1:], strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_a_look_ahead_stopped_early_leaves_a_state_restored_from_its_checkpoint(files) -> None:
+    path = files["qwen3next"]
+    fast = fast_runner(path, 1.0)
+    fast.rewind(0)
+    fast.feed(PROMPT)
+    run = fast.ahead(3, 10)
+    got = [next(run)[0] for _ in range(3)]  # the fourth step already runs ahead
+    run.close()
+    state = fast.states[0]
+    assert state.dirty, "the state holds a step whose token was never committed"
+    n = len(fast.tokens)
+    fast.rewind(n)  # from the prompt's checkpoint, the fed tokens read again
+    assert not state.dirty and len(state.tokens) == n
+    after = fast.feed([got[-1]]).cpu()
+    ref = reference_runner(path)
+    ref.rewind(0)
+    ref.feed(PROMPT)
+    for t in [3, *got[:-1]]:
+        ref.feed([t])
+    assert worst(ref.feed([got[-1]]).cpu()[None], after[None], TOL) < TOL
+
+
+def test_the_gpu_path_takes_the_hybrids(files) -> None:
+    from strata.engine.fast_path import fast_path_unavailable
+    from strata.engine.gguf_index import GGUFIndex
+    from strata.engine.options import EngineOptions
+
+    for arch in ARCHS:
+        index = GGUFIndex(files[arch])
+        assert fast_path_unavailable(index, torch.device("cuda"), EngineOptions()) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_on_the_device_with_graphs(arch: str, files) -> None:
+    path = files[arch]
+    ref = decode(reference_runner(path), 6, 11)
+    fast = fast_runner(path, 1.0, prefill=True)
+    fast.gpu.capture()
+    fast.gpu.capture_chunks(64)
+    got = decode(fast, 6, 11)
+    for a, b in zip(ref, got, strict=True):
+        assert worst(a[None], b[None], CHUNK_TOL) < CHUNK_TOL
+    steps = decode(fast_runner(path, 1.0), 6, 11)
+    for a, b in zip(ref[1:], steps[1:], strict=True):
+        assert worst(a[None], b[None], TOL) < TOL
