@@ -30,6 +30,8 @@ SYNTHETIC_NAMES = (
     "qwen3-30b-a3b-iq3s-iq4nl",
     "qwen3-30b-a3b-mxfp4moe",
     "mixtral-8x7b",
+    "gpt-oss-20b",
+    "gpt-oss-120b",
 )
 
 # Budgets given as a share of all experts. `none` is 0 MiB: every expert from RAM or the file.
@@ -144,9 +146,10 @@ def parse_card_gib(text: str, flag: str = "--card-gib") -> float:
 def synthetic_preset(name: str) -> str:
     """The synth preset a ``--synthetic`` name stands for; an unknown name is an error."""
     from strata.engine.synth import PRESETS
+    from strata.engine.synth_gpt_oss import PRESETS as GPT_OSS
 
     preset = SYNTHETIC_ALIASES.get(name, name)
-    if preset not in PRESETS:
+    if preset not in PRESETS and preset not in GPT_OSS:
         choices = ", ".join(SYNTHETIC_NAMES)
         raise BenchError(f"--synthetic: unknown model {name!r} (expected one of {choices})")
     return preset

@@ -12,6 +12,12 @@ position from device memory. Which pages exist, who holds them and which convers
 for reuse is ``kvbook.KVBook``'s bookkeeping; this class maps the memory it counts, copies the
 pages it moves, and keeps the device's block table equal to the book's.
 
+With a sliding window (``windowed``: per layer, ``window`` positions; gpt-oss), a page holds one
+of two groups of layers: the full layers' K/V of its positions, or the window layers' (a page
+holds as many layers as the larger group). The window layers have their own block table; their
+pages behind the window go back to the free list as the sequence advances (``KVBook``), from the
+one budget.
+
 Unused block-table entries point at the sink page (``kvbook.SINK``): a padded prompt chunk's
 extra rows land there, never in a page someone holds.
 """
@@ -23,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from strata.engine.kvbook import KVBook, pages_for
+from strata.engine.kvbook import SINK, KVBook, pages_for
 from strata.engine.recurrent import RecurrentState
 from strata.vmm.arena import ElasticArena, create_arena
 
@@ -60,6 +66,8 @@ class KVCache:
         chunk_bytes: int | None = None,
         arena_factory: ArenaFactory | None = None,
         fixed: bool = False,
+        windowed: tuple[bool, ...] = (),
+        window: int = 0,
     ) -> None:
         if kind not in KV_DTYPES:
             raise ValueError(f"kv_cache_type {kind!r} is not one of {', '.join(KV_DTYPES)}")
@@ -67,24 +75,40 @@ class KVCache:
             raise ValueError(f"K/V page of {page} positions: must be at least 1")
         if n_ctx < 1:
             raise ValueError(f"context_length {n_ctx}: must be at least 1")
+        windowed = tuple(windowed) or (False,) * n_layer
+        if len(windowed) != n_layer or (any(windowed) and window < 1):
+            raise ValueError(
+                f"K/V: {len(windowed)} window flags for {n_layer} layers, window {window}: "
+                "one flag per layer, and a window of at least 1"
+            )
         self.device = torch.device(device)
         self.n_ctx, self.page, self.n_layer = n_ctx, page, n_layer
+        self.windowed, self.window = windowed, window if any(windowed) else 0
+        # layer -> its place in its group's pages (full layers and window layers count apart)
+        self.slot = [windowed[:i].count(windowed[i]) for i in range(n_layer)]
+        self.n_slots = max(windowed.count(False), windowed.count(True))
         self.n_head_kv, self.head_dim = n_head_kv, head_dim
         self.dtype = KV_DTYPES[kind]
         self.fixed = fixed
         self.table_pages = pages_for(n_ctx, page)  # the block table's entries: a whole context
-        self.page_bytes = page_bytes_for(n_layer, n_head_kv, head_dim, kind, page)
+        self.page_bytes = page_bytes_for(self.n_slots, n_head_kv, head_dim, kind, page)
         self.page_stride = self.page_bytes // self.dtype.itemsize  # elements between pages
         self.row_stride = n_head_kv * head_dim  # elements between positions of a page
         chunk = chunk_bytes or DEFAULT_CHUNK_BYTES
         # the sink, a whole context for the active sequence, as much again for kept ones
         max_pages = 1 + 2 * self.table_pages
-        self.book = KVBook(page, self.page_bytes, chunk, max_pages, keep)
+        if self.window:  # the window layers' pages: a window and a pinned one per sequence
+            max_pages += (2 * pages_for(self.window, page) + 2) * (keep + 1) + self.table_pages
+        self.book = KVBook(page, self.page_bytes, chunk, max_pages, keep, self.window)
         factory = arena_factory or _default_arena(self.device)
         self.arena = factory(self.book.reserved_bytes, chunk)
         self.pool = torch.empty(0)
         self.block_table = torch.zeros(self.table_pages, dtype=torch.int32, device=self.device)
+        self.window_table = torch.zeros(
+            self.table_pages if self.window else 0, dtype=torch.int32, device=self.device
+        )
         self._table_synced: list[int] = []
+        self._window_synced: list[int] = []
         self.length = 0  # kept for the kernels' callers; the book's active tokens are the truth
         # a hybrid's DeltaNet layers' states (and checkpoints) for the active sequence, in the
         # same budget: counted in mapped_bytes (``Sequences`` restores it on a rewind)
@@ -133,7 +157,7 @@ class KVCache:
         else:
             return
         n = self.book.mapped
-        shape = (n, self.n_layer, 2, self.page, self.n_head_kv, self.head_dim)
+        shape = (n, self.n_slots, 2, self.page, self.n_head_kv, self.head_dim)
         self.pool = self.arena.view(0, n * self.page_bytes, self.dtype).view(shape)
 
     def bytes_to_map(self, pages: int) -> int:
@@ -194,32 +218,45 @@ class KVCache:
         self._sync_table()
         return n
 
-    def pages_short(self, end: int) -> int:
-        """Free pages missing for the active sequence to hold positions up to ``end``."""
-        return max(0, self.book.pages_needed(end) - self.book.free_pages)
+    def pages_short(self, end: int, window_end: int | None = None) -> int:
+        """Free pages missing for the active sequence to hold positions up to ``end`` (the
+        window layers: up to ``window_end``, by default ``end``)."""
+        return max(0, self.book.pages_needed(end, window_end) - self.book.free_pages)
 
-    def prepare(self, end: int) -> None:
-        """Pages for positions up to ``end`` (``pages_short(end)`` must be 0): shared pages the
+    def prepare(self, end: int, window_end: int | None = None) -> None:
+        """Pages for positions up to ``end`` (``pages_short`` must be 0): shared pages the
         sequence will write into are copied first, and the device table follows."""
         if end > self.n_ctx:
             raise ValueError(f"K/V up to position {end} beyond the context of {self.n_ctx}")
-        if self.book.pages_needed(end) == 0:
+        if self.book.pages_needed(end, window_end) == 0:
             return
-        self._copy_pages(self.book.reserve(end))
+        self._copy_pages(self.book.reserve(end, window_end))
         self._sync_table()
 
     def commit(self, tokens: list[int]) -> None:
-        """The K/V of ``tokens`` (after the active sequence's) is written."""
+        """The K/V of ``tokens`` (after the active sequence's) is written (the window layers'
+        pages behind the window go back)."""
         self.book.extend(tokens)
         self.length = len(self.book.active.tokens)
+        if self.window:
+            self._sync_table()
         if self.state is not None:
             self.state.advance(tokens)
 
-    def truncate(self, length: int) -> None:
-        """Forget the active sequence's positions from ``length`` on."""
-        self.book.truncate(length)
+    def mark_read(self) -> None:
+        """A prompt read ends here: the window layers keep the window ending here until the
+        next one (``KVBook.mark_read``)."""
+        if self.window:
+            self.book.mark_read()
+            self._sync_table()
+
+    def truncate(self, length: int) -> int:
+        """Forget the active sequence's positions from ``length`` on (from an earlier one where
+        the window layers cannot go on from ``length``); returns the length kept."""
+        kept = self.book.truncate(length)
         self.length = len(self.book.active.tokens)
         self._sync_table()
+        return kept
 
     def evict(self) -> int:
         """Let the least recently used kept conversation go, or the idle active sequence
@@ -234,18 +271,25 @@ class KVCache:
         if table != self._table_synced:
             self.block_table.copy_(torch.tensor(table, dtype=torch.int32))
             self._table_synced = table
+        if self.window:
+            table = self.book.table(self.table_pages, window=True)
+            if table != self._window_synced:
+                self.window_table.copy_(torch.tensor(table, dtype=torch.int32))
+                self._window_synced = table
 
     # -- reading and writing (the reference path, the prefill path) ------------------------------
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's keys and values as views of the pages, [pages, page, Hkv, d] each: what the
         decode kernels take as base addresses (``page_stride`` apart)."""
-        return self.pool[:, layer, 0], self.pool[:, layer, 1]
+        j = self.slot[layer]
+        return self.pool[:, j, 0], self.pool[:, j, 1]
 
-    def _where(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, row) of positions [start, end), through the device's block table."""
+    def _where(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, row) of positions [start, end) of ``layer``, through its group's table."""
         pos = torch.arange(start, end, device=self.device)
-        return self.block_table[pos // self.page].long(), pos % self.page
+        table = self.window_table if self.windowed[layer] else self.block_table
+        return table[pos // self.page].long(), pos % self.page
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [T, Hkv, d] at positions start..start+T-1 (their pages prepared)
@@ -254,16 +298,33 @@ class KVCache:
             raise ValueError(f"K/V write up to position {end} beyond the context of {self.n_ctx}")
         if pages_for(end, self.page) > len(self.book.active.pages):
             raise ValueError(f"K/V write up to position {end}: its pages are not prepared")
-        pages, rows = self._where(start, end)
-        self.pool[pages, layer, 0, rows] = k.to(self.dtype)
-        self.pool[pages, layer, 1, rows] = v.to(self.dtype)
+        self._check_window(layer, start, end)
+        pages, rows = self._where(layer, start, end)
+        j = self.slot[layer]
+        self.pool[pages, j, 0, rows] = k.to(self.dtype)
+        self.pool[pages, j, 1, rows] = v.to(self.dtype)
 
     def read(self, layer: int, end: int, dtype: torch.dtype = torch.float32, begin: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         # -> k, v: [end - begin, Hkv, d] (a copy, gathered through the block table)
-        pages, rows = self._where(begin, end)
-        return (self.pool[pages, layer, 0, rows].to(dtype),
-                self.pool[pages, layer, 1, rows].to(dtype))  # fmt: skip
+        self._check_window(layer, begin, end)
+        pages, rows = self._where(layer, begin, end)
+        j = self.slot[layer]
+        return (self.pool[pages, j, 0, rows].to(dtype),
+                self.pool[pages, j, 1, rows].to(dtype))  # fmt: skip
+
+    def _check_window(self, layer: int, begin: int, end: int) -> None:
+        """A window layer's positions [begin, end) are in pages it holds (a page let go behind
+        the window is an error, never a plausible wrong answer)."""
+        if not self.windowed[layer] or begin >= end:
+            return
+        held = self.book.active.wpages
+        first, stop = begin // self.page, pages_for(end, self.page)
+        if stop > len(held) or SINK in held[first:stop]:
+            raise ValueError(
+                f"K/V positions {begin}..{end - 1} of a layer with a window of {self.window}: "
+                "not all in pages it holds"
+            )
 
     # -- what it holds ---------------------------------------------------------------------------
 

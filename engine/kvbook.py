@@ -19,6 +19,16 @@ Holders:
   prompt: the whole pages of that prefix are shared (a reference more each, no copy); the page
   the prompt goes on writing into is copied first if anyone else holds it (copy on write).
 
+**A sliding window** (``window``: gpt-oss's alternate layers): a page then holds the positions of
+one of two groups of layers — the full layers, whose pages (``Held.pages``) cover every position,
+or the window layers (``Held.wpages``), whose pages behind the window go back to the free list as
+the sequence advances (recycled; ``SINK`` stands where a page was let go). A conversation keeps
+two windows: the one ending at its last position, and the one ending where its last prompt read
+ended (``pin``): the next request re-renders the reply differently (harmony drops its analysis),
+so its prompt diverges there, and the window layers can go on from that point. A prefix is
+usable when the window before its end is held (``usable``); ``begin`` and ``truncate`` go back
+to the longest usable one.
+
 A page is free when nobody holds it. Trimming the mapped part moves pages in use above the new
 top into free pages below it (``trim_plan`` / ``relocate``): the caller copies their bytes and
 rewrites the block table, so every holder's list follows the move.
@@ -27,7 +37,7 @@ rewrites the block table, so every holder's list follows the move.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 SINK = 0  # the page unused block-table entries point at
@@ -43,6 +53,12 @@ class Held:
 
     tokens: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
+    wpages: list[int] = field(default_factory=list)  # the window layers' (SINK: let go)
+    pin: int = 0  # where the last prompt read ended: its window is kept
+    swept: int = 0  # window pages below this index were let go (but the pin's)
+
+    def all_pages(self) -> list[int]:
+        return self.pages + [p for p in self.wpages if p != SINK]
 
 
 def pages_for(tokens: int, page: int) -> int:
@@ -65,7 +81,10 @@ class KVBook:
     """The pages of one K/V range (see the module doc). ``max_pages``: the pages the reservation
     holds; ``keep``: the most conversations kept for reuse besides the active one."""
 
-    def __init__(self, page: int, page_bytes: int, chunk_bytes: int, max_pages: int, keep: int):
+    def __init__(
+        self, page: int, page_bytes: int, chunk_bytes: int, max_pages: int, keep: int,
+        window: int = 0,
+    ) -> None:  # fmt: skip
         for name, v, least in (
             ("page", page, 1), ("page_bytes", page_bytes, 1), ("chunk_bytes", chunk_bytes, 1),
             ("max_pages", max_pages, 2), ("kv_keep_conversations", keep, 0),
@@ -74,6 +93,9 @@ class KVBook:
                 raise KVBookError(f"{name}={v!r}: expected a whole number of at least {least}")
         self.page, self.page_bytes, self.chunk_bytes = page, page_bytes, chunk_bytes
         self.max_pages, self.keep = max_pages, keep
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise KVBookError(f"window={window!r}: expected a whole number of positions >= 0")
+        self.window = window  # 0: no window layers
         self.refs = [0] * max_pages
         self.refs[SINK] = 1  # held for ever
         self.mapped = 0  # pages [0, mapped) are backed by memory
@@ -167,19 +189,65 @@ class KVBook:
         sources = [*self.kept, previous]
         best, best_n = None, 0
         for held in sources:
-            n = common_prefix(held.tokens, prompt, limit)
+            n = self.usable(held, common_prefix(held.tokens, prompt, limit))
             if n > best_n:
                 best, best_n = held, n
         seq = Held(list(prompt[:best_n]), [])
         if best is not None:
             seq.pages = best.pages[: pages_for(best_n, self.page)]
-            self._hold(seq.pages)
+            seq.wpages = best.wpages[: pages_for(best_n, self.page)]
+            seq.pin = best.pin if best.pin <= best_n else 0
+            self._hold(seq.all_pages())
             if best is not previous:
                 self.kept.remove(best)
                 self.kept.append(best)  # the most recently used
         self.active, self.idle = seq, False
         self._keep(previous)
+        self._sweep(seq, full=True)
         return best_n
+
+    # -- the window layers -----------------------------------------------------------------------
+
+    def usable(self, held: Held, n: int) -> int:
+        """The longest prefix of ``held``'s first ``n`` tokens the window layers can go on from:
+        the window before its end held (every prefix without a window)."""
+        if not self.window:
+            return n
+        while n > 0:
+            lo = max(0, n - self.window + 1)
+            needed = range(lo // self.page, pages_for(n, self.page))
+            holes = [i for i in needed if i >= len(held.wpages) or held.wpages[i] == SINK]
+            if not holes:
+                return n
+            n = min(n - 1, holes[-1] * self.page)  # end before the last hole, and retry
+        return 0
+
+    def _kept_window(self, held: Held, i: int) -> bool:
+        """Whether window page ``i`` of ``held`` is in one of its two windows."""
+        n, w, page = len(held.tokens), self.window, self.page
+        for end in (n, held.pin):
+            if end and (end - w + 1) // page <= i < pages_for(end, page) and i * page < end:
+                return True
+        return i * page >= n  # reserved ahead for what comes next
+
+    def _sweep(self, held: Held, full: bool = False) -> None:
+        """Let go of ``held``'s window pages behind both its windows (``full``: all of them;
+        else those passed since the last sweep)."""
+        if not self.window:
+            return
+        stop = max(0, len(held.tokens) - self.window + 1) // self.page
+        for i in range(0 if full else held.swept, min(stop, len(held.wpages))):
+            p = held.wpages[i]
+            if p != SINK and not self._kept_window(held, i):
+                self._drop([p])
+                held.wpages[i] = SINK
+        held.swept = max(held.swept, stop) if not full else stop
+
+    def mark_read(self) -> None:
+        """A prompt read ends here: the active sequence keeps the window ending here (and lets
+        the previous prompt's go) until it advances past the next one."""
+        self.active.pin = len(self.active.tokens)
+        self._sweep(self.active, full=True)
 
     def park(self) -> None:
         """The active sequence's request has ended: its pages stay (the next prompt that
@@ -196,22 +264,30 @@ class KVBook:
         n = len(held.tokens)
         ahead = pages_for(n, self.page)
         self._drop(held.pages[ahead:])  # pages reserved ahead go back
-        del held.pages[ahead:]
+        self._drop([p for p in held.wpages[ahead:] if p != SINK])
+        del held.pages[ahead:], held.wpages[ahead:]
         if not n:
-            self._drop(held.pages)
+            self._drop(held.all_pages())
             return
         for other in self.kept:
-            if len(other.tokens) >= n and common_prefix(other.tokens, held.tokens, n) == n:
-                self._drop(held.pages)  # already covered by a kept one
+            if self._covers(other, held):
+                self._drop(held.all_pages())  # already covered by a kept one
                 return
-        covered = [o for o in self.kept if common_prefix(o.tokens, held.tokens, len(o.tokens))
-                   == len(o.tokens)]  # fmt: skip
+        covered = [o for o in self.kept if self._covers(held, o)]
         for other in covered:
             self.kept.remove(other)
-            self._drop(other.pages)
+            self._drop(other.all_pages())
         self.kept.append(held)
         while len(self.kept) > self.keep:
             self.evict()
+
+    def _covers(self, a: Held, b: Held) -> bool:
+        """Whether ``a`` serves every prefix ``b`` serves: ``b``'s tokens start ``a``'s, and
+        the window layers can go on from ``b``'s end (and its pin) in ``a`` too."""
+        n = len(b.tokens)
+        if len(a.tokens) < n or common_prefix(a.tokens, b.tokens, n) != n:
+            return False
+        return all(self.usable(a, end) == end for end in {n, b.pin} if end)
 
     def evictable(self) -> bool:
         """Whether ``evict`` has something to let go: a kept conversation, or an idle active
@@ -224,42 +300,48 @@ class KVBook:
         there is nothing to let go, or all its pages are shared with the active sequence)."""
         before = len(self._free)
         if self.kept:
-            self._drop(self.kept.pop(0).pages)
+            self._drop(self.kept.pop(0).all_pages())
         elif self.idle:
             self.truncate(0)
         return len(self._free) - before
 
-    def pages_needed(self, length: int) -> int:
-        """Pages the active sequence must get for positions up to ``length``: new pages, and a
-        copy of each shared page it will write into."""
-        seq, page = self.active, self.page
-        have = len(seq.pages)
-        want = pages_for(length, page)
-        first = len(seq.tokens) // page
-        shared = sum(1 for i in range(first, min(have, want)) if self.refs[seq.pages[i]] > 1)
-        return max(0, want - have) + shared
+    def pages_needed(self, length: int, window_end: int | None = None) -> int:
+        """Pages the active sequence must get for positions up to ``length`` (the window
+        layers': up to ``window_end``, by default ``length``): new pages, and a copy of each
+        shared page it will write into."""
+        return sum(1 for _ in self._wants(length, window_end))
 
-    def reserve(self, length: int) -> list[tuple[int, int]]:
+    def _wants(self, length: int, window_end: int | None) -> Iterator[tuple[list[int], int]]:
+        """(page list, index) of each page to give the active sequence: new or copied."""
+        seq, page = self.active, self.page
+        first = len(seq.tokens) // page
+        groups = [(seq.pages, length)]
+        if self.window:
+            groups.append((seq.wpages, length if window_end is None else window_end))
+        for pages, end in groups:
+            for i in range(first, pages_for(end, page)):
+                if i >= len(pages) or pages[i] == SINK or self.refs[pages[i]] > 1:
+                    yield pages, i
+
+    def reserve(self, length: int, window_end: int | None = None) -> list[tuple[int, int]]:
         """Give the active sequence pages for positions up to ``length``; returns the copies
         (source page, new page) to make before writing: shared pages it writes into from now on
         (copy on write). ``pages_needed(length)`` pages must be free."""
         self.idle = False
-        need = self.pages_needed(length)
-        if need > len(self._free):
+        wants = list(self._wants(length, window_end))
+        if len(wants) > len(self._free):
             raise KVBookError(
-                f"{need} K/V pages needed for {length} positions, {len(self._free)} free"
+                f"{len(wants)} K/V pages needed for {length} positions, {len(self._free)} free"
             )
-        seq, page = self.active, self.page
         copies = []
-        for i in range(len(seq.tokens) // page, min(len(seq.pages), pages_for(length, page))):
-            src = seq.pages[i]
-            if self.refs[src] > 1:
-                dst = self._alloc()
+        for pages, i in wants:
+            while len(pages) <= i:
+                pages.append(SINK)  # a window's pages may start past a hole
+            src, dst = pages[i], self._alloc()
+            if src != SINK:  # shared: copied, then written into
                 self._drop([src])
-                seq.pages[i] = dst
                 copies.append((src, dst))
-        while len(seq.pages) < pages_for(length, page):
-            seq.pages.append(self._alloc())
+            pages[i] = dst
         return copies
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -269,18 +351,26 @@ class KVBook:
         if pages_for(n, self.page) > len(seq.pages):
             raise KVBookError(f"{n} positions written with pages for {len(seq.pages) * self.page}")
         seq.tokens.extend(tokens)
+        self._sweep(seq)
 
-    def truncate(self, length: int) -> None:
-        """Forget the active sequence's positions from ``length`` on (its pages past them go)."""
+    def truncate(self, length: int) -> int:
+        """Forget the active sequence's positions from ``length`` on (its pages past them go),
+        or from the longest usable prefix before it (``usable``); returns the length kept."""
         seq = self.active
+        length = self.usable(seq, min(length, len(seq.tokens)))
         del seq.tokens[length:]
         keep = pages_for(len(seq.tokens), self.page)
         self._drop(seq.pages[keep:])
-        del seq.pages[keep:]
+        self._drop([p for p in seq.wpages[keep:] if p != SINK])
+        del seq.pages[keep:], seq.wpages[keep:]
+        seq.pin = min(seq.pin, length)
+        seq.swept = min(seq.swept, max(0, length - self.window + 1) // self.page)
+        return length
 
-    def table(self, n: int) -> list[int]:
-        """The active sequence's block table padded to ``n`` entries with the sink."""
-        pages = self.active.pages
+    def table(self, n: int, window: bool = False) -> list[int]:
+        """The active sequence's block table (``window``: its window layers') padded to ``n``
+        entries with the sink."""
+        pages = self.active.wpages if window else self.active.pages
         if len(pages) > n:
             raise KVBookError(f"{len(pages)} pages do not fit a block table of {n}")
         return pages + [SINK] * (n - len(pages))
@@ -288,7 +378,7 @@ class KVBook:
     # -- what is held ----------------------------------------------------------------------------
 
     def active_pages(self) -> int:
-        return len(self.active.pages)
+        return len(self.active.all_pages())
 
     def evictable_pages(self) -> int:
         """Pages that evicting everything ``evict`` may let go would free: the kept
@@ -299,8 +389,8 @@ class KVBook:
 
     def kept_only_pages(self) -> int:
         """Pages only kept conversations hold: what evicting all of them would free."""
-        active = set(self.active.pages)
-        only = {p for h in self.kept for p in h.pages if p not in active}
+        active = set(self.active.all_pages())
+        only = {p for h in self.kept for p in h.all_pages() if p not in active}
         return len(only)
 
     def kept_tokens(self) -> list[int]:
@@ -334,13 +424,14 @@ class KVBook:
         heapq.heapify(self._free)
         for held in (self.active, *self.kept):
             held.pages = [where.get(p, p) for p in held.pages]
+            held.wpages = [where.get(p, p) for p in held.wpages]
 
     def check(self) -> None:
         """Every reference accounted for (a test's and a debug aid): raises on a mismatch."""
         counts = [0] * self.max_pages
         counts[SINK] = 1
         for held in (self.active, *self.kept):
-            for p in held.pages:
+            for p in held.all_pages():
                 counts[p] += 1
         if counts != self.refs:
             bad = next(i for i, (a, b) in enumerate(zip(counts, self.refs, strict=True)) if a != b)

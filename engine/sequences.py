@@ -51,13 +51,18 @@ def new_kvs(
     per = list(stage_options) if stage_options is not None else [{}] * n
     if len(per) != n:
         raise ValueError(f"{len(per)} K/V option sets for {n} stages")
-    a, dn = model.shape.attention, model.shape.delta_net
+    shape = model.shape
+    a, dn = shape.attention, shape.delta_net
     kvs: list[KVCache] = []
     try:
         for i, span in enumerate(model.spans):
             kw = {**options, **per[i]}
             dev = model.stage_devices[i]
-            n_kv = max(1, len(model.kv_layers(span)))  # (a stage of DeltaNet layers only: 1)
+            layers = model.kv_layers(span)
+            n_kv = max(1, len(layers))  # (a stage of DeltaNet layers only: 1)
+            if any(shape.windowed):  # the sliding window's layers keep their window's pages
+                kw |= {"windowed": tuple(shape.windowed[j] for j in layers) or (False,),
+                       "window": shape.window}  # fmt: skip
             kvs.append(KVCache(n_kv, n_ctx, a.n_head_kv, a.head_dim, kind, dev, **kw))
             if dn is not None:
                 n_state = len(model.state_layers(span))
@@ -91,6 +96,7 @@ class Sequences:
         # before each, and its recurrent state is checkpointed there for the next turn's reuse
         self.boundary_tokens: frozenset[int] = frozenset()
         self._boundaries: set[int] = set()
+        self._reading = False  # the next feed reads the rest of a prompt (``start``)
 
     @property
     def gpu(self) -> GpuRunner | None:
@@ -165,8 +171,9 @@ class Sequences:
         core (the sink page and whole chunks counted), at most the context."""
         return min(stage.tokens_that_fit(self.n_ctx) for stage in self.stages)
 
-    def make_room(self, end: int) -> None:
-        """Free pages for the active sequence up to position ``end`` in every stage's K/V, at a
+    def make_room(self, end: int, window_end: int | None = None) -> None:
+        """Free pages for the active sequence up to position ``end`` in every stage's K/V (for
+        the sliding window's layers up to ``window_end``, by default ``end``), at a
         safe point: from the stage's budget's unused room, then from the kept conversations
         (least recently used first; every stage drops the same one, so the stages keep the
         same conversations), then from the stage's expert cache's tail (its hottest experts
@@ -175,7 +182,7 @@ class Sequences:
         for stage in self.stages:
             kv = stage.kv
             kv.book.resume()  # the active sequence grows: it is no longer idle, its pages stay
-            while (short := kv.pages_short(end)) > 0:
+            while (short := kv.pages_short(end, window_end)) > 0:
                 want = kv.bytes_to_map(short)
                 room = stage.budget_room()
                 if want and not kv.fixed and (room is None or room >= want):
@@ -194,7 +201,7 @@ class Sequences:
                         continue
                 raise self._full(stage, end, short)
         for stage in self.stages:
-            stage.kv.prepare(end)
+            stage.kv.prepare(end, window_end)
 
     def _evict(self) -> None:
         """Drop the least recently used kept conversation (or, none kept, the idle active
@@ -287,9 +294,10 @@ class Sequences:
             return logits
         # the whole prompt's pages at once: a budget cut during its prefill (a lease) then
         # finds them in use, and waits or is refused, instead of failing the request midway
-        self.make_room(start + len(ids))
-        logits = None
+        # (the sliding window's layers: the first chunk's; each chunk recycles the pages behind)
         cuts = self._cuts(ids)
+        self.make_room(start + len(ids), window_end=start + cuts[1])
+        logits = None
         for i, j in itertools.pairwise(cuts):
             chunk = list(ids[i:j])
             logits = self._chunk(chunk, len(self.tokens), last_only=True)
@@ -301,6 +309,10 @@ class Sequences:
                 safe_point()
         assert logits is not None
         self._prompt_done()
+        if len(ids) > 1 or self._reading:  # a prompt read: a sliding window keeps its end's
+            for stage in self.stages:
+                stage.kv.mark_read()
+        self._reading = False
         return logits[-1].float()
 
     # -- the recurrent state (hybrid models) --------------------------------------------------
@@ -518,17 +530,19 @@ class Sequences:
         # every stage's K/V went through the same steps: they hold the same conversations
         assert len(set(held)) == 1, f"the stages' K/V disagree on the prompt's prefix: {held}"
         n = restore_states(self.stages, list(prompt[: held[0]]))
+        self._reading = True
         return list(prompt[n:])
 
     def rewind(self, length: int) -> None:
         """Forget the active sequence from position ``length`` on. A hybrid's state goes back to
         its latest checkpoint at or before ``length`` and reads the tokens up to it again, one
         step per token as decoding read them (so a rewind into generated text restores the
-        state bit for bit)."""
+        state bit for bit); so does a sliding window whose pages before ``length`` went back."""
         tokens = self.tokens[:length]
-        for stage in self.stages:
-            stage.kv.truncate(length)
-        n = restore_states(self.stages, tokens)
+        kept = min(stage.kv.truncate(length) for stage in self.stages)
+        for stage in self.stages:  # a window that cannot go on from ``length`` goes back
+            stage.kv.truncate(kept)
+        n = restore_states(self.stages, tokens[:kept])
         for t in tokens[n:]:
             self.feed([t])
 

@@ -1,7 +1,7 @@
 """Random-weight GGUF files in the exact layout llama.cpp reads (qwen3moe and Mixtral-style llama).
 
-Used for the test models, the built-in demo model and full-size synthetic files (a
-Qwen3-30B-A3B-shaped Q4_K file of ~16 GiB). Written with the ``gguf`` package alone.
+Used for the test models, the built-in demo model and full-size synthetic files (a Qwen3-30B-A3B-
+shaped Q4_K file of ~16 GiB). Written with the ``gguf`` package alone; gpt-oss by synth_gpt_oss.
 
 Weights are random but *healthy*: std ~ 1/sqrt(fan_in), norms near 1 and a router wide enough that
 every expert gets traffic and top-k margins are not all tiny. The model is also made *confident*,
@@ -11,9 +11,9 @@ attention and expert outputs are scaled down (LAYER_GAIN) so the residual stream
 by the exact embedding lookup, and each output row echoes the embedding of its predecessor in one
 fixed cycle through the vocabulary (ECHO_GAIN), a bigram prior that wins by several logits. The
 layers still move every logit by tens of percent, so any numerical bug shows, while top-1 choices
-survive the rounding. Each tensor draws from its own
-generator seeded by (seed, tensor name), so the F32, F16, BF16 and Q8_0 files of one seed hold the
-same underlying weights, rounded differently. Float types and Q8_0/Q4_0 come from random floats;
+survive the rounding. Each tensor draws from its own generator seeded by (seed, tensor name), so
+the F32, F16, BF16 and Q8_0 files of one seed hold the same underlying weights, rounded
+differently. Float types and Q8_0/Q4_0 come from random floats;
 K-quants and IQ4_XS are random blocks whose fp16 scale fields (d, dmin) are overwritten with small
 finite values, which any reader can run and which cost no quantisation time.
 
@@ -41,7 +41,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, QK_K, TENSOR_NAMES, GGMLQuantizationType, LlamaFileType
 from gguf import MODEL_TENSOR as MT
 
-from strata.engine import synth_recipes
+from strata.engine import synth_gpt_oss, synth_recipes
 
 if TYPE_CHECKING:
     from strata.engine.vocab import Vocab
@@ -60,7 +60,7 @@ GENERATOR_VERSION = 1
 
 ARCHS = ("qwen3moe", "llama")
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
-# Types produced by quantising random floats with gguf.quants (cheap, exact reference values).
+# Types quantised from random floats with gguf.quants (cheap, exact reference values).
 FROM_FLOATS = frozenset({Q.Q8_0, Q.Q4_0})
 # Types produced as random blocks: (byte offset of an fp16 scale field, its multiple of d).
 # dmin = 7.5 d (Q4_K) or 15.5 d (Q5_K) centres d*sc*q - dmin*m around zero for uniform random
@@ -419,9 +419,6 @@ def _chunks(x: TensorDesc, seed: int, shape: _OutputShape) -> Iterator[np.ndarra
             yield gguf.quants.quantize(w, x.qtype)  # BF16, Q8_0, Q4_0: uint8 rows
 
 
-# --- the file -------------------------------------------------------------------------------
-
-
 def _add_metadata(w: gguf.GGUFWriter, spec: ModelSpec, types: TypePlan, n_vocab: int, seed: int):
     w.add_type("model")
     w.add_name(f"strata synthetic {spec.arch} (random weights)")
@@ -610,8 +607,7 @@ PRESETS: dict[str, ModelSpec] = {
     ),
     "mixtral-8x7b": ModelSpec("llama", 32, 4096, 32, 8, 128, 8, 2, 14336, 32768, 1e6, 1e-5, 32000),
 }
-PRESETS["qwen3-30b-a3b-q4k"] = PRESETS["qwen3-30b-a3b"]
-PRESETS["qwen3-30b-a3b-q5k"] = PRESETS["qwen3-30b-a3b"]
+PRESETS["qwen3-30b-a3b-q4k"] = PRESETS["qwen3-30b-a3b-q5k"] = PRESETS["qwen3-30b-a3b"]
 
 # llama.cpp's Q4_K_M recipe for these shapes: Q4_K by default, output Q6_K, attn_v and ffn_down
 # Q6_K on the use_more_bits layers, router and norms untouched (F32).
@@ -693,8 +689,11 @@ def ensure_synthetic(
     name: str, cache_dir: str | os.PathLike[str], progress: Progress | None = None
 ) -> Path:
     """The preset ``name`` as a GGUF under ``cache_dir``, written once (atomically) and reused."""
+    if name in synth_gpt_oss.PRESETS:  # gpt-oss has a writer of its own
+        return synth_gpt_oss.ensure(name, cache_dir, progress)
     if name not in PRESETS:
-        raise ValueError(f"unknown synthetic model {name!r}; presets: {sorted(PRESETS)}")
+        names = sorted([*PRESETS, *synth_gpt_oss.PRESETS])
+        raise ValueError(f"unknown synthetic model {name!r}; presets: {names}")
     spec = PRESETS[name]
     vocab = vocab_for(spec.arch)
     return ensure_model(cache_dir, name, spec, vocab, PRESET_TYPES[name], PRESET_SEED, progress)
