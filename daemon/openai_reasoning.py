@@ -65,7 +65,7 @@ class ReasoningPlan:
     format: ReasoningFormat
 
     def splitter(self) -> ReasoningSplitter:
-        return self.family.splitter(self.opened, self.format)
+        return self.family.splitter(self.opened, self.format)  # harmony: HarmonySplitter
 
 
 def parse_reasoning(req: Any) -> ReasoningAsk:
@@ -146,7 +146,11 @@ def template_variables(
         return out
     if on is False and not family.can_turn_off():
         raise unsupported(field_name, "this model's chat template cannot turn its thinking off "
-                          "(it reads neither enable_thinking nor reasoning_effort)")  # fmt: skip
+                          f"({family.why_always_on()})")  # fmt: skip
+    if ask.effort is not None and family.efforts is not None and ask.effort not in family.efforts:
+        raise invalid(f"reasoning_effort: {ask.effort!r} is not an effort this model knows "
+                      f"({', '.join(family.efforts)})", "reasoning_effort",
+                      "invalid_value")  # fmt: skip
     if family.switch is not None and family.switch not in out:
         out[family.switch] = defaults.enable_thinking if on is None else on
     return out
@@ -170,6 +174,6 @@ def plan_reasoning(
 ) -> ReasoningPlan | None:
     """How the reply is read (None: as the model wrote it, all content)."""
     fmt: ReasoningFormat = ask.format or defaults.format
-    if family is None or fmt == "none":
-        return None
+    if family is None or (fmt == "none" and not family.framed):
+        return None  # a framed family's splitter leaves the text as written itself
     return ReasoningPlan(family, family.opened_by(prompt), fmt)

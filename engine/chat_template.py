@@ -18,6 +18,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from strata.engine.errors import TemplateError
+from strata.engine.harmony import is_harmony_template, template_messages
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         self.source = source
+        self.harmony = is_harmony_template(source)
         self.bos_token = bos_token
         self.eos_token = eos_token
         env = ImmutableSandboxedEnvironment(
@@ -85,7 +87,10 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
         """The prompt text for ``messages``; ``extra`` (tools, documents, enable_thinking ...)
-        become template variables too."""
+        become template variables too. An assistant turn's ``reasoning_content`` goes to a
+        harmony template (gpt-oss) as the ``thinking`` it reads."""
+        if self.harmony:
+            messages = template_messages(messages)
         context: dict[str, Any] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,

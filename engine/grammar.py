@@ -79,7 +79,10 @@ class GrammarSpec:
     def after(self, text: str) -> GrammarSpec:
         """The same grammar, lazy: free output until ``text`` (the end of a thought), then this
         grammar, blank space allowed before it. A grammar already lazy looks for its own trigger
-        only after ``text`` (a call marker inside the thought starts nothing)."""
+        only after ``text`` (a call marker inside the thought starts nothing). An
+        :class:`AnswerFrame` instead of a text wraps the grammar as the frame says."""
+        if isinstance(text, AnswerFrame):
+            return text.wrap(self)
         if self.trigger is not None:
             return GrammarSpec(self.kind, self.source, self.trigger, text)
         if self.kind == "json_schema":
@@ -90,6 +93,15 @@ class GrammarSpec:
         inner = re.sub(r"^start:", "after_thought:", body, flags=re.MULTILINE)
         return GrammarSpec("lark", f"start: BLANK? after_thought\nBLANK: /[ \\t\\n]+/\n{inner}",
                            trigger=text)  # fmt: skip
+
+
+class AnswerFrame(str):
+    """Where the answer begins in a reply whose format frames it (harmony's ``final`` channel,
+    ``engine.harmony``), given where a closing text would be: it says itself how a grammar of
+    the answer applies to the whole reply. Its text is the frame's opening (for logs)."""
+
+    def wrap(self, spec: GrammarSpec) -> GrammarSpec:
+        raise NotImplementedError
 
 
 def closed(schema: Any) -> Any:

@@ -10,9 +10,13 @@ interface (as ``tool_calls`` does for calls):
   it off with a variable (``enable_thinking``: Qwen3 then writes an empty block into the prompt),
   or leave it to the model (it writes ``<think>`` first, or not).
 
-A family that writes thoughts differently (gpt-oss's harmony channels: ``analysis`` before
-``final``) is a subclass with its own ``splitter``; :func:`family_for` picks it from the
-template's text.
+- ``harmony`` (gpt-oss, ``engine.harmony``): the reply is messages on channels, ``analysis``
+  (the thought) before ``final`` (the answer); a subclass with its own splitter, which the
+  reply always goes through (it is *framed*: even with ``reasoning_format`` ``none``, and a
+  grammar of the answer wraps itself in the frame). It always thinks; ``reasoning_effort``
+  (low, medium, high) says how much.
+
+:func:`family_for` picks the family from the template's text.
 
 The split follows llama-server's ``reasoning_format``: ``none`` leaves the text as the model
 wrote it; ``deepseek`` (and ``auto``, the default) puts the thought in ``reasoning_content`` and
@@ -26,6 +30,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Literal
+
+from strata.engine.harmony import (
+    CHANNEL,
+    MESSAGE,
+    HarmonyAnswer,
+    HarmonySplitter,
+    is_harmony_template,
+)
+from strata.engine.harmony import EFFORTS as HARMONY_EFFORTS
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +56,18 @@ class ReasoningFamily:
     """How one template family writes thoughts, and how its template is steered.
 
     ``switch``: the template variable that turns thinking off (``False``) or on, when the
-    template reads it; ``effort``: whether the template reads ``reasoning_effort``."""
+    template reads it; ``effort``: whether the template reads ``reasoning_effort``;
+    ``efforts``: the values it knows (None: any); ``framed``: the reply is read through the
+    family's splitter whatever the ``reasoning_format``, and ``close`` is an
+    :class:`~strata.engine.grammar.AnswerFrame` (harmony)."""
 
     name: str
     open: str
     close: str
     switch: str | None = None
     effort: bool = False
+    efforts: tuple[str, ...] | None = None
+    framed: bool = False
 
     def opened_by(self, prompt: str) -> bool:
         """Whether the rendered prompt ends inside an open thought (the template opened it:
@@ -60,9 +78,36 @@ class ReasoningFamily:
     def can_turn_off(self) -> bool:
         return self.switch is not None or self.effort
 
+    def why_always_on(self) -> str:
+        """Why thinking cannot be turned off (when ``can_turn_off`` is False)."""
+        return "it reads neither enable_thinking nor reasoning_effort"
+
     def splitter(self, opened: bool, fmt: ReasoningFormat) -> ReasoningSplitter:
         """A splitter of one output; ``opened``: the prompt ended inside a thought."""
         return ReasoningSplitter(self, opened, fmt == "deepseek-legacy")
+
+
+@dataclass(frozen=True)
+class HarmonyFamily(ReasoningFamily):
+    """gpt-oss (``engine.harmony``): it always thinks (``reasoning_effort`` low, medium or high
+    says how much), and the prompt always leaves the reply before its answer (a thought may
+    come first), whose frame ``close`` gives a grammar of the answer."""
+
+    def opened_by(self, prompt: str) -> bool:
+        return True
+
+    def can_turn_off(self) -> bool:
+        return False
+
+    def why_always_on(self) -> str:
+        return "gpt-oss always reasons, in harmony's analysis channel; the least is effort low"
+
+    def splitter(self, opened: bool, fmt: ReasoningFormat) -> HarmonySplitter:  # type: ignore[override]
+        return HarmonySplitter(fmt)
+
+
+HARMONY = HarmonyFamily("harmony", CHANNEL + "analysis" + MESSAGE, HarmonyAnswer(CHANNEL + "final"),
+                        None, True, HARMONY_EFFORTS, framed=True)  # fmt: skip
 
 
 def family_for(template: str | None) -> ReasoningFamily | None:
@@ -70,6 +115,8 @@ def family_for(template: str | None) -> ReasoningFamily | None:
     module knows)."""
     if not template:
         return None
+    if is_harmony_template(template):
+        return HARMONY
     if "<think>" in template or "</think>" in template:
         switch = "enable_thinking" if "enable_thinking" in template else None
         return ReasoningFamily("think", "<think>", "</think>", switch,

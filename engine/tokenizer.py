@@ -86,6 +86,11 @@ _EOG_TEXTS = frozenset(
         "<|file_sep|>",
     }
 )  # fmt: skip
+# The parts of harmony's message frame (gpt-oss) that llama.cpp always renders as text
+# (USER_DEFINED, whatever the file says), so that the reply's channels can be read back.
+_RENDERED_TEXTS = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
+# End-of-generation pairs that make <|end|> a message's end, not the turn's (harmony; Solar Open).
+_TURN_ENDS = ({"<|return|>", "<|call|>"}, {"<|calls|>", "<|flush|>"})
 # Fill-in-the-middle markers llama.cpp also forces to CONTROL (but which do not end generation).
 _FIM_TEXTS = frozenset(
     {
@@ -126,6 +131,8 @@ class Tokenizer:
         for i, t in enumerate(texts):
             if (t in _EOG_TEXTS or t in _FIM_TEXTS) and types[i] not in (CONTROL, UNKNOWN):
                 types[i] = CONTROL  # as llama.cpp does, so they parse and decode as specials
+            if t in _RENDERED_TEXTS:
+                types[i] = USER_DEFINED  # harmony's frame: always in the text, as llama.cpp
         self._types = types
 
         # llama.cpp's default ids where the file names none: SPM <unk>=0, <s>=1, </s>=2
@@ -145,6 +152,13 @@ class Tokenizer:
             self.eot_id = next((token_to_id[t] for t in _EOT_TEXTS if t in token_to_id), None)
         eog = {token_to_id[t] for t in _EOG_TEXTS if t in token_to_id}
         eog |= {i for i in (self.eos_id, self.eot_id) if i is not None}
+        end = token_to_id.get("<|end|>")
+        ends = {texts[i] for i in eog}
+        if end in eog and any(pair <= ends for pair in _TURN_ENDS):
+            # harmony (gpt-oss): <|end|> closes a message (a thought, a preamble), the turn goes
+            # on; <|return|> and <|call|> end it. llama.cpp drops it from its EOG set the same way.
+            eog.discard(end)
+            types[end] = USER_DEFINED
         self.eog_ids: frozenset[int] = frozenset(eog)
         self.add_bos = vocab.add_bos
         self.add_eos = vocab.add_eos

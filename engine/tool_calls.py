@@ -10,6 +10,8 @@ what id a call gets. The families:
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
 - ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (and the newer
   ``[TOOL_CALLS]name[ARGS]{...}``);
+- ``harmony`` (gpt-oss, ``engine.harmony``): a ``commentary`` message to ``functions.NAME``
+  whose body is the arguments;
 - ``generic``: a template that knows no tools. The tools go into a system message
   (:func:`generic_messages`, the documented format), and the model answers with one JSON object,
   ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``.
@@ -26,55 +28,13 @@ import re
 import secrets
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from strata.engine.calls import ArgumentsDelta, CallStart, Event, ToolCall, ToolSpec, merged
 from strata.engine.grammar import GrammarSpec, json_schema_lark, lark_string
+from strata.engine.harmony import CALL_MARKER, HarmonyCallParser, call_grammar, is_harmony_template
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ToolSpec:
-    """One function the model may call. ``parameters``: its JSON Schema (an object schema)."""
-
-    name: str
-    parameters: dict[str, Any]
-    description: str | None = None
-    strict: bool = False
-
-    def openai(self) -> dict[str, Any]:
-        """The tool as OpenAI's request carries it (what chat templates render)."""
-        fn: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            fn["description"] = self.description
-        fn["parameters"] = self.parameters
-        return {"type": "function", "function": fn}
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-@dataclass(frozen=True)
-class CallStart:
-    """A call's id and name are known (streamed first, as OpenAI does)."""
-
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class ArgumentsDelta:
-    index: int
-    text: str
-
-
-Event = str | CallStart | ArgumentsDelta  # a str is content
 
 
 def call_schema(tool: ToolSpec) -> dict[str, Any]:
@@ -187,7 +147,28 @@ class MistralFormat(ToolFormat):
         return GrammarSpec("lark", f'start: {marker} " "? {body}\n')
 
 
+class HarmonyFormat(ToolFormat):
+    """How gpt-oss writes calls (``engine.harmony``): a ``commentary`` message to
+    ``functions.NAME`` (the template lists the tools as a TypeScript-like ``namespace
+    functions`` in the developer message). The reply ends at ``<|call|>`` after a call: one
+    call per reply, ``parallel`` or not."""
+
+    name = "harmony"
+    marker = CALL_MARKER
+
+    def parser(self, tools: Sequence[ToolSpec], guaranteed: bool = False) -> HarmonyCallParser:  # type: ignore[override]
+        return HarmonyCallParser(self, {t.name for t in tools}, guaranteed)
+
+    def grammar(
+        self, tools: Sequence[ToolSpec], parallel: bool, marker: str, lazy: bool = False
+    ) -> GrammarSpec:
+        """Thoughts and preambles first, then a call (``lazy``: free text until the model
+        writes ``to=functions.``, then the rest of the call)."""
+        return call_grammar(tools, lazy)
+
+
 FORMATS: dict[str, type[ToolFormat]] = {
+    "harmony": HarmonyFormat,
     "hermes": HermesFormat,
     "mistral": MistralFormat,
     "generic": ToolFormat,
@@ -199,6 +180,8 @@ def format_for(template: str | None, renders_tools: bool) -> ToolFormat:
     renders tools and writes a known call marker, else the generic one (tools in a system
     message, the template rendered without them)."""
     if template and renders_tools:
+        if is_harmony_template(template):
+            return HarmonyFormat()
         if HermesFormat.marker in template:
             return HermesFormat()
         if MistralFormat.marker in template:
@@ -249,7 +232,7 @@ class CallParser:
         self._name: str | None = None  # the name of the call being read, once known
 
     def feed(self, text: str) -> list[Event]:
-        return _merged(self._feed(text))
+        return merged(self._feed(text))
 
     def _feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -279,7 +262,7 @@ class CallParser:
         out: list[Event] = []
         if self._obj is not None:
             if self._cut_off(out):
-                return _merged(out)
+                return merged(out)
             self._fail(f"the output ended inside a call before its name: {self._obj[:80]!r}")
         elif not self.calls:
             self._fail(f"no call after {self.fmt.marker or 'the opening'}")
@@ -459,23 +442,6 @@ class CallParser:
             self._failed = True
             self.problem = why
             log.info("model output not taken as a tool call (%s): kept as content", why)
-
-
-def _merged(events: list[Event]) -> list[Event]:
-    """Neighbouring pieces of content, or of one call's arguments, as one."""
-    out: list[Event] = []
-    for e in events:
-        last = out[-1] if out else None
-        if isinstance(e, str) and isinstance(last, str):
-            out[-1] = last + e
-        elif isinstance(e, ArgumentsDelta) and isinstance(last, ArgumentsDelta):
-            if last.index == e.index:
-                out[-1] = ArgumentsDelta(e.index, last.text + e.text)
-                continue
-            out.append(e)
-        else:
-            out.append(e)
-    return out
 
 
 def _prefix_overlap(text: str, marker: str) -> int:
