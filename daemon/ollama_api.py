@@ -494,7 +494,7 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         names = serving.names()
         idle = serving.config.idle_release_s
         expires = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=idle)) if idle else None
-        vram = int(serving.daemon.status().get("cache_mib") or 0) * 1024 * 1024
+        vram = serving.daemon.read_status().cache_mib * 1024 * 1024
         until = expires.isoformat().replace("+00:00", "Z") if expires else None
         entry = {**_entry(serving, eng, names.id), "size_vram": vram, "expires_at": until}
         return {"models": [entry]}

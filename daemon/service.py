@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -31,9 +32,19 @@ from strata.daemon.control import ControlConfig, ControlGroup, Outcome, VramCont
 from strata.daemon.leases import MAX_LEASES, Cookies, InvalidArgument, Lease, LeaseBook, is_int
 from strata.daemon.policy import PolicyConfig
 from strata.daemon.sdnotify import Notifier, http_status, watchdog_loop
+from strata.daemon.status import (
+    BusStatus,
+    DaemonFacts,
+    LeaseStatus,
+    Status,
+    StatusJson,
+    build_status,
+    lease_status,
+)
 from strata.daemon.status_feed import StatusFeed
 from strata.daemon.worker import EngineWorker, State
 from strata.engine.errors import EngineError
+from strata.engine.status import EngineStatus
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +76,8 @@ class BusLink:
     problem: str | None = None  # why it is off or down, or what the last attempt met
     reconnects: int = 0  # connections re-established since start
 
-    def status(self) -> dict[str, Any]:
-        return {"state": self.state, "problem": self.problem, "reconnects": self.reconnects}
+    def status(self) -> BusStatus:
+        return BusStatus(self.state, self.problem, self.reconnects)
 
 
 class Daemon:
@@ -176,10 +187,14 @@ class Daemon:
         for c in self.controllers:
             await c.set_hold(source, mib)
 
-    def all_leases(self) -> list[dict[str, Any]]:
-        """Every lease of every device, in cookie order, as the status lists them."""
-        leases = [lease for c in self.controllers for lease in _leases(c)]
-        return sorted(leases, key=lambda lease: lease["cookie"])
+    def leases(self) -> list[LeaseStatus]:
+        """Every lease of every device, in cookie order."""
+        leases = [lease for c in self.controllers for lease in lease_status(c)]
+        return sorted(leases, key=lambda lease: lease.cookie)
+
+    def all_leases(self) -> list[StatusJson]:
+        """``leases()`` as the status lists them (JSON objects)."""
+        return [dataclasses.asdict(lease) for lease in self.leases()]
 
     # -- what grows with requests ---------------------------------------------------------------
 
@@ -195,14 +210,15 @@ class Daemon:
         ]  # fmt: skip
         engine = self.worker.engine
         if engine is not None:
+            e = engine.status()
             out += [
                 Bounded("kv_tokens", "positions the K/V cache holds (the prefix a next prompt "
-                        "may reuse)", len(engine.sequences.tokens), engine.n_ctx, "tokens"),
+                        "may reuse)", e.kv_tokens, e.n_ctx, "tokens"),
                 Bounded("tokenizer_cache_words", "words the tokenizer's BPE caches may hold "
                         "(the library does not count them; words of 256 bytes or more are never "
-                        "cached)", None, engine.tokenizer.cache_words_limit, "words"),
+                        "cached)", None, e.tokenizer_cache_words, "words"),
             ]  # fmt: skip
-            out += _kv_sizes(engine)
+            out += _kv_sizes(e)
         allocator = getattr(self.worker, "allocator", None)  # a stand-in worker may have none
         held = allocator.held_bytes() if allocator is not None else None
         out.append(Bounded("malloc_held_bytes", "memory the C allocator holds for the process "
@@ -219,132 +235,35 @@ class Daemon:
 
     # -- status ---------------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """The status schema (docs/status.md). Sizes in MiB; absent values are None."""
-        c = self.controller
-        cache = self.worker.cache
-        sample = c.last_sample
-        decision = c.last_decision
-        book = c.book
-        monitor = c.monitor
-        caches = [self.worker.stage_cache(i) for i in range(len(self.controllers))]
-        return {
-            "state": self.state,
-            "model": self.model_id,
-            "model_path": str(self.model_path) if self.model_path else None,
-            "listen": self.listen_url,
-            "compute_device": self.device,
-            "device": monitor.device_name,
-            "monitor": {
-                "kind": monitor.kind,
-                "healthy": monitor.healthy,
-                "problem": monitor.problem,
-            },
-            "vram_requests": c.requests,
-            "dbus": self.dbus.status(),
-            "cache_mib": cache.arena.mapped_bytes // MiB if cache else 0,
-            "core_mib": cache.core_bytes // MiB if cache else 0,
-            "tail_mib": (cache.size_bytes - cache.core_bytes) // MiB if cache else 0,
-            "max_cache_mib": cache.max_slots * cache.slot_bytes // MiB if cache else 0,
-            "cache_experts": cache.cached_experts if cache else 0,
-            # the model's routed experts: every stage's cache's
-            "total_experts": sum(c.max_slots for c in caches if c) if cache else None,
-            **_host_tier_status([c for c in caches if c is not None]),
-            **_kv_status(self.worker.engine),
-            "total_mib": sample.total_bytes // MiB if sample else None,
-            "free_mib": sample.free_bytes // MiB if sample else None,
-            "ours_mib": sample.ours_bytes // MiB if sample else None,
-            "tenants_mib": sample.tenants_bytes // MiB if sample else None,
-            "reserve_mib": book.reserve_mib,
-            **_reserve_status(c),
-            "elastic_reserve_mib": self.config.elastic_reserve_mib,
-            "holds": dict(book.holds),
-            "room_kept_mib": decision.room_kept_mib if decision else None,
-            "borrowed_mib": book.borrowed_mib,
-            "leases": _leases(c),
-            "resizes": c.resizes,
-            # unknown without a cache (every fetch a miss would read as 0.0): None, left out
-            # over D-Bus, null over HTTP
-            "hit_rate": _hit_rate(self.worker.engine),
-            "busy": self.worker.busy,
-            "queued": self.worker.queued(),
-            "generated_tokens": self.worker.tokens,
-            "devices": [self._device_status(i) for i in range(len(self.controllers))],
-        }
+    def read_status(self) -> Status:
+        """The status schema (docs/status.md), typed."""
+        engine = self.worker.engine
+        facts = DaemonFacts(
+            state=self.state,
+            model=self.model_id,
+            model_path=str(self.model_path) if self.model_path else None,
+            listen=self.listen_url,
+            dbus=self.dbus.status(),
+            elastic_reserve_mib=self.config.elastic_reserve_mib,
+            busy=self.worker.busy,
+            queued=self.worker.queued(),
+            generated_tokens=self.worker.tokens,
+        )
+        engine_status = engine.status() if engine is not None else None
+        return build_status(facts, engine_status, self.controllers, self.devices)
+
+    def status(self) -> StatusJson:
+        """The status schema as JSON values (what HTTP, D-Bus and ``strata-ctl`` return)."""
+        return self.read_status().to_json()
 
     def status_layers(self, number: int) -> str:
         """`` layers A-B`` of stage ``number`` once the model is loaded, else ""."""
         engine = self.worker.engine
-        if engine is None or not hasattr(engine, "stages"):
+        if engine is None:
             return ""
-        layers = engine.stages[number].layers
-        return f" layers {layers.start}-{layers.stop - 1}" if len(layers) else ""
-
-    def _device_status(self, number: int) -> dict[str, Any]:
-        """One device's part of the status: its stage (layers, cache, K/V), its monitor's
-        reading and its lease book; the keys mean what the top-level keys of the same name mean
-        (those describe device 0)."""
-        c = self.controllers[number]
-        cache = self.worker.stage_cache(number)
-        sample = c.last_sample
-        decision = c.last_decision
-        engine = self.worker.engine
-        stage = engine.stages[number] if engine is not None and hasattr(engine, "stages") else None
-        layers = stage.layers if stage is not None else None
-        kv = _kv_status(engine, number)
-        return {
-            "index": number,
-            "compute_device": self.devices[number],
-            "device": c.monitor.device_name,
-            "monitor": {
-                "kind": c.monitor.kind,
-                "healthy": c.monitor.healthy,
-                "problem": c.monitor.problem,
-            },
-            "vram_requests": c.requests,
-            "first_layer": layers.start if layers is not None else None,
-            "layers": len(layers) if layers is not None else None,
-            "cache_mib": cache.arena.mapped_bytes // MiB if cache else 0,
-            "core_mib": cache.core_bytes // MiB if cache else 0,
-            "tail_mib": (cache.size_bytes - cache.core_bytes) // MiB if cache else 0,
-            "max_cache_mib": cache.max_slots * cache.slot_bytes // MiB if cache else 0,
-            "cache_experts": cache.cached_experts if cache else 0,
-            "kv_mib": kv["kv_mib"],
-            "budget_mib": kv["budget_mib"],
-            "total_mib": sample.total_bytes // MiB if sample else None,
-            "free_mib": sample.free_bytes // MiB if sample else None,
-            "ours_mib": sample.ours_bytes // MiB if sample else None,
-            "tenants_mib": sample.tenants_bytes // MiB if sample else None,
-            "reserve_mib": c.book.reserve_mib,
-            **_reserve_status(c),
-            "holds": dict(c.book.holds),
-            "room_kept_mib": decision.room_kept_mib if decision else None,
-            "borrowed_mib": c.book.borrowed_mib,
-            "leases": _leases(c),
-            "resizes": c.resizes,
-        }
-
-
-def _reserve_status(c: VramController) -> dict[str, Any]:
-    """Whether the run-time reserve is met: ``none``, ``met`` or ``pending`` and why."""
-    state, message = c.reserve_state()
-    return {"reserve_state": state, "reserve_message": message}
-
-
-def _leases(c: VramController) -> list[dict[str, Any]]:
-    return [
-        {
-            "cookie": lease.cookie,
-            "app_id": lease.app_id,
-            "reason": lease.reason,
-            "mib": lease.mib,
-            "since_us": lease.since_us,
-            "owner": lease.owner,
-            "pid": lease.pid,
-            "device": c.stage,
-        }
-        for lease in c.book.leases()
-    ]
+        stage = engine.status().stages[number]
+        last = stage.first_layer + stage.layers - 1
+        return f" layers {stage.first_layer}-{last}" if stage.layers else ""
 
 
 # -- start-up pieces ----------------------------------------------------------------------------
@@ -576,9 +495,9 @@ def _progress_to(notifier: Notifier) -> Callable[[int, int, str], None]:
 
 
 def _status_text(daemon: Daemon, cache_mib: int | None = None, free_mib: int | None = None) -> str:
-    status = daemon.status()
-    cache_mib = status["cache_mib"] if cache_mib is None else cache_mib
-    free_mib = status["free_mib"] if free_mib is None else free_mib
+    status = daemon.read_status()
+    cache_mib = status.cache_mib if cache_mib is None else cache_mib
+    free_mib = status.free_mib if free_mib is None else free_mib
     free = f", {free_mib} MiB VRAM free" if free_mib is not None else ""
     return f"serving {daemon.model_id} on {daemon.device}: expert cache {cache_mib} MiB{free}"
 
@@ -754,78 +673,19 @@ def run(loaded: LoadedConfig, args: Any) -> int:
         return e.code
 
 
-def _kv_sizes(engine: Any) -> list[Bounded]:
+def _kv_sizes(engine: EngineStatus) -> list[Bounded]:
     """The K/V's bytes (every stage's): what is mapped, within the reservation made for the
     whole context at load, and the kept conversations, at most ``kv_keep_conversations``."""
-    stages = getattr(engine, "stages", None) or [engine.sequences]
-    kvs = [stage.kv for stage in stages if not stage.kv.arena.closed]
+    kvs = [stage.kv for stage in engine.stages if stage.kv is not None]
     if not kvs:
         return []
-    status = [kv.status() for kv in kvs]
-    reserved = sum(kv.arena.reserved_bytes for kv in kvs)
-    kept = len(status[0]["kept_tokens"])  # every stage keeps the same conversations
+    reserved = sum(kv.reserved_bytes for kv in kvs)
+    kept = len(kvs[0].kept_tokens)  # every stage keeps the same conversations
     return [
         Bounded("kv_bytes", "bytes of K/V mapped: the active conversation, the kept ones and "
-                "free pages", sum(int(s["mapped_bytes"]) for s in status), reserved, "bytes"),
+                "free pages", sum(kv.mapped_bytes for kv in kvs), reserved, "bytes"),
         Bounded("kv_kept_bytes", "K/V bytes only kept conversations hold (the prefixes later "
-                "prompts may reuse)", sum(int(s["kept_bytes"]) for s in status), reserved,
-                "bytes"),
+                "prompts may reuse)", sum(kv.kept_bytes for kv in kvs), reserved, "bytes"),
         Bounded("kv_kept_conversations", "conversations kept for prefix reuse", kept,
-                kvs[0].book.keep, "conversations"),
+                kvs[0].keep, "conversations"),
     ]  # fmt: skip
-
-
-def _kv_status(engine: Any, stage: int = 0) -> dict[str, Any]:
-    """The K/V's part of the status (docs/status.md): its share of the budget it shares with
-    the expert cache, the active conversation and the kept ones (of ``stage``'s layers)."""
-    store = engine.sequences.kv if engine is not None and stage == 0 else None
-    if engine is not None and stage > 0:
-        store = engine.stages[stage].kv
-    if engine is None or store is None or store.arena.closed:
-        return {"kv_mib": 0, "kv_active_tokens": 0, "kv_active_mib": 0, "kv_kept_mib": 0,
-                "kv_kept": [], "budget_mib": None, "kv_fits_tokens": None}  # fmt: skip
-    kv = engine.kv_status() if stage == 0 else engine.kv_status(stage=stage)
-    budget = kv["budget_bytes"]
-    return {
-        "kv_mib": -(-kv["mapped_bytes"] // MiB),
-        "kv_active_tokens": kv["active_tokens"],
-        "kv_active_mib": -(-kv["active_bytes"] // MiB),
-        "kv_kept_mib": -(-kv["kept_bytes"] // MiB),
-        "kv_kept": [{"tokens": n} for n in kv["kept_tokens"]],
-        "budget_mib": budget // MiB if budget >= 0 else None,
-        "kv_fits_tokens": kv["fits_tokens"],
-    }
-
-
-def _hit_rate(engine: Any) -> float | None:
-    """Expert cache hits over fetches since start, every stage's together; unknown without a
-    cache (every fetch a miss would read as 0.0) or before any fetch."""
-    if engine is None:
-        return None
-    stages = getattr(engine, "stages", None) or []
-    providers = [stage.provider for stage in stages] or [engine.provider]
-    stats = [p.stats for p in providers]
-    if not any(s.cached for s in stats):
-        return None
-    hits = sum(s.hits for s in stats)
-    fetches = hits + sum(s.misses for s in stats)
-    return hits / fetches if fetches else None
-
-
-def _host_tier_status(caches: list[Any]) -> dict[str, Any]:
-    """The host tier's part of the status (docs/status.md): RAM homes, the room kept, the
-    experts left on the file, and what this process has read from the drive; every stage's
-    share of the one tier together."""
-    from strata.engine.experts.host import drive_read_bytes
-
-    tiers = [t for t in (c.tier_stats() for c in caches) if t]
-    drive = drive_read_bytes()
-    return {
-        "host_tier_mib": sum(t.bytes for t in tiers) // MiB,
-        "host_experts": sum(t.experts for t in tiers),
-        "host_room_experts": sum(t.slots - t.experts for t in tiers),
-        "file_experts": sum(c.file_experts for c in caches) if caches else None,
-        "swaps": sum(c.swaps for c in caches),
-        "corrupt_copies": sum(c.corrupt for c in caches),
-        "drive_read_mib": drive // MiB if drive is not None else None,
-    }

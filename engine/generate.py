@@ -25,6 +25,7 @@ from strata.engine.loader import ArenaFactoryArg, FreeVramArg, Progress
 from strata.engine.options import EngineOptions
 from strata.engine.params import SamplingParams
 from strata.engine.sequences import SafePoint, Sequences
+from strata.engine.status import EngineStatus, stage_status
 from strata.engine.step import StageRunner
 from strata.engine.tokenizer import Tokenizer
 
@@ -219,6 +220,22 @@ class Engine:
         out["budget_bytes"] = st.budget if st.budget is not None else -1
         out["fits_tokens"] = self.sequences.tokens_that_fit()
         return out
+
+    def status(self) -> EngineStatus:
+        """Every stage's cache, host tier, K/V and fetches, and how steps run (the daemon's
+        status is made from it)."""
+        seqs = self.sequences
+        return EngineStatus(
+            model_id=self.model_id,
+            n_ctx=self.n_ctx,
+            stages=tuple(stage_status(stage) for stage in seqs.stages),
+            fits_tokens=seqs.tokens_that_fit(),
+            kv_tokens=len(seqs.tokens),
+            tokenizer_cache_words=self.tokenizer.cache_words_limit,
+            decode_path=seqs.decode_path(),
+            prefill_path=seqs.prefill_path(),
+            decodes_on_gpu=seqs.decodes_on_gpu,
+        )
 
     # -- generation -----------------------------------------------------------------------------
 

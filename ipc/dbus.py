@@ -54,6 +54,7 @@ from dbus_fast.service import ServiceInterface, dbus_method, dbus_property, dbus
 
 from strata.daemon.bounded import Bounded
 from strata.daemon.leases import LeaseError
+from strata.daemon.status import StatusJson
 
 if TYPE_CHECKING:
     from strata.daemon.service import Daemon
@@ -244,8 +245,9 @@ def from_variant(value: Any) -> Any:
     return value
 
 
-def property_values(status: dict[str, Any]) -> dict[str, Any]:
-    """The interface's properties, from the daemon's status schema."""
+def property_values(status: StatusJson) -> dict[str, Any]:
+    """The interface's properties, from the daemon's status schema (as JSON: what GetStatus
+    sends)."""
     return {
         "CacheMiB": max(0, status["cache_mib"]),
         "CoreMiB": max(0, status["core_mib"]),
@@ -567,8 +569,8 @@ class DbusEdge:
         """Return the leases whose holders left while the connection was down. On another bus
         daemon, no holder's unique name exists any more; on the same one, each holder is watched
         again (the match first, so a holder leaving right after is reported) and asked for."""
-        owners = sorted({str(lease["owner"]) for lease in self.daemon.all_leases()
-                         if str(lease["owner"]).startswith(":")})  # fmt: skip
+        owners = sorted({str(lease.owner) for lease in self.daemon.leases()
+                         if str(lease.owner).startswith(":")})  # fmt: skip
         for owner in owners:
             if not same_bus:
                 self._vanished(owner)
@@ -707,7 +709,7 @@ class DbusEdge:
         stay as many as the leases (at most MAX_LEASES) and the Borrows under way."""
         if owner not in self._watched or owner in self._pending:
             return
-        if any(lease["owner"] == owner for lease in self.daemon.all_leases()):
+        if any(lease.owner == owner for lease in self.daemon.leases()):
             return
         self._watched.discard(owner)
         if self.bus.connected:

@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,12 @@ def _leases_text(text: str) -> list[str]:
 
 
 def settled(s: dict[str, Any]) -> bool:
+    """The reserve met, the leases in, the K/V trimmed back after the generation."""
     return s["state"] == "ready" and all(
         d["reserve_state"] == "met" and len(d["leases"]) == 1 and d["room_kept_mib"] is not None
+        and d["kv_mib"] == 2
         for d in s["devices"]
-    )
+    )  # fmt: skip
 
 
 def capture(strata: StrataDaemon, bus: PrivateBus, tmp: Path, model: Path) -> dict[str, Any]:
@@ -88,6 +91,12 @@ def capture(strata: StrataDaemon, bus: PrivateBus, tmp: Path, model: Path) -> di
                     "BorrowOn", "utss", [device, 16, "org.example.Golden", "a test"]
                 )
             status = strata.wait_for(settled, 60, "the reserve met and the leases in")
+            while True:  # until two readings 2 s apart agree: nothing is moving (the budget
+                time.sleep(2)  # grows once its room has lasted elastic_stable_ms)
+                again = strata.wait_for(settled, 60, "the reserve met and the leases in")
+                if normalised(again) == normalised(status):
+                    break
+                status = again
             dbus_status = await client.status()
             props = await client.strata_props()
             ctl = {

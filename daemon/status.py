@@ -1,0 +1,306 @@
+"""The status schema as types: :class:`Status` (the daemon, the model, the requests, and device
+0's numbers at the top level, as tools written for one GPU read them) with one
+:class:`DeviceStatus` per device. ``GET /v1/vram``, D-Bus ``GetStatus`` and its properties, the
+page, ``/metrics`` and ``strata-ctl`` all read this one type; ``to_json()`` is the schema
+docs/status.md documents (a test fails on a field it does not), keys in field order.
+
+``build_status`` makes it from the engine's :class:`~strata.engine.status.EngineStatus` and each
+device's control plane: every device's numbers are worked out once, in ``device_status``, and the
+top level takes device 0's from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
+
+from strata.engine.status import EngineStatus, StageStatus, drive_read_bytes
+
+if TYPE_CHECKING:
+    from strata.daemon.control import VramController
+
+MiB = 2**20
+
+JsonValue: TypeAlias = str | int | float | bool | list["JsonValue"] | dict[str, "JsonValue"] | None
+StatusJson: TypeAlias = dict[str, JsonValue]
+
+
+@dataclass(frozen=True)
+class MonitorStatus:
+    kind: str  # nvml, simulated, none
+    healthy: bool
+    problem: str | None
+
+
+@dataclass(frozen=True)
+class BusStatus:
+    state: str  # off, up, down
+    problem: str | None
+    reconnects: int
+
+
+@dataclass(frozen=True)
+class LeaseStatus:
+    cookie: int
+    app_id: str
+    reason: str
+    mib: int
+    since_us: int
+    owner: str
+    pid: int | None
+    device: int
+
+
+@dataclass(frozen=True)
+class KeptConversation:
+    tokens: int
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    """One device's part: its stage, its monitor's reading, its reserve and lease book."""
+
+    index: int
+    compute_device: str
+    device: str
+    monitor: MonitorStatus
+    vram_requests: str
+    first_layer: int | None
+    layers: int | None
+    cache_mib: int
+    core_mib: int
+    tail_mib: int
+    max_cache_mib: int
+    cache_experts: int
+    kv_mib: int
+    budget_mib: int | None
+    total_mib: int | None
+    free_mib: int | None
+    ours_mib: int | None
+    tenants_mib: int | None
+    reserve_mib: int
+    reserve_state: str
+    reserve_message: str | None
+    holds: dict[str, int]
+    room_kept_mib: int | None
+    borrowed_mib: int
+    leases: list[LeaseStatus]
+    resizes: int
+
+
+@dataclass(frozen=True)
+class Status:
+    """The status schema (docs/status.md). Sizes in MiB; unknown values are None."""
+
+    state: str
+    model: str
+    model_path: str | None
+    listen: str
+    compute_device: str
+    device: str
+    monitor: MonitorStatus
+    vram_requests: str
+    dbus: BusStatus
+    cache_mib: int
+    core_mib: int
+    tail_mib: int
+    max_cache_mib: int
+    cache_experts: int
+    total_experts: int | None
+    host_tier_mib: int
+    host_experts: int
+    host_room_experts: int
+    file_experts: int | None
+    swaps: int
+    corrupt_copies: int
+    drive_read_mib: int | None
+    kv_mib: int
+    kv_active_tokens: int
+    kv_active_mib: int
+    kv_kept_mib: int
+    kv_kept: list[KeptConversation]
+    budget_mib: int | None
+    kv_fits_tokens: int | None
+    total_mib: int | None
+    free_mib: int | None
+    ours_mib: int | None
+    tenants_mib: int | None
+    reserve_mib: int
+    reserve_state: str
+    reserve_message: str | None
+    elastic_reserve_mib: int
+    holds: dict[str, int]
+    room_kept_mib: int | None
+    borrowed_mib: int
+    leases: list[LeaseStatus]
+    resizes: int
+    hit_rate: float | None
+    busy: bool
+    queued: int
+    generated_tokens: int
+    devices: list[DeviceStatus]
+
+    def to_json(self) -> StatusJson:
+        """The schema as JSON values, keys in field order (nested types as objects)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class DaemonFacts:
+    """What the status says of the daemon itself, besides the devices and the engine."""
+
+    state: str
+    model: str
+    model_path: str | None
+    listen: str
+    dbus: BusStatus
+    elastic_reserve_mib: int
+    busy: bool
+    queued: int
+    generated_tokens: int
+
+
+def _up(nbytes: int) -> int:
+    return -(-nbytes // MiB)
+
+
+def lease_status(controller: VramController) -> list[LeaseStatus]:
+    return [
+        LeaseStatus(
+            lease.cookie,
+            lease.app_id,
+            lease.reason,
+            lease.mib,
+            lease.since_us,
+            lease.owner,
+            lease.pid,
+            controller.stage,
+        )
+        for lease in controller.book.leases()
+    ]
+
+
+def device_status(
+    number: int, compute_device: str, c: VramController, stage: StageStatus | None
+) -> DeviceStatus:
+    """Device ``number``'s part of the status (``stage``: None until the model is loaded)."""
+    cache = stage.cache if stage is not None else None
+    kv = stage.kv if stage is not None else None
+    sample, decision = c.last_sample, c.last_decision
+    reserve_state, reserve_message = c.reserve_state()
+    budget = kv.budget_bytes if kv is not None else None
+    return DeviceStatus(
+        index=number,
+        compute_device=compute_device,
+        device=c.monitor.device_name,
+        monitor=MonitorStatus(c.monitor.kind, c.monitor.healthy, c.monitor.problem),
+        vram_requests=c.requests,
+        first_layer=stage.first_layer if stage is not None else None,
+        layers=stage.layers if stage is not None else None,
+        cache_mib=cache.mapped_bytes // MiB if cache else 0,
+        core_mib=cache.core_bytes // MiB if cache else 0,
+        tail_mib=(cache.size_bytes - cache.core_bytes) // MiB if cache else 0,
+        max_cache_mib=cache.max_bytes // MiB if cache else 0,
+        cache_experts=cache.experts if cache else 0,
+        kv_mib=_up(kv.mapped_bytes) if kv is not None else 0,
+        budget_mib=budget // MiB if budget is not None else None,
+        total_mib=sample.total_bytes // MiB if sample else None,
+        free_mib=sample.free_bytes // MiB if sample else None,
+        ours_mib=sample.ours_bytes // MiB if sample else None,
+        tenants_mib=sample.tenants_bytes // MiB if sample else None,
+        reserve_mib=c.book.reserve_mib,
+        reserve_state=reserve_state,
+        reserve_message=reserve_message,
+        holds=dict(c.book.holds),
+        room_kept_mib=decision.room_kept_mib if decision else None,
+        borrowed_mib=c.book.borrowed_mib,
+        leases=lease_status(c),
+        resizes=c.resizes,
+    )
+
+
+def hit_rate(engine: EngineStatus | None) -> float | None:
+    """Expert cache hits over fetches since start, every stage's together; unknown without a
+    cache (every fetch a miss would read as 0.0) or before any fetch."""
+    if engine is None:
+        return None
+    fetches = [s.fetches for s in engine.stages]
+    if not any(f.cached for f in fetches):
+        return None
+    hits = sum(f.hits for f in fetches)
+    total = hits + sum(f.misses for f in fetches)
+    return hits / total if total else None
+
+
+def build_status(
+    facts: DaemonFacts,
+    engine: EngineStatus | None,
+    controllers: Sequence[VramController],
+    compute_devices: Sequence[str],
+) -> Status:
+    """The status: each device's part, the top level (device 0's numbers, the whole model's
+    host tier, fetches and requests)."""
+    stages: list[StageStatus | None] = list(engine.stages) if engine is not None else []
+    stages += [None] * (len(controllers) - len(stages))
+    devices = [
+        device_status(i, compute_devices[i], c, stages[i]) for i, c in enumerate(controllers)
+    ]
+    first, stage = devices[0], stages[0]
+    caches = [s.cache for s in stages if s is not None and s.cache is not None]
+    tiers = [c.host for c in caches if c.host is not None]
+    kv = stage.kv if stage is not None else None
+    drive = drive_read_bytes()
+    return Status(
+        state=facts.state,
+        model=facts.model,
+        model_path=facts.model_path,
+        listen=facts.listen,
+        compute_device=first.compute_device,
+        device=first.device,
+        monitor=first.monitor,
+        vram_requests=first.vram_requests,
+        dbus=facts.dbus,
+        cache_mib=first.cache_mib,
+        core_mib=first.core_mib,
+        tail_mib=first.tail_mib,
+        max_cache_mib=first.max_cache_mib,
+        cache_experts=first.cache_experts,
+        # the model's routed experts: every stage's cache's
+        total_experts=sum(c.max_experts for c in caches)
+        if stage is not None and stage.cache is not None
+        else None,
+        host_tier_mib=sum(t.nbytes for t in tiers) // MiB,
+        host_experts=sum(t.experts for t in tiers),
+        host_room_experts=sum(t.slots - t.experts for t in tiers),
+        file_experts=sum(c.file_experts for c in caches) if caches else None,
+        swaps=sum(c.swaps for c in caches),
+        corrupt_copies=sum(c.corrupt for c in caches),
+        drive_read_mib=drive // MiB if drive is not None else None,
+        kv_mib=first.kv_mib,
+        kv_active_tokens=kv.active_tokens if kv is not None else 0,
+        kv_active_mib=_up(kv.active_bytes) if kv is not None else 0,
+        kv_kept_mib=_up(kv.kept_bytes) if kv is not None else 0,
+        kv_kept=[KeptConversation(n) for n in kv.kept_tokens] if kv is not None else [],
+        budget_mib=first.budget_mib,
+        kv_fits_tokens=engine.fits_tokens if engine is not None and kv is not None else None,
+        total_mib=first.total_mib,
+        free_mib=first.free_mib,
+        ours_mib=first.ours_mib,
+        tenants_mib=first.tenants_mib,
+        reserve_mib=first.reserve_mib,
+        reserve_state=first.reserve_state,
+        reserve_message=first.reserve_message,
+        elastic_reserve_mib=facts.elastic_reserve_mib,
+        holds=first.holds,
+        room_kept_mib=first.room_kept_mib,
+        borrowed_mib=first.borrowed_mib,
+        leases=first.leases,
+        resizes=first.resizes,
+        hit_rate=hit_rate(engine),
+        busy=facts.busy,
+        queued=facts.queued,
+        generated_tokens=facts.generated_tokens,
+        devices=devices,
+    )
