@@ -199,7 +199,8 @@ class Sequences:
                         if stage.on_cache_resized is not None:
                             stage.on_cache_resized(result, "K/V growth")
                         continue
-                raise self._full(stage, end, short)
+                where = f" ({stage.describe()})" if len(self.stages) > 1 else ""
+                raise kv_full(stage, end, short, where, self.tokens_that_fit())
         for stage in self.stages:
             stage.kv.prepare(end, window_end)
 
@@ -208,26 +209,6 @@ class Sequences:
         sequence) from every stage's K/V."""
         for stage in self.stages:
             stage.kv.evict()
-
-    def _full(self, stage: StageRunner, end: int, short: int) -> KVFull:
-        kv, MiB = stage.kv, 2**20
-        need = short * kv.page_bytes
-        where = f" ({stage.describe()})" if len(self.stages) > 1 else ""
-        if stage.budget is None or not kv.bytes_to_map(short):
-            return KVFull(
-                f"{end} positions need {short} more K/V pages ({need / MiB:,.0f} MiB) than its "
-                f"reservation of {kv.arena.reserved_bytes / MiB:,.0f} MiB or the memory "
-                f"holds{where}"
-            )
-        limit = stage.kv_limit_bytes()
-        assert limit is not None
-        return KVFull(
-            f"{end} positions need {need / MiB:,.0f} MiB more K/V than the VRAM budget "
-            f"leaves{where}: {stage.budget / MiB:,.0f} MiB for the expert cache and the K/V, "
-            f"of which the cache's core keeps {(stage.budget - limit) / MiB:,.0f} MiB and the "
-            f"K/V holds {kv.mapped_bytes / MiB:,.0f} MiB; at most {self.tokens_that_fit()} "
-            "tokens fit"
-        )
 
     def settle(self) -> int:
         """After a request: unmap each stage's K/V's free chunks above its pages in use, and
@@ -582,6 +563,25 @@ class Sequences:
             pos += n
         self._prompt_done()
         return torch.cat(out).float().cpu()
+
+
+def kv_full(stage: StageRunner, end: int, short: int, where: str, fits: int) -> KVFull:
+    """Why ``stage``'s K/V cannot get the ``short`` pages for positions up to ``end``."""
+    kv, MiB = stage.kv, 2**20
+    need = short * kv.page_bytes
+    if stage.budget is None or not kv.bytes_to_map(short):
+        return KVFull(
+            f"{end} positions need {short} more K/V pages ({need / MiB:,.0f} MiB) than its "
+            f"reservation of {kv.arena.reserved_bytes / MiB:,.0f} MiB or the memory holds{where}"
+        )
+    limit = stage.kv_limit_bytes()
+    assert limit is not None
+    return KVFull(
+        f"{end} positions need {need / MiB:,.0f} MiB more K/V than the VRAM budget "
+        f"leaves{where}: {stage.budget / MiB:,.0f} MiB for the expert cache and the K/V, "
+        f"of which the cache's core keeps {(stage.budget - limit) / MiB:,.0f} MiB and the "
+        f"K/V holds {kv.mapped_bytes / MiB:,.0f} MiB; at most {fits} tokens fit"
+    )
 
 
 # -- a hybrid's recurrent state over the stages ------------------------------------------------
