@@ -16,10 +16,11 @@ arguments' type (``<|constrain|>json``). So:
 The markers ``<|start|>``, ``<|channel|>``, ``<|message|>``, ``<|constrain|>`` and ``<|end|>`` are
 rendered as text (the tokenizer types them so, as llama.cpp does), so the reply's text holds the
 whole frame. :class:`HarmonyReader` cuts that text into headers, bodies and ends as it comes
-(markers split across pieces are held back until they are whole); two readers sit on it: the
-reasoning family's :class:`HarmonySplitter` (thought apart from answer, as ``engine.reasoning``'s
-families do) and the tool format's :class:`HarmonyCallParser` (calls apart from content, as
-``engine.tool_calls``'s formats do). The splitter hands a call message on to the call parser
+(markers split across pieces are held back until they are whole; in a body that is JSON, a
+call's arguments or a final message that starts as JSON, a marker inside a string is text).
+Two readers sit on it: the reasoning family's :class:`HarmonySplitter` (thought apart from
+answer, as ``engine.reasoning``'s families do) and the tool format's
+:class:`HarmonyCallParser` (calls apart from content, as ``engine.tool_calls``'s formats do). The splitter hands a call message on to the call parser
 as written, frame included; anything that is not harmony-shaped (text before the first header,
 a stray marker inside a body, a header that never ends) is content, never dropped.
 
@@ -112,6 +113,10 @@ class HarmonyReader:
     def __init__(self) -> None:
         self._state: Literal["start", "header", "body", "between", "text"] = "start"
         self._held = ""
+        # the body is JSON (a call's arguments, a JSON answer): markers in its strings are text
+        # (None: a final message whose first character will say)
+        self._json: bool | None = False
+        self._in_string = self._escape = False  # where in its JSON the body given out ended
 
     def feed(self, text: str) -> list[Item]:
         self._held += text
@@ -155,8 +160,10 @@ class HarmonyReader:
             return True
         if at >= 0:
             end = at + len(MESSAGE)
-            out.append(("header", parse_header(buf[:end], buf[own:at])))
+            header = parse_header(buf[:end], buf[own:at])
+            out.append(("header", header))
             self._held, self._state = buf[end:], "body"
+            self._json = True if header.addressed else None if header.channel == "final" else False
             return True
         if final and buf:
             out.append(("cut", parse_header(buf, buf[own:])))
@@ -165,9 +172,12 @@ class HarmonyReader:
 
     def _body(self, out: list[Item], final: bool) -> bool:
         buf = self._held
-        found = [(p, m) for m in _BODY_ENDS if (p := buf.find(m)) >= 0]
+        if self._json is None and buf.strip():  # a final message: JSON when it starts as JSON
+            self._json = buf.lstrip()[0] in "{["
+        found = [(p, m) for m in _BODY_ENDS if (p := self._find(buf, m)) >= 0]
         if found:
             at, mark = min(found)
+            self._in_string = self._escape = False
             if at:
                 out.append(("body", buf[:at]))
             if mark == START:  # the next message began without an <|end|>
@@ -177,14 +187,31 @@ class HarmonyReader:
                 out.append(("end", mark))
                 self._held, self._state = buf[at + len(mark) :], "between"
             return True
-        keep = 0 if final else max(_overlap(buf, m) for m in _BODY_ENDS)
+        string = self._json and _json_state(buf, self._in_string, self._escape)[0]
+        keep = 0 if final or string else max(_overlap(buf, m) for m in _BODY_ENDS)
         if len(buf) > keep:
+            if self._json:
+                state = _json_state(buf[: len(buf) - keep], self._in_string, self._escape)
+                self._in_string, self._escape = state
             out.append(("body", buf[: len(buf) - keep]))
             self._held = buf[len(buf) - keep :]
         if final:
             out.append(("end", ""))
             self._state = "between"
+            self._in_string = self._escape = False
         return False
+
+    def _find(self, buf: str, mark: str) -> int:
+        """Where ``mark`` ends the body in ``buf`` (-1: it does not). A call's body is JSON: a
+        marker inside one of its strings is text."""
+        if not self._json:
+            return buf.find(mark)
+        at = buf.find(mark)
+        while at >= 0:
+            if not _json_state(buf[:at], self._in_string, self._escape)[0]:
+                return at
+            at = buf.find(mark, at + 1)
+        return -1
 
     def _between(self, out: list[Item], final: bool) -> bool:
         buf = self._held
@@ -212,6 +239,22 @@ class HarmonyReader:
             out.append(("text", buf[: len(buf) - keep]))
             self._held = buf[len(buf) - keep :]
         return False
+
+
+def _json_state(text: str, in_string: bool, escape: bool) -> tuple[bool, bool]:
+    """(inside a string, after its backslash) at the end of ``text``, a piece of JSON that
+    started in the state given."""
+    for c in text:
+        if in_string:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+    return in_string, escape
 
 
 def _overlap(text: str, mark: str) -> int:
@@ -279,9 +322,8 @@ class HarmonySplitter:
             if self._kind == "call":
                 self._raw(value, out)
             self._kind, self._lead, self._blank = None, True, ""
-        elif kind == "text":
-            if value.strip():
-                self._answer(value, out)
+        elif kind == "text":  # blank space between messages goes as a message's lead would
+            self._answer(value, out)
         elif value.addressed:  # "cut": a call's header the reply stopped inside
             self._raw(value.raw, out)
         else:
@@ -497,7 +539,7 @@ _MESSAGES = (
 _PIECES = (
     "BODY_END: /(.|\\n)*<\\|end\\|>/ & ~/(.|\\n)*(<\\|end\\|>(.|\\n)+|<\\|start\\|>(.|\\n)*)/\n"
     'chan: "commentary" | "analysis"\n'
-    "CONSTRAIN: / (<\\|constrain\\|>)?[A-Za-z0-9_-]+/\n"
+    "CONSTRAIN: / (<\\|constrain\\|>)?[A-Za-z0-9_-]{1,16}/\n"  # the type: "json"
 )
 
 

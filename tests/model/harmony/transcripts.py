@@ -144,6 +144,20 @@ TRANSCRIPTS = (
         "Done.",
     ),
     Transcript(
+        "markers inside the JSON strings of a call and of an answer",
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "a<|end|>b<|start|>", "unit": "celsius"}',
+        None,
+        None,
+        (("get_weather", '{"city": "a<|end|>b<|start|>", "unit": "celsius"}'),),
+    ),
+    Transcript(
+        "a JSON answer holding a marker in a string",
+        '<|channel|>final<|message|>{"note": "ends with <|end|> here"}',
+        None,
+        '{"note": "ends with <|end|> here"}',
+    ),
+    Transcript(
         "plain text, no frame at all",
         "Hello <|end|> world",
         None,
