@@ -20,9 +20,10 @@ whole frame. :class:`HarmonyReader` cuts that text into headers, bodies and ends
 call's arguments or a final message that starts as JSON, a marker inside a string is text).
 Two readers sit on it: the reasoning family's :class:`HarmonySplitter` (thought apart from
 answer, as ``engine.reasoning``'s families do) and the tool format's
-:class:`HarmonyCallParser` (calls apart from content, as ``engine.tool_calls``'s formats do). The splitter hands a call message on to the call parser
-as written, frame included; anything that is not harmony-shaped (text before the first header,
-a stray marker inside a body, a header that never ends) is content, never dropped.
+:class:`HarmonyCallParser` (calls apart from content, as ``engine.tool_calls``'s formats do).
+The splitter hands a call message on to the call parser as written, frame included;
+anything that is not harmony-shaped (text before the first header, a stray marker inside a
+body, a header that never ends) is content, never dropped.
 
 Grammars (llguidance Lark): a required or named call lets the model write thoughts and
 preambles first, then forces ``<|channel|>commentary to=functions.NAME <|constrain|>json
