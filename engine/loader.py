@@ -186,7 +186,7 @@ class _Loading:
         default = options.context_length is None
         kind = options.kv_cache_type
         self.n_ctx = min(
-            _check_kv_fits(shape, n_ctx, kind, dev, self.path, default, len(span))
+            _check_kv_fits(shape, n_ctx, kind, dev, self.path, default, _kv_slots(shape, span))
             for span, dev in self.split
         )
         self.sequences = self.build_sequences()
@@ -479,6 +479,15 @@ def _kv_options(options: EngineOptions, arena_factory: ArenaFactory | None) -> d
         "arena_factory": arena_factory,
         "fixed": options.kv_fixed,
     }
+
+
+def _kv_slots(shape: ModelShape, span: range) -> int:
+    """The layers of ``span`` a K/V page holds: all of them, or with a sliding window the larger
+    of its two groups (the window layers' pages hold a window, not the context)."""
+    if not any(shape.windowed):
+        return len(span)
+    windowed = sum(shape.windowed[i] for i in span)
+    return max(windowed, len(span) - windowed)
 
 
 def _check_kv_fits(
