@@ -508,8 +508,10 @@ class Sequences:
         (the previous request's or a kept one's; at least its last token is recomputed, to get
         its logits); return the tokens still to feed."""
         held = [stage.kv.begin(list(prompt)) for stage in self.stages]
-        # every stage's K/V went through the same steps: they hold the same conversations
-        assert len(set(held)) == 1, f"the stages' K/V disagree on the prompt's prefix: {held}"
+        # every stage's K/V holds the same conversations; a stage without sliding-window layers
+        # may go on from a later position than one with them: all go back to the earliest
+        while len(set(held)) > 1:
+            held = [stage.kv.truncate(min(held)) for stage in self.stages]
         n = restore_states(self.stages, list(prompt[: held[0]]))
         self._reading = True
         return list(prompt[n:])

@@ -260,3 +260,24 @@ def test_the_bench_presets_have_the_issues_shapes_and_sizes():
         # llama-bench's sizes of the issue's files (the tokenizer's bytes apart)
         assert math.isclose(sizes[name], gib, rel_tol=0.01), sizes
     assert PRESETS["gpt-oss-20b"].n_expert == 32 and PRESETS["gpt-oss-120b"].n_layer == 36
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_reference_path_on_the_gpu_equals_the_cpu(files, engines):
+    from strata.engine.reference_runner import ReferenceRunner
+
+    tokens = sequence(200, seed=13)
+    want = engines().sequences.logits_all(tokens, chunks=[64, 136]).double().numpy()
+    opts = EngineOptions(device="cuda:0", kv_cache_type="f32", context_length=1024,
+                         prefill_chunk_tokens=40)  # fmt: skip
+    gpu = Engine.load(file(files, "F32"), opts)
+    try:
+        assert all(isinstance(s, ReferenceRunner) for s in gpu.sequences.stages)
+        got = gpu.sequences.logits_all(tokens, chunks=[64, 136]).double().numpy()
+        reply = gpu.generate(tokens[:100], SamplingParams(max_tokens=16, temperature=0.0))
+    finally:
+        gpu.close()
+    assert relative_error(got, want) < 1e-4
+    cpu = engines().generate(tokens[:100], SamplingParams(max_tokens=16, temperature=0.0))
+    assert list(reply.tokens) == list(cpu.tokens)
