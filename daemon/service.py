@@ -1,23 +1,16 @@
-"""``strata serve``: the daemon.
-
-One asyncio loop carries the HTTP server, the VRAM control plane and the signal handling; the
-engine computes in its own thread (``worker.EngineWorker``). ``Daemon`` is the API every edge
-(HTTP, D-Bus, ``strata-ctl``) calls: reserve, borrow, return, revoke, status.
-
-Exit codes: 0 after SIGTERM/SIGINT, 1 when another instance runs or the port is taken, 2 for a
-configuration error or a model that cannot be loaded.
+"""The daemon: ``Daemon`` is the API every edge (HTTP, D-Bus, ``strata-ctl``) calls — reserve,
+borrow, return, revoke, status — thin over the engine worker (``worker.EngineWorker``, the
+engine's own thread) and one VRAM controller per device. ``build`` makes these objects from the
+configuration; ``strata.serve`` (the composition root) wires them to their edges and runs them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import errno
 import fcntl
 import logging
 import os
-import signal
 import socket
 import time
 from collections.abc import Callable
@@ -27,11 +20,10 @@ from typing import Any
 
 from strata import paths
 from strata.daemon.bounded import Bounded
-from strata.daemon.config import LoadedConfig, StrataConfig
+from strata.daemon.config import StrataConfig
 from strata.daemon.control import ControlConfig, ControlGroup, Outcome, VramController
 from strata.daemon.leases import MAX_LEASES, Cookies, InvalidArgument, Lease, LeaseBook, is_int
 from strata.daemon.policy import PolicyConfig
-from strata.daemon.sdnotify import Notifier, http_status, watchdog_loop
 from strata.daemon.status import (
     BusStatus,
     DaemonFacts,
@@ -43,26 +35,12 @@ from strata.daemon.status import (
 )
 from strata.daemon.status_feed import StatusFeed
 from strata.daemon.worker import EngineWorker, State
-from strata.engine.errors import EngineError
 from strata.engine.status import EngineStatus
+from strata.errors import EXIT_CONFIG, EXIT_RUNTIME, ServiceError
 
 log = logging.getLogger(__name__)
 
 MiB = 2**20
-EXIT_RUNTIME = 1
-EXIT_CONFIG = 2
-STOP_TIMEOUT_S = 4.0  # SIGTERM to exit: well inside systemd's and the tests' 5 s
-LOAD_STEP_TIMEOUT_S = 300.0  # each load step gives systemd's start timeout this much more time
-READY_PROBE_TIMEOUT_S = 10.0  # model loaded to /health answering 200 on our own socket
-FEED_PERIOD_S = 0.5  # the status is looked at this often for changes no event announces
-
-
-class ServiceError(Exception):
-    """A reason the daemon cannot start; ``code`` is its exit code."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -360,7 +338,7 @@ def build(
             options,
             state_dir=paths.state_dir(),
             arena_factory=factory,
-            progress=progress or _progress,
+            progress=progress or log_progress,
             free_vram=free,
         )
 
@@ -393,7 +371,7 @@ def build(
     return daemon, close
 
 
-def _progress(done: int, total: int, what: str) -> None:
+def log_progress(done: int, total: int, what: str) -> None:
     log.info("loading (%d/%d): %s", done, total, what)
 
 
@@ -479,48 +457,6 @@ def _why_cpu(asked: str, devices: list[str] | None = None) -> str:
     )
 
 
-# -- telling systemd (sd_notify) ----------------------------------------------------------------
-
-
-def _progress_to(notifier: Notifier) -> Callable[[int, int, str], None]:
-    """Load progress, logged and sent as ``STATUS=`` with more start time for each step (engine
-    thread): a large model may load for longer than ``TimeoutStartSec=``, a hung step may not."""
-
-    def progress(done: int, total: int, what: str) -> None:
-        _progress(done, total, what)
-        notifier.status(f"loading ({done}/{total}): {what}")
-        notifier.extend_timeout(LOAD_STEP_TIMEOUT_S)
-
-    return progress
-
-
-def _status_text(daemon: Daemon, cache_mib: int | None = None, free_mib: int | None = None) -> str:
-    status = daemon.read_status()
-    cache_mib = status.cache_mib if cache_mib is None else cache_mib
-    free_mib = status.free_mib if free_mib is None else free_mib
-    free = f", {free_mib} MiB VRAM free" if free_mib is not None else ""
-    return f"serving {daemon.model_id} on {daemon.device}: expert cache {cache_mib} MiB{free}"
-
-
-async def _announce_ready(daemon: Daemon, notifier: Notifier, host: str, port: int) -> None:
-    """``READY=1`` once a real ``GET /health`` on our own socket answers 200."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + READY_PROBE_TIMEOUT_S
-    while (code := await http_status(host, port, "/health")) != 200:
-        if loop.time() > deadline:
-            log.error("GET /health does not answer 200 (last: %s): not telling systemd", code)
-            notifier.status(f"the HTTP endpoint does not answer (GET /health: {code})")
-            return
-        await asyncio.sleep(0.05)
-    notifier.ready(_status_text(daemon))
-
-    def on_event(name: str, fields: dict[str, Any]) -> None:
-        if name == "cache_resized" and fields.get("device", 0) == 0:
-            notifier.status(_status_text(daemon, fields["cache_mib"], fields["free_mib"]))
-
-    daemon.controller.listeners.append(on_event)
-
-
 def _free_vram(monitor: Any) -> Callable[[], int | None]:
     """Free VRAM as the monitor sees it, for the automatic cache size at load (the engine's
     ``automatic_cache_mib`` decides; None: the engine asks CUDA, or there is no VRAM)."""
@@ -550,127 +486,6 @@ def _fixed_bytes(device: str) -> Callable[[], int]:
 
     dev = torch.device(device)
     return lambda: int(torch.cuda.memory_reserved(dev))
-
-
-# -- the main loop ------------------------------------------------------------------------------
-
-
-async def serve_async(
-    config: StrataConfig,
-    started: Callable[[Daemon, asyncio.Event], None] | None = None,
-) -> int:
-    """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code.
-    ``started(daemon, stop)`` is called once everything is wired (tests run the daemon in-process
-    through it)."""
-    from strata.daemon.http import create_app
-    from strata.ipc.dbus import start_dbus
-    from strata.ipc.gamemode import start_gamemode
-    from strata.vmm.errors import MonitorError
-
-    notifier = Notifier.from_env()
-    lock_fd = acquire_instance_lock()
-    try:
-        sock = bind_socket(config.host, config.port)
-        daemon, close_monitor = build(config, _progress_to(notifier))
-        # D-Bus: the name is owned while the model loads (State says "loading")
-        edge = await start_dbus(daemon)
-        gamemode = None
-        if config.gamemode_reserve_mib is not None:
-            gamemode = await start_gamemode(daemon, edge, config.gamemode_reserve_mib)
-    except MonitorError as e:
-        os.close(lock_fd)
-        raise ServiceError(str(e), EXIT_CONFIG) from None
-    except BaseException:
-        os.close(lock_fd)
-        raise
-    host, port = sock.getsockname()[:2]
-    daemon.listen_url = f"http://{host}:{port}"
-    log.info("listening on %s", daemon.listen_url)
-    watchdog = asyncio.create_task(watchdog_loop(notifier), name="sd-watchdog")
-    notifier.status(f"loading the model; listening on {daemon.listen_url}")
-
-    import uvicorn
-
-    app = create_app(daemon)
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_config=None, lifespan="off", access_log=False, timeout_notify=30)
-    )
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(RuntimeError, ValueError):  # not the main thread: in-process
-            loop.add_signal_handler(sig, stop.set)
-    for controller in daemon.controllers:
-        controller.bind(loop)
-    # the controller's events (a reserve, a lease, a resize) reach the feed at once; the rest
-    # (free memory, hit rate, a generation's start and end) within FEED_PERIOD_S
-    daemon.controller.listeners.append(lambda name, fields: daemon.publish_status())
-    feed_task = asyncio.create_task(_feed_loop(daemon), name="status-feed")
-    server_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
-    daemon.worker.start()
-    if started is not None:
-        started(daemon, stop)
-    code = 0
-    control_tasks: list[asyncio.Task[None]] = []
-    announce: asyncio.Task[None] | None = None
-    ready = asyncio.wrap_future(daemon.worker.ready)
-    stopped = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if ready in done and ready.exception() is not None:
-        err = ready.exception()
-        log.error("cannot load the model: %s", err)
-        notifier.status(f"cannot load the model: {err}")
-        code = EXIT_CONFIG if isinstance(err, EngineError) else EXIT_RUNTIME
-    elif ready in done:
-        log.info("ready: %s on %s", daemon.model_id, daemon.device)
-        log.info("%s", describe_path(daemon))
-        control_tasks = [
-            asyncio.create_task(c.run(), name=f"vram-control-{c.stage}") for c in daemon.controllers
-        ]
-        # READY=1 last: the D-Bus name is owned (above) and GET /health answers 200 (below).
-        if notifier.enabled:
-            announce = asyncio.create_task(_announce_ready(daemon, notifier, host, port))
-        await stopped
-    log.info("stopping")
-    notifier.stopping()
-    daemon.stopping = True
-    for task in (*control_tasks, announce, stopped, feed_task):
-        if task is not None:
-            task.cancel()
-    # the event streams send the "stopping" status and end, so no response holds the server up
-    daemon.feed.close(time.time(), daemon.status())
-    if gamemode is not None:
-        await gamemode.close()
-    if edge is not None:
-        await edge.close()  # State "stopping", then the name goes (leases end with the daemon)
-    server.should_exit = True
-    await asyncio.to_thread(daemon.worker.stop, STOP_TIMEOUT_S)
-    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-        await asyncio.wait_for(server_task, 1.0)
-    close_monitor()
-    os.close(lock_fd)
-    watchdog.cancel()
-    notifier.close()
-    log.info("stopped")
-    return code
-
-
-async def _feed_loop(daemon: Daemon) -> None:
-    while True:
-        try:
-            daemon.publish_status()
-        except Exception:
-            log.exception("reading the status for its history failed")
-        await asyncio.sleep(FEED_PERIOD_S)
-
-
-def run(loaded: LoadedConfig, args: Any) -> int:
-    try:
-        return asyncio.run(serve_async(loaded.config))
-    except ServiceError as e:
-        log.error("%s", e)
-        return e.code
 
 
 def _kv_sizes(engine: EngineStatus) -> list[Bounded]:

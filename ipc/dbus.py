@@ -427,7 +427,7 @@ class DbusEdge:
     # -- start and stop -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from strata.daemon.service import EXIT_RUNTIME, ServiceError
+        from strata.errors import EXIT_RUNTIME, ServiceError
 
         self.daemon.controller.listeners.append(self._on_event)
         self.daemon.worker.ready.add_done_callback(self._ready_changed)  # engine thread

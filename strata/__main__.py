@@ -1,3 +1,3 @@
-from strata.daemon.cli import main
+from strata.cli import main
 
 raise SystemExit(main())

@@ -38,7 +38,7 @@ exec {python} "$@"
 # the installed console script, as pip writes it, reporting whether torch came in
 STRATA_STUB = """#!{python}
 import sys
-from strata.daemon.cli import main
+from strata.cli import main
 code = main(sys.argv[1:])
 print("torch imported" if "torch" in sys.modules else "no torch", file=sys.stderr)
 sys.exit(code)
@@ -149,7 +149,7 @@ def test_pip_install_of_the_checkout_gives_working_strata_and_strata_ctl(tmp_pat
                               timeout=120)  # fmt: skip
 
     strata, ctl = str(venv / "bin" / "strata"), str(venv / "bin" / "strata-ctl")
-    where = run(py, "-c", "import strata.daemon.cli as c; print(c.__file__)").stdout
+    where = run(py, "-c", "import strata.cli as c; print(c.__file__)").stdout
     assert where.startswith(site), where  # the installed copy, not the checkout
     assert run(strata, "--version").stdout.strip() == "strata 0.1.0"
     assert run(ctl, "--version").stdout.strip() == "strata-ctl 0.1.0"

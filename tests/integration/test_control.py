@@ -21,10 +21,11 @@ import pytest
 
 from strata.daemon.config import StrataConfig
 from strata.daemon.leases import NotEnoughVram
-from strata.daemon.service import Daemon, serve_async
+from strata.daemon.service import Daemon
 from strata.daemon.worker import GenerationJob
 from strata.engine import synth
 from strata.engine.params import SamplingParams
+from strata.serve import serve_async
 from tests.integration.harness import write_simulated
 
 PERIOD_MS = 200

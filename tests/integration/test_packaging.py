@@ -102,11 +102,15 @@ def test_strata_runs_from_a_checkout_on_pythonpath_without_an_install(tmp_path: 
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{site}"}
     r = subprocess.run(
         [sys.executable, "-S", "-c",
-         "import strata.daemon.cli as c, strata.engine, strata.vmm, strata.ipc; print(c.__file__)"],
+         "import strata.cli as c, strata.daemon.service as d, strata.engine, strata.vmm, "
+         "strata.ipc; print(c.__file__); print(d.__file__)"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == str(ROOT / "daemon" / "cli.py")
+    assert r.stdout.split() == [
+        str(ROOT / "strata" / "cli.py"),
+        str(ROOT / "daemon" / "service.py"),
+    ]
     r = subprocess.run([sys.executable, "-S", "-m", "strata", "--version"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert (r.returncode, r.stdout.strip()) == (0, "strata 0.1.0"), r.stderr
@@ -125,7 +129,7 @@ def test_strata_runs_from_a_checkout_on_pythonpath_without_an_install(tmp_path: 
 )  # fmt: skip
 def test_version_and_help_import_no_torch(argv: list[str], tmp_path: Path) -> None:
     code = (
-        "import sys\nfrom strata.daemon.cli import main\n"
+        "import sys\nfrom strata.cli import main\n"
         f"code = main({argv!r})\n"
         "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n"
         "sys.exit(code)\n"

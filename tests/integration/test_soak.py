@@ -38,8 +38,9 @@ import httpx
 import pytest
 
 from strata.daemon.config import StrataConfig
-from strata.daemon.service import Daemon, serve_async
+from strata.daemon.service import Daemon
 from strata.engine import synth
+from strata.serve import serve_async
 
 REQUESTS = int(os.environ.get("TEST_SOAK_REQUESTS", "30"))
 PASSES = 4
