@@ -3,10 +3,12 @@ F32 and MXFP4_MOE from the writer, Q4_K_M and Q3_K_M from llama.cpp's own quanti
 file. The shapes: 5 layers (more than the window pattern's period of 2), a window of 16
 positions, 6 query heads of 64 over 2 K/V heads, n_embd 160 and expert rows of 96 (neither a
 multiple of 256: llama.cpp's K-quant recipes fall back to 32-element types there), YaRN over an
-original context of 256 (its ramp crosses the rotation pairs)."""
+original context of 256 (its ramp crosses the rotation pairs). The MXFP4_MOE file is the bench
+presets' writer on these shapes, its vocabulary padded with unused tokens as theirs is."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from tiny_models import LlamaCppMissing, llama_cpp_quantize, load_llama_cpp
@@ -29,6 +31,8 @@ class GptOssFiles:
 
     def _build(self, kind: str) -> Path:
         dst = self.root / f"tiny-gpt-oss-{kind}.gguf"
+        if kind == "MXFP4_MOE":
+            return write_gpt_oss(dst, replace(self.spec, vocab_size=3000), kind)
         if kind in WRITTEN:
             return write_gpt_oss(dst, self.spec, kind)
         try:
