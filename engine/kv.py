@@ -114,7 +114,9 @@ class KVCache:
         # same budget: counted in mapped_bytes (``Sequences`` restores it on a rewind)
         self.state: RecurrentState | None = None
         try:
-            first = 1 + self.table_pages if fixed else 1
+            # (a window's pages may hold a whole prompt chunk's positions for a moment)
+            whole = self.table_pages * (2 if self.window else 1)
+            first = 1 + whole if fixed else 1
             self._map(self.book.bytes_for(first))
             if self.book.mapped < first:
                 raise torch.OutOfMemoryError(
