@@ -20,12 +20,15 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from strata.daemon.worker import GenerationJob
+from strata.daemon.worker import EngineWorker, GenerationJob
 from strata.engine.generation import GenerationResult, TokenLogprob
 from strata.engine.grammar import Constraint
 from strata.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from strata.daemon.control import ControlGroup, VramController
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +152,8 @@ class Generations:
 
     def __init__(
         self,
-        worker: Any,
-        controller: Any,
+        worker: EngineWorker,
+        controller: ControlGroup | VramController,
         max_queued: int,
         observe: Callable[[Finished], None] | None = None,
     ) -> None:

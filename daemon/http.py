@@ -24,7 +24,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,6 +68,11 @@ from strata.daemon.serving import Serving
 from strata.daemon.status_feed import event_stream
 from strata.engine.errors import ContextOverflow, EngineError
 
+if TYPE_CHECKING:
+    from strata.daemon.config import StrataConfig
+    from strata.daemon.service import Daemon
+    from strata.engine.generate import Engine
+
 log = logging.getLogger(__name__)
 
 FINGERPRINT = f"strata-{__version__}"
@@ -100,7 +105,7 @@ class HttpLoad:
         ]  # fmt: skip
 
 
-def create_app(daemon: Any) -> FastAPI:
+def create_app(daemon: Daemon) -> FastAPI:
     config = daemon.config
     load = HttpLoad(config.max_requests_in_progress, config.max_request_kib * 1024)
     generations: Generations | None = None
@@ -126,7 +131,7 @@ def create_app(daemon: Any) -> FastAPI:
     _add_error_handlers(app)
     _add_middleware(app, config, metrics, load)
 
-    def engine() -> Any:
+    def engine() -> Engine:
         """The loaded engine, or a 503 while loading or stopping."""
         if daemon.state == "ready" and daemon.worker.engine is not None:
             return daemon.worker.engine
@@ -345,7 +350,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 # -- middleware ---------------------------------------------------------------------------------
 
 
-def _add_middleware(app: FastAPI, config: Any, metrics: Metrics, load: HttpLoad) -> None:
+def _add_middleware(app: FastAPI, config: StrataConfig, metrics: Metrics, load: HttpLoad) -> None:
     # add_middleware puts each new one outside the ones before it
     app.add_middleware(LimitBody, max_bytes=config.max_request_kib * 1024, load=load)
     app.add_middleware(LimitInProgress, load=load)
@@ -368,7 +373,7 @@ LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
-def allowed_hosts(config: Any) -> frozenset[str]:
+def allowed_hosts(config: StrataConfig) -> frozenset[str]:
     """The names a request's ``Host`` may give (lower case, no port): the loopback names, the
     configured ``host``, ``allowed_hosts``, and for a wildcard bind the machine's own names and
     addresses."""

@@ -11,7 +11,7 @@ reasoning fields) and answers ``{"prompt": ...}``, the text a chat request would
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
@@ -21,6 +21,10 @@ from strata.daemon.openai_messages import check_text
 from strata.daemon.serving import Serving
 from strata.engine.errors import TokenizerError
 from strata.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from strata.engine.generate import Engine
+    from strata.engine.tokenizer import Tokenizer
 
 PATHS = ("/tokenize", "/detokenize", "/apply-template", "/props")
 MAX_DETOKENIZE = 1_000_000  # ids in one /detokenize: far above any context window
@@ -33,7 +37,7 @@ def _flag(raw: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def tokenize(raw: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+def tokenize(raw: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
     content = raw.get("content")
     if content is None:
         raise invalid("content: missing required field", "content")
@@ -62,7 +66,7 @@ def _piece(data: bytes) -> str | list[int]:
         return list(data)
 
 
-def detokenize(raw: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+def detokenize(raw: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
     tokens = raw.get("tokens")
     if tokens is None:
         raise invalid("tokens: missing required field", "tokens")
@@ -80,7 +84,7 @@ def detokenize(raw: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     return {"content": tokenizer.decode(tokens)}
 
 
-def props(serving: Serving, engine: Any) -> dict[str, Any]:
+def props(serving: Serving, engine: Engine) -> dict[str, Any]:
     d = SamplingParams()
     template = engine.template
     path = getattr(serving.daemon, "model_path", None)

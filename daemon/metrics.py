@@ -13,7 +13,7 @@ the counted sizes: each thing that grows with requests (a
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -28,6 +28,9 @@ from prometheus_client.registry import Collector
 from strata.daemon.bounded import Sizes
 from strata.daemon.generation import Finished
 
+if TYPE_CHECKING:
+    from strata.daemon.service import Daemon
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # seconds; first tokens include queueing and prefill, so they reach further
@@ -36,7 +39,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 
 
 class Metrics:
-    def __init__(self, daemon: Any, sizes: Sizes | None = None) -> None:
+    def __init__(self, daemon: Daemon, sizes: Sizes | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -89,7 +92,7 @@ class Metrics:
 class _StatusCollector(Collector):
     """Gauges from ``daemon.status()``, read at scrape time; absent values are left out."""
 
-    def __init__(self, daemon: Any) -> None:
+    def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
     def collect(self) -> Iterator[Metric]:

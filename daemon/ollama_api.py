@@ -28,7 +28,7 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -41,6 +41,9 @@ from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.daemon.serving import Serving, Started
 from strata.engine.generation import GenerationResult
 from strata.engine.reasoning import family_for
+
+if TYPE_CHECKING:
+    from strata.engine.generate import Engine
 
 PATHS = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version",
          *ollama_pull.PATHS)  # fmt: skip
@@ -418,7 +421,7 @@ def _entry(serving: Serving, engine: Any, name: str) -> dict[str, Any]:
             "details": _details(engine)}  # fmt: skip
 
 
-def show(serving: Serving, engine: Any, name: str) -> dict[str, Any]:
+def show(serving: Serving, engine: Engine, name: str) -> dict[str, Any]:
     index = engine.index
     template = engine.template.source if engine.template is not None else ""
     caps = ["completion"]

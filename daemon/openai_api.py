@@ -62,6 +62,7 @@ from strata.engine.reasoning import family_for
 from strata.engine.tool_calls import ToolCall, ToolSpec
 
 if TYPE_CHECKING:
+    from strata.engine.generate import Engine
     from strata.engine.generation import TokenLogprob
     from strata.engine.grammar import Constraint
 
@@ -410,7 +411,7 @@ class Prepared:
     reasoning: ReasoningPlan | None = None
 
 
-def prepare(req: Parsed, engine: Any, defaults: ReasoningDefaults | None = None) -> Prepared:
+def prepare(req: Parsed, engine: Engine, defaults: ReasoningDefaults | None = None) -> Prepared:
     """Token ids, sampling parameters and the output's plan; may take a while for a long prompt
     or a large schema (run it off the loop). ``defaults``: the daemon's reasoning options.
     Raises :class:`ApiError` naming the field."""
@@ -478,7 +479,7 @@ def _chat_ids(
     return engine.tokenizer.encode(text), plan_reasoning(ask, family, text, defaults)
 
 
-def chat_prompt_text(req: Parsed, engine: Any, defaults: ReasoningDefaults | None = None) -> str:
+def chat_prompt_text(req: Parsed, engine: Engine, defaults: ReasoningDefaults | None = None) -> str:
     """A chat request's prompt as the template writes it, without generating (llama-server's
     ``/apply-template``, the token counts of Anthropic's ``count_tokens``)."""
     plan = plan_output(engine, req.messages, req.tools, req.tool_choice,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
@@ -22,13 +22,18 @@ from strata.daemon.openai_api import Parsed, Prepared, Reply, prepare
 from strata.daemon.openai_models import ModelNames
 from strata.daemon.openai_reasoning import ReasoningDefaults
 
+if TYPE_CHECKING:
+    from strata.daemon.config import StrataConfig
+    from strata.daemon.service import Daemon
+    from strata.engine.generate import Engine
+
 
 @dataclass(frozen=True)
 class Started:
     """A request admitted to the queue: the engine, what it will run, the generation, and
     what the OpenAI body or chunks of its reply share."""
 
-    engine: Any
+    engine: Engine
     ready: Prepared
     gen: Generation
     reply: Reply
@@ -36,8 +41,8 @@ class Started:
 
 @dataclass(frozen=True)
 class Serving:
-    daemon: Any
-    config: Any
+    daemon: Daemon
+    config: StrataConfig
     engine: Callable[[], Any]  # the loaded engine, or a 503 while loading or stopping
     names: Callable[[], ModelNames]
     created: Callable[[], int]  # the model file's time (seconds since the epoch)

@@ -27,9 +27,12 @@ import json
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from strata.daemon.bounded import Bounded
+
+if TYPE_CHECKING:
+    from strata.daemon.status import StatusJson
 
 HISTORY_S = 600.0  # ten minutes of history ...
 INTERVAL_S = 1.0  # ... at one sample a second
@@ -105,7 +108,7 @@ class StatusFeed:
 
     # -- the producer ---------------------------------------------------------------------------
 
-    def update(self, now: float, status: dict[str, Any]) -> StatusEvent | None:
+    def update(self, now: float, status: StatusJson) -> StatusEvent | None:
         """Take the status at ``now`` (Unix seconds): an event when it differs from the last one
         (returned, and queued for every subscriber), a history sample when one is due."""
         if self.closed:
@@ -122,7 +125,7 @@ class StatusFeed:
             self._next_sample_at = now + self.interval_s
         return event
 
-    def close(self, now: float, status: dict[str, Any]) -> None:
+    def close(self, now: float, status: StatusJson) -> None:
         """The daemon stops: the final status goes out, then every stream ends."""
         self.update(now, status)
         self.closed = True

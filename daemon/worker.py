@@ -437,5 +437,5 @@ class EngineWorker:
             self.engine.save_profile()
             self.engine.close()  # unmaps the arena: the VRAM goes back now
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, str | bool | int]:
         return {"state": str(self.state), "busy": self.busy, "queued": self.queued()}
