@@ -102,6 +102,10 @@ def test_gpt_oss_template_renders_tools_effort_and_earlier_turns() -> None:
     assert result in text
     assert text.endswith("<|start|>assistant")
     assert "Reasoning: medium" in template.render(messages[:2])  # the template's default
+    # a turn with calls, a thought and content: the template takes one of the two (the thought)
+    messages[4] = {**messages[4], "content": "Let me check."}
+    both = template.render(messages, tools=[WEATHER])
+    assert "Ask the tool." in both and "Let me check." not in both
 
 
 @pytest.mark.parametrize("t", TRANSCRIPTS, ids=lambda t: t.name)
