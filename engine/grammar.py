@@ -30,6 +30,7 @@ import logging
 import re
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -95,13 +96,14 @@ class GrammarSpec:
                            trigger=text)  # fmt: skip
 
 
-class AnswerFrame(str):
+class AnswerFrame(str, ABC):
     """Where the answer begins in a reply whose format frames it (harmony's ``final`` channel,
     ``engine.harmony``), given where a closing text would be: it says itself how a grammar of
     the answer applies to the whole reply. Its text is the frame's opening (for logs)."""
 
+    @abstractmethod
     def wrap(self, spec: GrammarSpec) -> GrammarSpec:
-        raise NotImplementedError
+        """``spec``, a grammar of the answer, as a grammar of the whole reply."""
 
 
 def closed(schema: Any) -> Any:
