@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.model)
     else:
         from strata import paths
-        from strata.engine.synth import ensure_synthetic
+        from strata.bench.settings import ensure_synthetic
 
         path = ensure_synthetic(args.synthetic, paths.cache_dir())
     card = int(args.card_gib * GiB)

@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.synthetic is None:
             p.error("give --model or --synthetic")
         from strata import paths
-        from strata.engine.synth import ensure_synthetic
+        from strata.bench.settings import ensure_synthetic
 
         args.model = ensure_synthetic(args.synthetic, paths.cache_dir())
     sizes = [int(v) for v in args.prefill.split(",")] if args.prefill else []

@@ -6,6 +6,7 @@ Plain Python (no torch): the CLI parses its flags into these types, and the pars
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +33,8 @@ SYNTHETIC_NAMES = (
     "mixtral-8x7b",
     "gpt-oss-20b",
     "gpt-oss-120b",
+    "qwen3.6-35b-a3b",
+    "qwen3-next-80b-a3b",
 )
 
 # Budgets given as a share of all experts. `none` is 0 MiB: every expert from RAM or the file.
@@ -147,12 +150,26 @@ def synthetic_preset(name: str) -> str:
     """The synth preset a ``--synthetic`` name stands for; an unknown name is an error."""
     from strata.engine.synth import PRESETS
     from strata.engine.synth_gpt_oss import PRESETS as GPT_OSS
+    from strata.engine.synth_hybrid import PRESETS as HYBRID
 
     preset = SYNTHETIC_ALIASES.get(name, name)
-    if preset not in PRESETS and preset not in GPT_OSS:
+    if preset not in PRESETS and preset not in GPT_OSS and preset not in HYBRID:
         choices = ", ".join(SYNTHETIC_NAMES)
         raise BenchError(f"--synthetic: unknown model {name!r} (expected one of {choices})")
     return preset
+
+
+def ensure_synthetic(
+    preset: str, cache_dir: str | Path, progress: Callable[[int, int], None] | None = None
+) -> Path:
+    """The synthetic ``preset``'s file under ``cache_dir``, written on first use: the hybrids'
+    by their streamed writer (``synth_hybrid``, which ``synth`` cannot import: it imports
+    ``synth``), the others by ``synth.ensure_synthetic``."""
+    from strata.engine import synth, synth_hybrid
+
+    if preset in synth_hybrid.PRESETS:
+        return synth_hybrid.ensure(preset, cache_dir, progress)
+    return synth.ensure_synthetic(preset, cache_dir, progress)
 
 
 @dataclass(frozen=True)

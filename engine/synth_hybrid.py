@@ -18,10 +18,12 @@ llama.cpp broadcasts k heads over; ``qwen3next`` stores β and α interleaved pe
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,18 +171,22 @@ def _normal(seed: int, name: str, shape: tuple[int, ...], std: float, mean: floa
     return (_rng(seed, name).standard_normal(shape) * std + mean).astype(np.float32)
 
 
-def _layer_tensors(s: HybridSpec, i: int, seed: int) -> dict[str, np.ndarray]:
-    """Layer ``i``'s tensors (numpy order: GGUF ``ne`` reversed), every one float32."""
+Plan = list[tuple[str, tuple[int, ...], float, float]]  # (name, numpy shape, std, mean)
+
+
+def _layer_plan(s: HybridSpec, i: int) -> Plan:
+    """Layer ``i``'s tensors: name, shape (numpy order: GGUF ``ne`` reversed), the std and mean
+    of its normal draw (``ssm_a`` is drawn apart: ``_draw``)."""
     d, p = s.n_embd, f"blk.{i}."
-    t: dict[str, np.ndarray] = {}
+    t: Plan = []
 
     def w(name: str, shape: tuple[int, ...], std: float, mean: float = 0.0) -> None:
-        t[p + name] = _normal(seed, p + name, shape, std, mean)
+        t.append((p + name, shape, std, mean))
 
     w("attn_norm.weight", (d,), 0.1, 1.0)
     w("post_attention_norm.weight", (d,), 0.1, 1.0)
     if s.is_recurrent(i):
-        hv, hk = s.ssm_dt_rank, s.ssm_n_group
+        hv = s.ssm_dt_rank
         qkv = (s.conv_dim, d)
         if s.arch == "qwen3next" and s.extra.get("legacy_ssm_in"):
             w("ssm_in.weight", (2 * s.key_dim + 2 * s.value_dim, d), d**-0.5)
@@ -189,14 +195,12 @@ def _layer_tensors(s: HybridSpec, i: int, seed: int) -> dict[str, np.ndarray]:
             w("attn_gate.weight", (s.value_dim, d), d**-0.5)
         w("ssm_conv1d.weight", (s.conv_dim, s.ssm_d_conv), 0.5)
         w("ssm_dt.bias", (hv,), 0.3)
-        rate = _rng(seed, p + "ssm_a").uniform(0.05, 1.0, hv).astype(np.float32)
-        t[p + "ssm_a"] = -rate  # the converter stores -exp(A_log)
+        w("ssm_a", (hv,), 0.0)  # the converter stores -exp(A_log): a rate in [0.05, 1), negated
         if s.arch == "qwen3next":
             w("ssm_ba.weight", (2 * hv, d), d**-0.5)  # per k head: its β rows, then its α rows
         else:
             w("ssm_beta.weight", (hv, d), d**-0.5)
             w("ssm_alpha.weight", (hv, d), d**-0.5)
-        del hk
         w("ssm_norm.weight", (s.ssm_d_state,), 0.1, 1.0)
         w("ssm_out.weight", (d, s.value_dim), LAYER_GAIN * s.value_dim**-0.5)
     else:
@@ -221,6 +225,17 @@ def _layer_tensors(s: HybridSpec, i: int, seed: int) -> dict[str, np.ndarray]:
     w("ffn_up_shexp.weight", (sh, d), d**-0.5)
     w("ffn_down_shexp.weight", (d, sh), LAYER_GAIN * sh**-0.5)
     return t
+
+
+def _draw(seed: int, name: str, shape: tuple[int, ...], std: float, mean: float) -> np.ndarray:
+    if name.endswith(".ssm_a"):
+        return -_rng(seed, name).uniform(0.05, 1.0, shape).astype(np.float32)
+    return _normal(seed, name, shape, std, mean)
+
+
+def _layer_tensors(s: HybridSpec, i: int, seed: int) -> dict[str, np.ndarray]:
+    """Layer ``i``'s tensors, every one float32."""
+    return {name: _draw(seed, name, *rest) for name, *rest in _layer_plan(s, i)}
 
 
 def _output(s: HybridSpec, embd: np.ndarray, muted: np.ndarray, seed: int) -> np.ndarray:
@@ -262,7 +277,10 @@ def _encode(name: str, x: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q]:
     return gguf.quants.quantize(x, qtype), qtype
 
 
-def _metadata(w: gguf.GGUFWriter, s: HybridSpec, qtype: Q, n_vocab: int, seed: int) -> None:
+def _metadata(
+    w: gguf.GGUFWriter, s: HybridSpec, qtype: Q, n_vocab: int, seed: int,
+    file_type: gguf.LlamaFileType | None = None,
+) -> None:  # fmt: skip
     w.add_type("model")
     w.add_name(f"strata synthetic {s.arch} (random weights)")
     w.add_context_length(s.context_length)
@@ -292,7 +310,7 @@ def _metadata(w: gguf.GGUFWriter, s: HybridSpec, qtype: Q, n_vocab: int, seed: i
     w.add_full_attention_interval(s.full_attention_interval)
     by_type = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
                Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
-    w.add_file_type(by_type[qtype])
+    w.add_file_type(file_type if file_type is not None else by_type[qtype])
     if qtype is not Q.F32:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value in s.extra.items():  # overrides (tests of damaged files)
@@ -356,3 +374,181 @@ def write_hybrid(
         raise
     log.info("wrote %s (%s, %s)", path, spec.arch, qtype.name)
     return path
+
+
+# --- the bench's presets: the real shapes, streamed -----------------------------------------
+
+# Qwen3.6-35B-A3B and Qwen3-Next-80B-A3B (the MTP block kept: one more MoE layer); experts'
+# gate/up Q4_K, down Q5_K, attention, DeltaNet projections and the shared expert Q8_0, output
+# Q6_K, the embeddings Q4_K; norms, routers and the convolution F32.
+_REAL = dict(n_embd=2048, n_head=16, n_head_kv=2, head_dim=256, n_rot=64,
+             full_attention_interval=4, ssm_d_conv=4, ssm_d_state=128, ssm_n_group=16,
+             ssm_dt_rank=32, n_ff_exp=512, n_ff_shexp=512, context_length=262144,
+             rope_theta=1e7, n_mtp=1)  # fmt: skip
+PRESETS: dict[str, tuple[HybridSpec, int]] = {  # the spec and the vocabulary's size
+    "qwen3.6-35b-a3b": (
+        HybridSpec(
+            "qwen35moe",
+            n_layer=40,
+            n_expert=256,
+            n_expert_used=8,
+            rope_sections=(11, 11, 10, 0),
+            **_REAL,
+        ),  # type: ignore[arg-type]
+        248320,
+    ),
+    "qwen3-next-80b-a3b": (
+        HybridSpec(
+            "qwen3next",
+            n_layer=48,
+            n_expert=512,
+            n_expert_used=10,
+            rope_sections=(0, 0, 0, 0),
+            **_REAL,
+        ),  # type: ignore[arg-type]
+        151936,
+    ),
+}
+PRESET_SEED = 0
+
+
+def preset_type(name: str, shape: tuple[int, ...]) -> Q:
+    """A preset's type for the tensor ``name`` of numpy shape ``shape``."""
+    if len(shape) == 1 or "ffn_gate_inp" in name or "ssm_conv1d" in name:
+        return Q.F32
+    if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+        return Q.Q4_K
+    if name.endswith("ffn_down_exps.weight"):
+        return Q.Q5_K
+    if name == "output.weight":
+        return Q.Q6_K
+    if name == "token_embd.weight":
+        return Q.Q4_K
+    return Q.Q8_0
+
+
+def preset_plan(s: HybridSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], float, float, Q]]:
+    """Every tensor of a streamed file in file order: name, numpy shape, std, mean, type."""
+    d = s.n_embd
+    plan: Plan = [("token_embd.weight", (n_vocab, d), 1.0, 0.0)]
+    for i in range(s.n_layer + s.n_mtp):
+        plan += _layer_plan(s, i)
+    plan += [("output_norm.weight", (d,), 0.1, 1.0),
+             ("output.weight", (n_vocab, d), OUTPUT_GAIN * d**-0.5, 0.0)]  # fmt: skip
+    return [(n, shape, std, mean, preset_type(n, shape)) for n, shape, std, mean in plan]
+
+
+def _nbytes(shape: tuple[int, ...], qtype: Q) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        raise ValueError(f"rows of {shape[-1]} values do not fill {qtype.name} blocks of {block}")
+    return int(np.prod(shape[:-1])) * shape[-1] // block * size
+
+
+def _stream(name: str, shape: tuple[int, ...], std: float, mean: float, qtype: Q, seed: int,
+            muted: np.ndarray):  # fmt: skip
+    """The tensor's bytes in row chunks: floats (F32, or rounded to Q8_0) or random blocks of a
+    K-quant with their scales set for the std (``synth``'s recipe; the output's muted rows
+    scaled down). No echo structure: random blocks carry none."""
+    from strata.engine.synth import CHUNK_ELEMENTS, MUTE_SCALE, _random_blocks, _unit_std
+
+    if qtype is Q.F32:
+        yield _draw(seed, name, shape, std, mean)
+        return
+    rng = _rng(seed, name)
+    ne0, n_rows = shape[-1], int(np.prod(shape[:-1]))
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    step = max(1, CHUNK_ELEMENTS // ne0)
+    for r0 in range(0, n_rows, step):
+        rows = min(step, n_rows - r0)
+        if qtype is Q.Q8_0:
+            w = rng.standard_normal((rows, ne0), dtype=np.float32) * np.float32(std)
+            yield gguf.quants.quantize(w + np.float32(mean), qtype)
+            continue
+        per_row = ne0 // block
+        scale = rng.uniform(0.5, 1.5, rows * per_row).reshape(rows, per_row)
+        dd = (std / _unit_std(qtype) * scale).astype(np.float32)  # dd: [R, blocks per row]
+        if name == "output.weight":
+            mute = muted[(muted >= r0) & (muted < r0 + rows)] - r0
+            dd[mute] *= np.float32(MUTE_SCALE)
+        yield _random_blocks(rng, qtype, rows * per_row, dd.reshape(-1))
+
+
+def write_streamed(
+    path: str | os.PathLike[str],
+    spec: HybridSpec,
+    n_vocab: int,
+    seed: int = PRESET_SEED,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write ``spec`` with the presets' types (``preset_type``) to ``path`` (atomically), tensor
+    by tensor in row chunks: files of tens of GiB never sit in memory. The vocabulary is the
+    test one padded to ``n_vocab`` tokens, with Qwen3.5's template."""
+    from dataclasses import replace
+
+    from strata.engine.synth import pad_vocab
+
+    path = Path(path)
+    vocab = replace(pad_vocab(vocab_for("qwen3moe"), n_vocab), chat_template=QWEN35_TEMPLATE)
+    plan = preset_plan(spec, n_vocab)
+    sizes = [_nbytes(shape, qtype) for _, shape, *_, qtype in plan]
+    total, done = sum(sizes), 0
+    muted = muted_token_ids(vocab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        w = gguf.GGUFWriter(tmp, spec.arch)
+        _metadata(w, spec, Q.Q8_0, n_vocab, seed, gguf.LlamaFileType.MOSTLY_Q4_K_M)
+        vocab.write(w)
+        for (name, shape, *_, qtype), n in zip(plan, sizes, strict=True):
+            byte_shape = (*shape[:-1], n // int(np.prod(shape[:-1])))
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), n, qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        assert w.fout is not None and len(w.fout) == 1
+        fout = w.fout[0]
+        for (name, shape, std, mean, qtype), n in zip(plan, sizes, strict=True):
+            w.write_padding(fout, fout.tell())
+            written = 0
+            for chunk in _stream(name, shape, std, mean, qtype, seed, muted):
+                chunk.tofile(fout)
+                written += chunk.nbytes
+                if progress is not None:
+                    progress(done + written, total)
+            if written != n:
+                raise AssertionError(f"{name}: wrote {written} bytes, expected {n}")
+            done += written
+            w.write_padding(fout, written)
+        w.close()
+        tmp.chmod(0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    log.info("wrote %s (%s, %.2f GiB)", path, spec.arch, total / 2**30)
+    return path
+
+
+def preset_bytes(name: str) -> int:
+    """The tensor bytes of preset ``name`` (without writing it)."""
+    spec, n_vocab = PRESETS[name]
+    return sum(_nbytes(shape, qtype) for _, shape, *_, qtype in preset_plan(spec, n_vocab))
+
+
+def ensure(
+    name: str, cache_dir: str | os.PathLike[str], progress: Callable[[int, int], None] | None = None
+) -> Path:
+    """The preset ``name`` under ``cache_dir``, written once (atomically) and reused."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown hybrid preset {name!r}; presets: {sorted(PRESETS)}")
+    spec, n_vocab = PRESETS[name]
+    knobs = (GENERATOR_VERSION, spec, n_vocab, PRESET_SEED, QWEN35_TEMPLATE, LAYER_GAIN,
+             preset_plan(spec, n_vocab))  # fmt: skip
+    key = hashlib.sha256(repr(knobs).encode()).hexdigest()[:10]
+    path = Path(cache_dir) / f"{name}-g{GENERATOR_VERSION}-{key}.gguf"
+    if path.is_file():
+        return path
+    return write_streamed(path, spec, n_vocab, PRESET_SEED, progress)
