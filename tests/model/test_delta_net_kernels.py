@@ -158,3 +158,37 @@ def test_the_real_shapes_on_the_device(tiled: bool) -> None:
     got, conv_got, ssm_got = _decode(y, Hk, tiled)
     assert torch.equal(conv_got, conv_want)
     assert _rel(got, want) < TOL and _rel(ssm_got, ssm_want) < TOL
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_gated_attentions_partial_sectioned_rope_matches_the_reference(neox: bool) -> None:
+    # Qwen3.5's layout on a small head: each query head's query then its gate, a quarter of
+    # each head rotated, the fourth rope section unrotated; K/V written to a page at pos 5
+    from strata.engine.gpu.delta import rope_tables_for
+    from strata.engine.kernels.rope import rope_store_gated
+    from strata.engine.ops import RopeSpec
+    from strata.engine.ops.reference import Rope, rms_norm
+
+    H, Hkv, d, page, pos = 4, 2, 64, 4, 5
+    spec = RopeSpec(1e7, neox, 16, (3, 3, 1, 1))
+    cos, sin = rope_tables_for(d, spec, 8, DEVICE)
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2 * H * d + 2 * Hkv * d, generator=g).to(DEVICE)
+    qn, kn = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE), torch.ones(d, device=DEVICE)
+    pages = torch.full((2, page, Hkv, d), float("nan"), device=DEVICE)
+    kc, vc = pages.clone(), pages.clone()
+    q_out, gate = (torch.full((H * d,), float("nan"), device=DEVICE) for _ in range(2))
+    bt = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    at = torch.tensor([pos], dtype=torch.int32, device=DEVICE)
+    rope_store_gated(qkv, cos, sin, qn, kn, q_out, gate, kc, vc, bt, at, EPS, H, Hkv, d, page,
+                     neox, page * Hkv * d)  # fmt: skip
+    qg = qkv[: 2 * H * d].view(H, 2 * d)
+    k = qkv[2 * H * d : 2 * H * d + Hkv * d].view(Hkv, d)
+    v = qkv[2 * H * d + Hkv * d :].view(Hkv, d)
+    rope, where = Rope(d, spec), torch.tensor([pos], device=DEVICE)
+    want_q = rope(rms_norm(qg[:, :d], qn, EPS)[None], where)[0]
+    want_k = rope(rms_norm(k, kn, EPS)[None], where)[0]
+    assert float((q_out.view(H, d) - want_q).abs().max()) < 1e-5
+    assert torch.equal(gate.view(H, d), qg[:, d:])
+    assert float((kc[0, pos % page] - want_k).abs().max()) < 1e-5  # block table: page 1 -> 0
+    assert torch.equal(vc[0, pos % page], v)
