@@ -39,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata.daemon.leases import (
     InvalidArgument,
@@ -67,6 +67,10 @@ from strata.daemon.policy import (
 )
 from strata.daemon.worker import EngineWorker
 from strata.vmm.monitor import VramMonitor, VramSample
+
+if TYPE_CHECKING:
+    from strata.engine.experts.cache import ExpertCache
+    from strata.engine.step import StageRunner
 
 log = logging.getLogger(__name__)
 
@@ -144,16 +148,14 @@ class VramController:
 
     # -- what Strata holds ----------------------------------------------------------------------
 
-    def _cache(self) -> Any:
+    def _cache(self) -> ExpertCache | None:
         """This stage's expert cache (None before the model is loaded, or without one)."""
         return self.worker.stage_cache(self.stage)
 
-    def _stage_state(self) -> Any:
-        """What holds this stage's K/V and budget: the engine's sequences with one stage (as
-        before the split existed), else the engine's stage runner."""
+    def _stage(self) -> StageRunner | None:
+        """This stage's runner, which holds its K/V and budget (None before the model is
+        loaded); device 0's is the first stage, as any other."""
         engine = self.worker.engine
-        if self.stage == 0:
-            return getattr(engine, "sequences", None)
         return engine.stages[self.stage] if engine is not None else None
 
     def ours_bytes(self) -> int:
@@ -166,8 +168,8 @@ class VramController:
     def _kv_bytes(self) -> tuple[int, int, int]:
         """The K/V's (mapped, floor, reservation) bytes where it shares the cache's budget
         (docs/policy.md), else zeros: the policy's size is the cache's and the K/V's."""
-        runner = self._stage_state()
-        if runner is None or getattr(runner, "budget", None) is None or runner.kv.arena.closed:
+        runner = self._stage()
+        if runner is None or runner.budget is None or runner.kv.arena.closed:
             return 0, 0, 0
         kv = runner.kv
         return kv.mapped_bytes, kv.floor_bytes(), kv.arena.reserved_bytes
@@ -332,8 +334,8 @@ class VramController:
 
     def _engine_budget(self) -> int | None:
         """The engine's budget for the cache and the K/V (None: the cache alone is steered)."""
-        runner = self._stage_state()
-        return getattr(runner, "budget", None) if self._kv_bytes()[2] else None
+        runner = self._stage()
+        return runner.budget if runner is not None and self._kv_bytes()[2] else None
 
     def _lease_usage(self, lease: Lease) -> LeaseUsage:
         if lease.pid is None:
@@ -772,8 +774,8 @@ def parse_vram_request(raw: bytes) -> tuple[int, int | None]:
     return mib, device
 
 
-def _closed(cache: Any) -> bool:
-    return bool(getattr(cache.arena, "closed", False))
+def _closed(cache: ExpertCache) -> bool:
+    return cache.arena.closed
 
 
 __all__ = [

@@ -234,9 +234,7 @@ class Generations:
     def _given_up(self, gen: Generation) -> None:
         if gen.started is None:
             self._release(gen)  # it will never start: its place in the queue is free now
-            withdraw = getattr(self.worker, "withdraw", None)
-            if withdraw is not None:
-                withdraw(gen.job)  # and off the engine's queue at once, not when reached
+            self.worker.withdraw(gen.job)  # and off the engine's queue at once, not when reached
 
     def _release(self, gen: Generation) -> None:
         with self._lock:

@@ -155,7 +155,7 @@ def create_app(daemon: Daemon) -> FastAPI:
             return False
 
     def names() -> ModelNames:
-        path = getattr(daemon, "model_path", None)
+        path = daemon.model_path
         return ModelNames.of(daemon.model_id, path.name if path else "", config.model_alias,
                              config.serve_any_model_name, in_library)  # fmt: skip
 

@@ -87,7 +87,7 @@ def detokenize(raw: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
 def props(serving: Serving, engine: Engine) -> dict[str, Any]:
     d = SamplingParams()
     template = engine.template
-    path = getattr(serving.daemon, "model_path", None)
+    path = serving.daemon.model_path
     params = {"n_predict": -1, "seed": -1, "temperature": d.temperature, "top_k": d.top_k,
               "top_p": d.top_p, "min_p": d.min_p, "repeat_penalty": d.repeat_penalty,
               "repeat_last_n": d.repeat_last_n, "presence_penalty": 0.0,

@@ -92,6 +92,7 @@ class Daemon:
         self.size_sources: list[Callable[[], list[Bounded]]] = []
         # the status over time: its history and the change events of GET /v1/vram/events
         self.feed = StatusFeed()
+        self._model_id: tuple[Path | None, str] | None = None  # (the path, its name) once asked
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -104,7 +105,7 @@ class Daemon:
     @property
     def model_id(self) -> str:
         # a library model's name, else its file's; looked up once per model (it reads the folder)
-        known = getattr(self, "_model_id", None)
+        known = self._model_id
         if known is None or known[0] != self.model_path:
             from strata.daemon import library
             from strata.daemon.engine_setup import models_dir
@@ -197,8 +198,7 @@ class Daemon:
                         "cached)", None, e.tokenizer_cache_words, "words"),
             ]  # fmt: skip
             out += _kv_sizes(e)
-        allocator = getattr(self.worker, "allocator", None)  # a stand-in worker may have none
-        held = allocator.held_bytes() if allocator is not None else None
+        held = self.worker.allocator.held_bytes()
         out.append(Bounded("malloc_held_bytes", "memory the C allocator holds for the process "
                            "(its heaps and mapped blocks; handed back after each request): "
                            "reported, no bound of its own", held, None, "bytes"))  # fmt: skip
@@ -415,16 +415,17 @@ def describe_path(daemon: Daemon) -> str:
             f"{requests}"
             f"{_stages_text(daemon)}"
         )
-    cache = daemon.worker.cache
-    arena = type(cache.arena).__name__ if cache is not None else None
+    status = engine.status() if engine is not None else None
+    cache = status.stages[0].cache if status is not None else None
+    arena = cache.arena if cache is not None else None
     arena_text = {"CudaArena": "CUDA VMM arena", None: "no expert cache"}.get(arena, str(arena))
-    kernels = engine.sequences.decode_path() if engine is not None else "not loaded"
-    if engine is not None and not engine.sequences.decodes_on_gpu:
+    kernels = status.decode_path if status is not None else "not loaded"
+    if status is not None and not status.decodes_on_gpu:
         from strata.engine.kernels import unavailable
 
         why = unavailable() or ("fast_decode is off" if not daemon.config.fast_decode else None)
         kernels += f", no Triton kernels: {why}" if why else ""
-    prefill = engine.sequences.prefill_path() if engine is not None else "not loaded"
+    prefill = status.prefill_path if status is not None else "not loaded"
     return (
         f"path: {daemon.device}: {arena_text}; {watch}; {requests}; decode: {kernels}; "
         f"prefill: {prefill}{_stages_text(daemon)}"

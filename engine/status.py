@@ -51,6 +51,7 @@ class CacheStatus:
     swaps: int  # hot RAM experts exchanged with cold tail experts since start
     corrupt: int  # copies dropped since start for a checksum mismatch
     host: HostTierStatus | None  # None: no host tier
+    arena: str  # the arena's kind: CudaArena (CUDA VMM) or HostArena
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def _cache_status(cache: ExpertCache) -> CacheStatus:
         swaps=cache.swaps,
         corrupt=cache.corrupt,
         host=host,
+        arena=type(cache.arena).__name__,
     )
 
 
