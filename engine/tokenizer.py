@@ -56,6 +56,14 @@ _DEFAULT = (
     r"[0-9][0-9][0-9]",
 )
 _STARCODER = (r"\p{N}", *_GPT2)
+# gpt-oss's o200k split: words by case runs with their contraction, digits in threes
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 
 # tokenizer.ggml.pre -> (regexes, ignore_merges, clean_spaces), as llama.cpp's loader sets them
 _PRE: dict[str, tuple[tuple[str, ...], bool, bool]] = {
@@ -70,6 +78,7 @@ _PRE: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo"), (_GPT2, False, True)),
     **dict.fromkeys(("starcoder", "refact"), (_STARCODER, False, True)),
     "smollm": (_STARCODER, False, False),
+    **dict.fromkeys(("gpt-4o", "llama4"), (_GPT4O, False, False)),
 }
 SUPPORTED_PRE = frozenset(_PRE)
 

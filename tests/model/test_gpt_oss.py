@@ -282,3 +282,38 @@ def test_the_reference_path_on_the_gpu_equals_the_cpu(files, engines):
     assert relative_error(got, want) < 1e-4
     cpu = engines().generate(tokens[:100], SamplingParams(max_tokens=16, temperature=0.0))
     assert list(reply.tokens) == list(cpu.tokens)
+
+
+TEXTS = [
+    "Hello WORLD, it's CamelCaseWords and HTTPServer's reply: 1234567 apples/oranges!",
+    "  two  spaces\n\nthen lines\r\n\tand tabs; I'LL say 'quoted' x=42+17 über Ünïcode ÀB ab",
+    "mixed123numbers and a_snake_case_name() -> {json: [1, 2, 3]}  \n ",
+    "theCat has 123 or 1234 or 12 lives",
+    "eCeC",
+]
+
+
+def test_the_gpt4o_split_tokenizes_as_llama_cpp(tmp_path, llama_cpp_module):
+    """gpt-oss files name the o200k pre-tokenizer (``tokenizer.ggml.pre = gpt-4o``)."""
+    from dataclasses import replace
+
+    from strata.engine.tokenizer import Tokenizer
+    from strata.engine.vocab import Vocab, build_bpe_vocab
+
+    base = build_bpe_vocab()
+    # merges across the pieces only one of the splits makes: digits in threes (the others split
+    # every digit), a lower-case letter before an upper-case one (the others keep "theCat" whole)
+    assert base.merges is not None
+    n = len(base.tokens)
+    vocab = replace(
+        base, pre="gpt-4o", tokens=[*base.tokens, "12", "123", "eC"],
+        token_types=[*base.token_types, 1, 1, 1], merges=[*base.merges, "1 2", "12 3", "e C"],
+        scores=None if base.scores is None else [*base.scores, 0.0, 0.0, 0.0],
+    )  # fmt: skip
+    assert n < 3000
+    path = write_gpt_oss(tmp_path / "o200k.gguf", GptOssSpec(n_layer=2, n_ff_exp=32), vocab=vocab)
+    ours = Tokenizer.from_vocab(Vocab.from_metadata(GGUFIndex(path).metadata))
+    llm = llama_cpp_module.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in TEXTS:
+        want = llm.tokenize(text.encode(), add_bos=False, special=False)
+        assert ours.encode(text, add_bos=False, parse_special=False) == want, text
