@@ -10,7 +10,8 @@ gives them, and the OpenAI body and chunks are turned into Anthropic's and Ollam
 routes do. A random-weight model cannot write a transcript; the real daemon (tiny-qwen3moe's
 random weights under gpt-oss's template) shows what its grammars make of it: a required call is
 a valid call of the tool, a JSON answer is the JSON, in every API, and the reasoning fields
-steer the template or are refused with the field named.
+steer the template or are refused with the field named. Its requests are greedy or seeded: the
+grammars let a model think first, and a random model that starts a thought never ends it.
 """
 
 from __future__ import annotations
@@ -300,6 +301,7 @@ def test_required_and_named_calls_are_valid_calls_in_every_api(daemon: StrataDae
     named = {"type": "function", "function": {"name": "get_weather"}}
     deltas = [d for c in client.chat.completions.create(
         model="", messages=ASK, tools=[WEATHER], tool_choice=named, max_tokens=80, stream=True,  # type: ignore[arg-type]
+        temperature=0,
     ) for d in (c.choices[0].delta.tool_calls or [] if c.choices else [])]  # fmt: skip
     assert deltas[0].id and deltas[0].function.name == "get_weather" and len(deltas) > 2
     args = "".join(d.function.arguments or "" for d in deltas)
@@ -307,7 +309,7 @@ def test_required_and_named_calls_are_valid_calls_in_every_api(daemon: StrataDae
     # Anthropic: tool_choice any
     tool = {"name": "get_weather", "description": "The weather", "input_schema": PARAMS}
     body = {"model": "m", "max_tokens": 80, "messages": ASK, "tools": [tool],
-            "tool_choice": {"type": "any"}}  # fmt: skip
+            "tool_choice": {"type": "any"}, "temperature": 0}  # fmt: skip
     msg = httpx.post(daemon.url + "/v1/messages", json=body, timeout=120).json()
     assert msg["stop_reason"] == "tool_use", msg
     (use,) = [b for b in msg["content"] if b["type"] == "tool_use"]
@@ -319,7 +321,8 @@ def test_a_json_schema_answer_is_the_json_in_every_api(daemon: StrataDaemon) -> 
     fmt = {"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}}
     for fields in ({}, {"reasoning_format": "none"}):  # the frame is kept either way
         r = client.chat.completions.create(model="", messages=ASK, response_format=fmt,  # type: ignore[arg-type]
-                                           max_tokens=40, extra_body=fields)  # fmt: skip
+                                           max_tokens=40, temperature=0,
+                                           extra_body=fields)  # fmt: skip
         assert r.choices[0].finish_reason == "stop"
         content = r.choices[0].message.content or ""
         if fields:  # as written: the frame, then the JSON
@@ -327,6 +330,6 @@ def test_a_json_schema_answer_is_the_json_in_every_api(daemon: StrataDaemon) -> 
             content = content.rsplit("<|message|>", 1)[1]
         assert set(json.loads(content)) == {"ok"}
     body = {"model": "m", "messages": ASK, "format": SCHEMA, "stream": False,
-            "options": {"num_predict": 40}}  # fmt: skip
+            "options": {"num_predict": 40, "temperature": 0}}  # fmt: skip
     o = httpx.post(daemon.url + "/api/chat", json=body, timeout=120).json()
     assert set(json.loads(o["message"]["content"])) == {"ok"}, o
