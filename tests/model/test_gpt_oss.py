@@ -244,8 +244,13 @@ def test_a_bad_hyper_parameter_is_an_error_naming_it(tmp_path, key, value, says)
         Engine.load(tmp_path / "b.gguf", EngineOptions(threads=1, context_length=256))
 
 
-def test_the_bench_presets_have_the_issues_shapes_and_sizes():
-    from strata.bench.settings import SYNTHETIC_NAMES, synthetic_preset
+def test_the_bench_presets_have_the_issues_shapes_and_sizes(tmp_path, monkeypatch):
+    from strata.bench.settings import SYNTHETIC_NAMES, ensure_synthetic, synthetic_preset
+    from strata.engine import synth_gpt_oss
+
+    asked = []
+    monkeypatch.setattr(synth_gpt_oss, "ensure", lambda n, d, p=None: asked.append(n) or tmp_path)
+    assert ensure_synthetic("gpt-oss-120b", tmp_path) == tmp_path and asked == ["gpt-oss-120b"]
 
     sizes = {}
     for name, gib in (("gpt-oss-20b", 11.27), ("gpt-oss-120b", 59.02)):
