@@ -25,7 +25,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.engine.kernels.delta_net import chunk_delta_rule, conv_step, recurrent_step
+from strata.engine.kernels.delta_net import (
+    chunk_delta_rule,
+    conv_step,
+    gated_add,
+    recurrent_step,
+    sigmoid_mul,
+    swiglu,
+)
 from strata.engine.kernels.matvec import Mat, matvec
 from strata.engine.kernels.rope import rope_store_gated, rope_tables
 from strata.engine.kv import KVCache
@@ -237,7 +244,7 @@ class HybridDecode:
         )  # fmt: skip
         ops.attend(b.attn_out, self.q, k_cache, v_cache, kv.block_table, b.pos, kv.page_stride)
         if spec.gated:
-            b.attn_out.mul_(torch.sigmoid(self.gate))
+            sigmoid_mul(b.attn_out, self.gate)
         ops._dense(x, b.attn_out, w.o, _one(w.o), residual=True)
         return x
 
@@ -245,8 +252,8 @@ class HybridDecode:
         """x += σ(h · gate_inp) · down(SiLU(gate h) · up h); h: the block's normed input."""
         F_ = w.gate.shape[0]
         if F_ not in self.sh:
-            self.sh[F_] = torch.zeros(2 * F_, dtype=torch.float32, device=x.device)
-        act = self.sh[F_]
+            self.sh[F_] = torch.zeros(3 * F_, dtype=torch.float32, device=x.device)
+        act, mid = self.sh[F_][: 2 * F_], self.sh[F_][2 * F_ :]
         ms = _mats([w.gate, w.up])
         if ms is not None:
             bn, warps = ops.tuned["gate_up"]
@@ -254,9 +261,9 @@ class HybridDecode:
         else:
             ops._dense(act[:F_], h, w.gate, None)
             ops._dense(act[F_:], h, w.up, None)
-        mid = F.silu(act[:F_]) * act[F_:]
+        swiglu(act, mid)
         ops._dense(self.y, mid, w.down, _one(w.down))
-        x.add_(self.y * torch.sigmoid(h @ w.gate_inp))
+        gated_add(x, self.y, h, w.gate_inp)
 
 
 class HybridChunk:

@@ -238,3 +238,63 @@ def chunk_delta_rule(
         q, k, v, g, beta, state, out, n, Hv, Hk, Hv // Hk,
         S=S, BV=bv, BT=chunk, TILED=tiled, PREC=prec, num_warps=8 if S >= 128 else 4,
     )  # fmt: skip
+
+
+# -- the hybrids' small element-wise steps, one launch each in the decode graph ------------------
+
+
+@triton.jit
+def _swiglu_kernel(gu, out, F, BF: tl.constexpr):
+    i = tl.program_id(0) * BF + tl.arange(0, BF)
+    m = i < F
+    g = tl.load(gu + i, mask=m, other=0.0)
+    u = tl.load(gu + F + i, mask=m, other=0.0)
+    tl.store(out + i, g / (1.0 + tl.exp(-g)) * u, mask=m)
+
+
+def swiglu(gu: torch.Tensor, out: torch.Tensor) -> None:
+    """out [F] = SiLU(gu[:F]) · gu[F:] (a shared expert's activation)."""
+    F = gu.numel() // 2
+    if gu.numel() != 2 * F or out.numel() < F:
+        raise ValueError(f"gate|up of {gu.numel()} values into {out.numel()}")
+    bf = 1024
+    _swiglu_kernel[(triton.cdiv(F, bf),)](gu, out, F, BF=bf)
+
+
+@triton.jit
+def _gated_add_kernel(x, y, h, gw, D, BD: tl.constexpr):
+    # every program takes the gate σ(h · gw) over all of D (a few KiB), then its block of x
+    acc = tl.zeros([BD], tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        m = d < D
+        acc += tl.load(h + d, mask=m, other=0.0) * tl.load(gw + d, mask=m, other=0.0)
+    s = 1.0 / (1.0 + tl.exp(-tl.sum(acc, 0)))
+    i = tl.program_id(0) * BD + tl.arange(0, BD)
+    m = i < D
+    tl.store(x + i, tl.load(x + i, mask=m) + tl.load(y + i, mask=m) * s, mask=m)
+
+
+def gated_add(x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, gate: torch.Tensor) -> None:
+    """x += y · σ(h · gate), all [D] (the shared expert's output into the residual)."""
+    D = x.numel()
+    if not y.numel() == h.numel() == gate.numel() == D:
+        raise ValueError(f"x {D}, y {y.numel()}, h {h.numel()}, gate {gate.numel()}: one size")
+    bd = 1024 if INTERPRETED else 256
+    _gated_add_kernel[(triton.cdiv(D, bd),)](x, y, h, gate, D, BD=bd)
+
+
+@triton.jit
+def _sigmoid_mul_kernel(a, g, N, BN: tl.constexpr):
+    i = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = i < N
+    gi = tl.load(g + i, mask=m, other=0.0)
+    tl.store(a + i, tl.load(a + i, mask=m) / (1.0 + tl.exp(-gi)), mask=m)
+
+
+def sigmoid_mul(a: torch.Tensor, g: torch.Tensor) -> None:
+    """a *= σ(g) in place (gated attention's output)."""
+    if a.numel() != g.numel():
+        raise ValueError(f"{a.numel()} values gated by {g.numel()}")
+    bn = 1024
+    _sigmoid_mul_kernel[(triton.cdiv(a.numel(), bn),)](a, g, a.numel(), BN=bn)
