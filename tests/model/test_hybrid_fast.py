@@ -111,3 +111,45 @@ def test_on_the_device_with_graphs(arch: str, files) -> None:
     steps = decode(fast_runner(path, 1.0), 6, 11)
     for a, b in zip(ref[1:], steps[1:], strict=True):
         assert worst(a[None], b[None], TOL) < TOL
+
+
+def _load(path: Path, **kw):
+    from strata.engine.generate import Engine
+    from strata.engine.options import EngineOptions
+
+    options = dict(device="cuda:0", kv_cache_type="f32", context_length=512, arena_chunk_mib=2,
+                   cache_mib=1 << 20, cpu_share=0.0)  # fmt: skip
+    options.update(kw)
+    return Engine.load(path, EngineOptions(**options))  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_through_the_engine_on_the_device(arch: str, files) -> None:
+    from fastpath import forced_logits
+
+    from strata.engine.params import SamplingParams
+
+    path = files[arch]
+    fast = _load(path, fast_prefill=False)
+    ref = _load(path, fast_decode=False)
+    assert fast.sequences.gpu is not None and fast.sequences.gpu.graph is not None
+    prompt = [1, 50, 300, 7, 9, 2000, 31]
+    for a, b in zip(forced_logits(ref, prompt, 24)[1:], forced_logits(fast, prompt, 24)[1:],
+                    strict=True):  # fmt: skip
+        assert worst(a[None], b[None], TOL) < TOL
+    # graphs on and off, greedy (run ahead) and sampled: the same text
+    eager = _load(path, enforce_eager=True)
+    chat = SamplingParams(max_tokens=40, temperature=0.7, top_k=40, top_p=0.95, seed=6)
+    for params in (SamplingParams(max_tokens=40, temperature=0.0), chat):
+        texts = []
+        for e in (fast, eager):
+            e.sequences.rewind(0)
+            texts.append(e.generate(prompt, params).tokens)
+        assert texts[0] == texts[1]
+    # residency: every expert cached, half, none (cpu_share 0) give the same bits
+    steps = [forced_logits(_load(path, cache_mib=mib, fast_prefill=False), prompt, 8)
+             for mib in (1 << 20, 1, 0)]  # fmt: skip
+    for a, b, c in zip(*steps, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
