@@ -140,7 +140,7 @@ def test_through_the_engine_on_the_device(arch: str, files) -> None:
                     strict=True):  # fmt: skip
         assert worst(a[None], b[None], TOL) < TOL
     # graphs on and off, greedy (run ahead) and sampled: the same text
-    eager = _load(path, enforce_eager=True)
+    eager = _load(path, enforce_eager=True, fast_prefill=False)
     chat = SamplingParams(max_tokens=40, temperature=0.7, top_k=40, top_p=0.95, seed=6)
     for params in (SamplingParams(max_tokens=40, temperature=0.0), chat):
         texts = []
