@@ -183,6 +183,40 @@ def test_a_second_turn_after_a_reply_reuses_its_prompt(engines):
     assert relative_error(got, seqs.logits_all(third)[-1].double().numpy()) < 1e-5
 
 
+def test_a_harmony_turn_after_a_reply_with_a_thought_reuses_the_prompt(tmp_path):
+    """gpt-oss's own template re-renders the reply without its analysis channel: the next
+    prompt leaves the previous one right after the reply's first token. Its window layers go on
+    from the window kept where the prompt read ended."""
+    from tests.model.harmony.transcripts import harmony_vocab
+
+    path = write_gpt_oss(tmp_path / "harmony.gguf", SPEC, vocab=harmony_vocab())
+    opts = EngineOptions(kv_cache_type="f32", threads=2, context_length=1024,
+                         prefill_chunk_tokens=40)  # fmt: skip
+    engine = Engine.load(path, opts)
+    try:
+        seqs, tok = engine.sequences, engine.tokenizer
+        thought, answer = "The user asks why the sky is blue. " * 3, "Air scatters blue light."
+        first = [{"role": "user", "content": "Why is the sky blue?"}]
+        prompt = engine.encode_chat(first)
+        seqs.feed(seqs.start(prompt))
+        reply = tok.encode(f"<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant"
+                           f"<|channel|>final<|message|>{answer}", add_bos=False)  # fmt: skip
+        for t in reply:  # as decoding reads it: one position per step, its window moving on
+            seqs.feed([t])
+        page = seqs.kv.page  # the page of the prompt's end is behind the window now
+        assert len(prompt) + len(reply) - WINDOW > pages_for(len(prompt), page) * page
+        turn = [*first, {"role": "assistant", "content": answer, "thinking": thought},
+                {"role": "user", "content": "And at sunset?"}]  # fmt: skip
+        second = engine.encode_chat(turn)
+        todo = seqs.start(second)
+        assert len(second) - len(todo) >= len(prompt)
+        got = seqs.feed(todo).double().cpu().numpy()
+        want = seqs.logits_all(second)[-1].double().numpy()
+        assert relative_error(got, want) < 1e-5
+    finally:
+        engine.close()
+
+
 # top-1 against llama.cpp's own products, which round activations to 8 bits: the MXFP4_MOE file
 # (every other matrix Q8_0, experts past the clamp) flips more near-ties: 84% measured, as
 # llama.cpp's products agree with its own F32 run on the same weights (84% too)
