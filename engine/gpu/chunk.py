@@ -42,6 +42,7 @@ from torch.nn.attention.bias import causal_lower_right
 from strata.engine.experts.provider import FileExpertProvider
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.gpu.buffers import ExpertGeometry, StepBuffers, aligned
+from strata.engine.gpu import oss
 from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.staging import MissStaging
 from strata.engine.gpu.tables import ExpertTables
@@ -196,10 +197,10 @@ class ChunkOps:
                 hy.pre(path, x, w, spec, self.b)
             else:
                 path.pre(x, w, spec, self.b)
-        self.seg.cut(lambda: path.attend(j, self.b, self.start, spec))
+        self.seg.cut(lambda: path.attend(j, self.b, self.start, spec, w.sinks))
         if self.seg.live:
             attn = hy.gated(self.b) if hy is not None and spec.gated else self.b.attn
-            path.mm(x, attn, w.o, add=True)
+            path.mm(x, attn, w.o, add=True, bias=w.o_bias)
         return x
 
     def delta_net(
@@ -257,12 +258,15 @@ class ChunkPath:
 
     # -- products and the pieces of a layer ------------------------------------------------------
 
-    def mm(self, y: torch.Tensor, h: torch.Tensor, w: Weight, add: bool = False) -> None:
-        """y (=, or +=) h W^T over the chunk's rows; h: float16 [T, K]."""
+    def mm(self, y: torch.Tensor, h: torch.Tensor, w: Weight, add: bool = False,
+           bias: torch.Tensor | None = None) -> None:  # fmt: skip
+        """y (=, or +=) h W^T (+ ``bias``) over the chunk's rows; h: float16 [T, K]."""
         if isinstance(w, RepackedWeight) and w.layout.cols % gemm.UNIT == 0:
-            gemm.gemm(y, h, w.data, w.layout, add=add)
+            gemm.gemm(y, h, w.data, w.layout, add=add, bias=bias)
             return
         out = linear(h.float(), w)  # a type or shape without a kernel: dequantise, multiply
+        if bias is not None:
+            out = out + bias
         if add:
             y.add_(out)
         else:
@@ -276,9 +280,9 @@ class ChunkPath:
         h = rms_norm(x, w.norm, a.rms_eps).half()  # [T, D]
         qkv = torch.empty(T, a.q_dim + 2 * a.kv_dim, dtype=torch.float32, device=x.device)
         at = 0
-        for m in (w.q, w.k, w.v):
+        for m, bias in ((w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)):
             n = m.shape[0]
-            self.mm(qkv[:, at : at + n], h, m)
+            self.mm(qkv[:, at : at + n], h, m, bias=bias)
             at += n
         q = qkv[:, : a.q_dim].view(T, H, d)
         k = qkv[:, a.q_dim : a.q_dim + a.kv_dim].view(T, Hkv, d)
@@ -292,12 +296,17 @@ class ChunkPath:
         b.k.copy_(rotate(k, cos, sin, a.rope.neox))
         b.v.copy_(v)
 
-    def attend(self, j: int, b: ChunkBuffers, start: int, a: AttentionSpec) -> None:
+    def attend(self, j: int, b: ChunkBuffers, start: int, a: AttentionSpec,
+               sinks: torch.Tensor | None = None) -> None:  # fmt: skip
         """The chunk's k, v (b.k, b.v) written to local layer ``j``'s pages through the block
         table, then the causal attention of its queries b.q (positions start..start+T-1) over
         the keys 0..start+T-1 in the pages, into b.attn [T, H*d] float16. Eager, between the
-        segments: the pool's view is the one the K/V has now."""
+        segments: the pool's view is the one the K/V has now. A window or sinks (gpt-oss):
+        ``gpu.oss.attend``."""
         kv, q, out = self.p.kv, b.q, b.attn
+        if a.window is not None or sinks is not None:
+            out.copy_(oss.attend(kv, j, q, b.k, b.v, b.pos, start, a.window, sinks))
+            return
         pages = kv.block_table.index_select(0, b.pos // kv.page).long()
         rows = b.pos % kv.page
         kv.pool[pages, j, 0, rows] = b.k
@@ -327,10 +336,10 @@ class ChunkPath:
         p = self.p
         T, K, E, D = x.shape[0], r.n_used, r.n_expert, x.shape[1]
         h32 = rms_norm(x, w.norm, r.rms_eps)
-        probs = torch.softmax(linear(h32, w.router), dim=-1)  # [T, E], float32 as the reference
-        wts, ids = torch.topk(probs, K, dim=-1)  # [T, K]
-        if r.norm_topk:
-            wts = wts / wts.sum(dim=-1, keepdim=True)
+        logits = linear(h32, w.router)  # [T, E], float32 as the reference
+        if w.router_bias is not None:
+            logits = logits + w.router_bias
+        wts, ids = oss.route(logits, K, r)  # [T, K]
         h = h32.half()
         tile = gemm.MOE_TILE
         g = gemm.group_by_expert(ids, E, tile.bm, n_rows)
@@ -341,9 +350,14 @@ class ChunkPath:
         y = torch.zeros(T * K, D, dtype=torch.float32, device=x.device)  # padding: 0
         flat_w = wts.reshape(-1).contiguous()
 
+        ex = oss.expert_extras(w, r, ids)  # gpt-oss: biases by expert id, the clamped SwiGLU
+        gu = (ex.gate, ex.up) if ex is not None and ex.gate is not None else None
+        oai, bd = (ex.oai, ex.down) if ex is not None else (None, None)
+
         def run(table: torch.Tensor) -> None:
-            gemm.moe_gate_up(act, h, g, table, anchor, lay.gate, lay.up, lay.up_offset, tile)
-            gemm.moe_down(y, act, g, flat_w, table, anchor, lay.down, lay.down_offset, tile)
+            gemm.moe_gate_up(act, h, g, table, anchor, lay.gate, lay.up, lay.up_offset, tile,
+                             gu, oai)  # fmt: skip
+            gemm.moe_down(y, act, g, flat_w, table, anchor, lay.down, lay.down_offset, tile, bd)
 
         t = p.tables
         if self.copies_homes(T) and t.host_homes[j]:

@@ -23,7 +23,7 @@ from strata.engine.gpu.ahead import CopiesAhead
 from strata.engine.gpu.buffers import ExpertGeometry, StepBuffers
 from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.cpu_share import CpuShare
-from strata.engine.gpu.delta import rope_tables_for
+from strata.engine.gpu.oss import expert_extras, qkv_bias, rope_tables
 from strata.engine.gpu.tables import ExpertTables
 from strata.engine.kernels import moe
 from strata.engine.kernels.attention import DecodeAttention
@@ -85,6 +85,7 @@ class _Mats:
     qkv: tuple[Mat, Mat, Mat] | None  # all three in the kernel layout: one fused launch
     o: Mat | None
     router: Mat | None
+    qkv_bias: torch.Tensor | None = None  # gpt-oss: q|k|v's biases side by side
 
 
 @dataclass
@@ -109,13 +110,14 @@ class DecodeOps:
         self.p, self.shape, self.ffn = parts, shape, ffn
         self.first, self.eps = parts.geometry.first, shape.rms_eps
         dev, a, kv = parts.buf.anchor.device, shape.attention, parts.kv
-        self.cos, self.sin = rope_tables_for(a.head_dim, a.rope, kv.n_ctx, dev)
+        self.cos, self.sin = rope_tables(a.head_dim, a.rope, kv.n_ctx, dev)
         self.attend = DecodeAttention(
             a.n_head, a.n_head_kv, a.head_dim, kv.page, attention_splits(a.n_head_kv, dev), dev
         )
         # the tuned block sizes on a GPU; the kernels' own defaults in the interpreter
         self.tuned = TUNED if dev.type == "cuda" else {k: (_INTERP_BN, None) for k in TUNED}
         self.mats: dict[int, _Mats] = {}
+        self.extras: dict[int, moe.ExpertExtras | None] = {}
         # the hybrids' DeltaNet layers, gated attention and shared expert (``gpu.delta``)
         self.hybrid = None
         if shape.recurrent or a.gated or any(f.shared is not None for f in ffn):
@@ -131,17 +133,19 @@ class DecodeOps:
     def _dense(
         self, y: torch.Tensor, x: torch.Tensor, w: Weight, m: Mat | None,
         norm: torch.Tensor | None = None, residual: bool = False,
-        h_out: torch.Tensor | None = None, tune: str = "o",
+        h_out: torch.Tensor | None = None, tune: str = "o", bias: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         if m is not None:
             bn, warps = self.tuned[tune]
-            matvec(y, x, [m], norm, self.eps, residual, h_out, bn, warps)
+            matvec(y, x, [m], norm, self.eps, residual, h_out, bn, warps, bias)
             return
         # a type without a kernel: dequantise and multiply (torch ops, captured all the same)
         h = rms_norm(x, norm, self.eps) if norm is not None else x
         if h_out is not None:
             h_out.copy_(h)
         out = linear(h[None], w)[0]
+        if bias is not None:
+            out = out + bias
         if residual:
             y.add_(out)
         else:
@@ -152,7 +156,7 @@ class DecodeOps:
             assert w is not None
             q, k, v = (mat(m) for m in (w.q, w.k, w.v))
             qkv = (q, k, v) if q is not None and k is not None and v is not None else None
-            self.mats[j] = _Mats(qkv, mat(w.o), mat(self.ffn[j].router))
+            self.mats[j] = _Mats(qkv, mat(w.o), mat(self.ffn[j].router), qkv_bias(w))
         return self.mats[j]
 
     # -- the operations ------------------------------------------------------------------------
@@ -179,22 +183,25 @@ class DecodeOps:
             return self.hybrid.attention(self, x, layer, w, spec)
         if m.qkv is not None:
             bn, warps = self.tuned["qkv"]
-            matvec(b.qkv, x, m.qkv, w.norm, self.eps, bn=bn, num_warps=warps)
+            matvec(b.qkv, x, m.qkv, w.norm, self.eps, bn=bn, num_warps=warps, bias=m.qkv_bias)
         else:
             b.h.copy_(rms_norm(x, w.norm, self.eps))
             at = 0
-            for wt in (w.q, w.k, w.v):
+            for wt, bias in ((w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)):
                 n = wt.shape[0]
-                self._dense(b.qkv[at : at + n], b.h, wt, mat(wt))
+                self._dense(b.qkv[at : at + n], b.h, wt, mat(wt), bias=bias)
                 at += n
         k_cache, v_cache = kv.layer(j)
+        # a window layer's K/V is in its own pages (gpt-oss: KVCache.window_table)
+        table = kv.window_table if spec.window is not None else kv.block_table
         rope_store(
-            b.qkv, self.cos, self.sin, w.q_norm, w.k_norm, k_cache, v_cache, kv.block_table,
+            b.qkv, self.cos, self.sin, w.q_norm, w.k_norm, k_cache, v_cache, table,
             b.pos, self.eps, spec.n_head, spec.n_head_kv, spec.head_dim, kv.page,
             spec.rope.neox, kv.page_stride,
         )  # fmt: skip
-        self.attend(b.attn_out, b.qkv, k_cache, v_cache, kv.block_table, b.pos, kv.page_stride)
-        self._dense(x, b.attn_out, w.o, m.o, residual=True)
+        self.attend(b.attn_out, b.qkv, k_cache, v_cache, table, b.pos, kv.page_stride,
+                    spec.window, w.sinks)  # fmt: skip
+        self._dense(x, b.attn_out, w.o, m.o, residual=True, bias=w.o_bias)
         return x
 
     def delta_net(
@@ -215,14 +222,14 @@ class DecodeOps:
         router on it) and queue the copies of those in RAM (``CopiesAhead``)."""
         p, w = self.p, self.ffn[j]
         self._dense(p.ahead.logits, p.buf.x, w.router, self._mats(j).router, w.norm,
-                    tune="router")  # fmt: skip
+                    tune="router", bias=w.router_bias)  # fmt: skip
         p.ahead.copy(j, p.tables.layer(p.tables.homes, j))
 
     def moe(self, x: torch.Tensor, layer: int, w: MoEWeights, spec: RoutingSpec) -> torch.Tensor:
         p, j = self.p, layer - self.first
         b, ahead, cpu = p.buf, self.mode == AHEAD, self.mode == CPU
         self._dense(b.router_logits, x, w.router, self._mats(j).router, w.norm, h_out=b.h,
-                    tune="router")  # fmt: skip
+                    tune="router", bias=w.router_bias)  # fmt: skip
         if ahead and j + 1 < len(self.ffn):
             # the next layer's guess, from the stream before this layer's experts: its copies
             # run beside this layer's (the previous layer's expert kernels are done, so the
@@ -232,6 +239,7 @@ class DecodeOps:
         moe.route(
             b.router_logits, table, b.ids[j], b.wts[j], b.eoffs[j], p.counters.steps[j],
             spec.n_used, spec.norm_topk, p.ahead.prefetched(j) if ahead else None,
+            spec.softmax_after_topk,
         )  # fmt: skip
         if self.stage is not None:
             self.stage(j)
@@ -241,10 +249,15 @@ class DecodeOps:
         if cpu:
             p.cpu.send(j, homes)
         lay = p.geometry.slot_layouts[j]
+        if j not in self.extras:  # gpt-oss: the experts' biases, the clamped SwiGLU
+            self.extras[j] = expert_extras(w, spec, b.ids[j])
+        ex = self.extras[j]
         bn, warps = self.tuned["gate_up"]
-        moe.gate_up(b.act, b.h, b.eoffs[j], b.anchor, lay.gate, lay.up, lay.up_offset, bn, warps)
+        moe.gate_up(b.act, b.h, b.eoffs[j], b.anchor, lay.gate, lay.up, lay.up_offset, bn, warps,
+                    ex)  # fmt: skip
         bn, warps = self.tuned["down"]
-        moe.down(x, b.act, b.eoffs[j], b.wts[j], b.anchor, lay.down, lay.down_offset, bn, warps)
+        moe.down(x, b.act, b.eoffs[j], b.wts[j], b.anchor, lay.down, lay.down_offset, bn, warps,
+                 ex)  # fmt: skip
         if cpu:
             p.cpu.take(j)
         if w.shared is not None:

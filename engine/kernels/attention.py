@@ -25,15 +25,18 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)  # K/V types whose products run 
 
 @triton.jit
 def _attn_partial(
-    q, kc, vc, bt, pos_p, acc_out, ml_out, sm_scale, HKV, PS,
+    q, kc, vc, bt, pos_p, acc_out, ml_out, sm_scale, HKV, PS, window,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr,
-    NSPLIT: tl.constexpr, LOWP: tl.constexpr,
+    NSPLIT: tl.constexpr, LOWP: tl.constexpr, WIN: tl.constexpr,
 ):  # fmt: skip
     hk = tl.program_id(0)  # the K/V head; its query heads are hk * G .. hk * G + G - 1
     s = tl.program_id(1)
     n = tl.load(pos_p) + 1  # keys 0..pos
-    per = tl.cdiv(tl.cdiv(n, NSPLIT), BS) * BS
-    start = s * per
+    lo = 0
+    if WIN:  # a sliding window: keys pos - window + 1 .. pos
+        lo = tl.maximum(n - window, 0)
+    per = tl.cdiv(tl.cdiv(n - lo, NSPLIT), BS) * BS
+    start = lo + s * per
     end = tl.minimum(start + per, n)
     g = tl.arange(0, GP)  # the group's query heads, padded to a tile's rows
     gm = g < G
@@ -74,15 +77,23 @@ def _attn_partial(
 
 
 @triton.jit
-def _attn_combine(acc_in, ml_in, out, D: tl.constexpr, NSPLIT: tl.constexpr):
+def _attn_combine(acc_in, ml_in, out, sinks, D: tl.constexpr, NSPLIT: tl.constexpr,
+                  SINK: tl.constexpr):  # fmt: skip
     h = tl.program_id(0)
     part = h * NSPLIT + tl.arange(0, NSPLIT)
     m = tl.load(ml_in + part * 2)  # [NSPLIT]; -inf where a split was empty
     tot = tl.load(ml_in + part * 2 + 1)
-    w = tl.exp(m - tl.max(m, 0))
+    top = tl.max(m, 0)
+    if SINK:  # the head's sink logit joins the softmax's sum (and adds no value)
+        sink = tl.load(sinks + h).to(tl.float32)
+        top = tl.maximum(top, sink)
+    w = tl.exp(m - top)
     d = tl.arange(0, D)
     acc = tl.load(acc_in + (part * D)[:, None] + d[None, :])  # [NSPLIT, D]
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(tot * w, 0)
+    den = tl.sum(tot * w, 0)
+    if SINK:
+        den += tl.exp(sink - top)
+    o = tl.sum(acc * w[:, None], 0) / den
     tl.store(out + h * D + d, o)
 
 
@@ -113,24 +124,42 @@ class DecodeAttention:
     def __call__(
         self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_table: torch.Tensor, pos: torch.Tensor, page_stride: int | None = None,
+        window: int | None = None, sinks: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
-        """out: [H * d] float32 <- softmax(q k^T / sqrt(d)) v over positions 0..pos.
+        """out: [H * d] float32 <- softmax(q k^T / sqrt(d)) v over positions 0..pos, or over
+        pos - window + 1 .. pos with ``window`` (gpt-oss's sliding window: its layers' block
+        table); ``sinks`` [H]: each head's sink logit joins its softmax's sum (gpt-oss).
         ``page_stride``: elements from one page to the next (None: pages of one layer side by
         side, ``page * Hkv * d``)."""
         ps = self.page * self.HKV * self.D if page_stride is None else page_stride
+        if window is not None and window < 1:
+            raise ValueError(f"attention window {window}: must be at least 1")
+        if sinks is not None and sinks.numel() != self.H:
+            raise ValueError(f"{sinks.numel()} sink logits for {self.H} query heads")
         _attn_partial[(self.HKV, self.n_split)](
             q, k_cache, v_cache, block_table, pos, self.acc, self.ml, math.sqrt(self.D), self.HKV,
-            ps,
+            ps, window or 0,
             G=self.G, GP=max(16, triton.next_power_of_2(self.G)), D=self.D, PAGE=self.page,
-            BS=self.BS, NSPLIT=self.n_split, LOWP=k_cache.dtype in LOW_PRECISION, num_warps=4,
+            BS=self.BS, NSPLIT=self.n_split, LOWP=k_cache.dtype in LOW_PRECISION,
+            WIN=window is not None, num_warps=4,
         )  # fmt: skip
-        _attn_combine[(self.H,)](self.acc, self.ml, out, D=self.D, NSPLIT=self.n_split, num_warps=4)
+        _attn_combine[(self.H,)](
+            self.acc, self.ml, out, out if sinks is None else sinks, D=self.D,
+            NSPLIT=self.n_split, SINK=sinks is not None, num_warps=4,
+        )  # fmt: skip
 
 
-def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """q: [H, d]; keys, values: [S, Hkv, d] -> [H * d] float32 (as ``layers.attention``)."""
+def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """q: [H, d]; keys, values: [S, Hkv, d] -> [H * d] float32 (as ``layers.attention``);
+    ``sinks`` [H]: a logit per head that joins the softmax and adds no value."""
     H, d = q.shape
     Hkv = keys.shape[1]
     qg = q.view(Hkv, H // Hkv, d)
     scores = qg @ keys.float().permute(1, 2, 0) / math.sqrt(d)  # [Hkv, G, S]
-    return (torch.softmax(scores, -1) @ values.float().permute(1, 0, 2)).reshape(H * d)
+    if sinks is None:
+        probs = torch.softmax(scores, -1)
+    else:
+        sink = sinks.float().view(Hkv, H // Hkv, 1)
+        probs = torch.softmax(torch.cat((scores, sink), -1), -1)[..., :-1]
+    return (probs @ values.float().permute(1, 0, 2)).reshape(H * d)

@@ -181,11 +181,13 @@ def _mma(a, w, acc, QT: tl.constexpr, BN: tl.constexpr, S: tl.constexpr):
 def _gemm_kernel(
     a, a_stride, y, y_stride, M, N,
     rows, n_valid, blocks, table, wts,
-    w, w_off, o1, o2, o3, o4, v_off, p1, p2, p3, p4,
+    w, w_off, o1, o2, o3, o4, v_off, p1, p2, p3, p4, bias, bias_v,
     K: tl.constexpr, QT: tl.constexpr, QV: tl.constexpr, TOPK: tl.constexpr,
     EXPERTS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, GLU: tl.constexpr,
     WEIGHTED: tl.constexpr, ADD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, S: tl.constexpr,
+    BIAS: tl.constexpr = False, OAI: tl.constexpr = False, ALPHA: tl.constexpr = 1.0,
+    LIMIT: tl.constexpr = 0.0,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -193,6 +195,7 @@ def _gemm_kernel(
     wp = w + w_off
     if EXPERTS:
         e = tl.load(blocks + pid_m)
+        bias_at = e.to(tl.int64) * N  # (an expert's bias row: [E, N] by its id)
         if e < 0:  # padding past the last expert's blocks
             return
         off = tl.load(table + e)
@@ -204,6 +207,7 @@ def _gemm_kernel(
     else:
         ids = p
         pm = p < M
+        bias_at = 0
     a_row = ids // TOPK if GATHER else p
     y_row = ids if SCATTER else p
     n = pid_n * BN + tl.arange(0, BN)
@@ -229,8 +233,17 @@ def _gemm_kernel(
             lo, hi = w_halves(wp + v_off, p1, p2, p3, p4, r, nm, u, um, K, QV)
             acc_v = _mma(a_lo, lo, acc_v, QV, BN, S)
             acc_v = _mma(a_hi, hi, acc_v, QV, BN, S)
+    if BIAS:  # (gpt-oss: the dense products' biases, each expert's by its id)
+        acc += tl.load(bias + bias_at + n, mask=nm, other=0.0)[None, :]
+        if GLU:
+            acc_v += tl.load(bias_v + bias_at + n, mask=nm, other=0.0)[None, :]
     if GLU:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_v  # SiLU(gate) * up
+        if OAI:  # gpt-oss's clamped SwiGLU (ops.SwigluOAI)
+            acc = tl.minimum(acc, LIMIT)
+            acc_v = tl.minimum(tl.maximum(acc_v, -LIMIT), LIMIT)
+            acc = acc / (1.0 + tl.exp(-ALPHA * acc)) * (acc_v + 1.0)
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_v  # SiLU(gate) * up
     if WEIGHTED:
         acc = acc * tl.load(wts + ids, mask=pm, other=0.0)[:, None]
     y_ptr = y + y_row.to(tl.int64)[:, None] * y_stride + n[None, :]
@@ -272,11 +285,14 @@ def gemm(
     lay: RepackedLayout,
     add: bool = False,
     tile: Tile = DENSE_TILE,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """y[m, :] (=, or += with ``add``) W a[m, :] for the M rows of ``a``. a: float16 [M, K];
-    w: the repacked matrix's bytes (N x K); y: [M, N] float32 or float16, any row stride."""
+    """y[m, :] (=, or += with ``add``) W a[m, :] (+ ``bias``: float32 [N]) for the M rows of
+    ``a``. a: float16 [M, K]; w: the repacked matrix's bytes (N x K); y: [M, N] float32 or
+    float16, any row stride."""
     _check(a, lay)
     M, N = a.shape[0], lay.rows
+    _check_bias(bias, 1, N)
     if y.dim() != 2 or y.shape[0] < M or y.shape[1] < N or y.stride(1) != 1:
         raise ValueError(f"y {tuple(y.shape)} cannot hold a [{M}, {N}] product")
     if M == 0:
@@ -286,11 +302,19 @@ def gemm(
     _gemm_kernel[grid](
         a, a.stride(0), y, y.stride(0), M, N,
         a, 0, a, a, a,
-        w, 0, *o, 0, *o,
+        w, 0, *o, 0, *o, a if bias is None else bias, a,
         K=lay.cols, QT=int(lay.qtype), QV=int(lay.qtype), TOPK=1,
         EXPERTS=False, GATHER=False, SCATTER=False, GLU=False, WEIGHTED=False, ADD=add,
         BM=tile.bm, BN=tile.bn, S=tile.s, num_warps=tile.warps, num_stages=tile.stages,
+        BIAS=bias is not None,
     )  # fmt: skip
+
+
+def _check_bias(bias: torch.Tensor | None, rows: int, n: int) -> None:
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != rows * n
+                             or not bias.is_contiguous()):  # fmt: skip
+        want = f"[{rows}, {n}]" if rows > 1 else f"[{n}]"
+        raise ValueError(f"a bias {bias.dtype} {tuple(bias.shape)}: want contiguous float32 {want}")
 
 
 # -- grouped by expert ---------------------------------------------------------------------------
@@ -362,23 +386,33 @@ def moe_gate_up(
     up: RepackedLayout,
     up_off: int,
     tile: Tile = MOE_TILE,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    oai: tuple[float, float] | None = None,
 ) -> None:
     """act: float16 [P, F] <- SiLU(gate_e h[t]) * (up_e h[t]) at each sorted position of
     assignment (t, choice) to expert e (padding rows are left as they were). h: float16 [T, D];
-    table: int64 [E] byte offsets of the experts' slots from ``anchor``."""
+    table: int64 [E] byte offsets of the experts' slots from ``anchor``. gpt-oss: ``biases``
+    (gate, up: float32 [E, F]) added by expert id, ``oai`` (alpha, limit): the clamped
+    SwiGLU."""
     _check(h, gate)
     if tile.bm != g.bm:
         raise ValueError(f"tile rows {tile.bm} differ from the groups' block of {g.bm}")
     F = gate.rows
+    if biases is not None:
+        _check_bias(biases[0], g.counts.numel(), F)
+        _check_bias(biases[1], g.counts.numel(), F)
+    alpha, limit = oai if oai is not None else (1.0, 0.0)
     og, ou = plane_offsets(gate.offsets), plane_offsets(up.offsets)
     grid = (g.blocks.numel(), triton.cdiv(F, tile.bn))
     _gemm_kernel[grid](
         h, h.stride(0), act, act.stride(0), 0, F,
         g.rows, g.n_valid, g.blocks, table, h,
         anchor, 0, *og, up_off, *ou,
+        h if biases is None else biases[0], h if biases is None else biases[1],
         K=gate.cols, QT=int(gate.qtype), QV=int(up.qtype), TOPK=g.topk,
         EXPERTS=True, GATHER=True, SCATTER=False, GLU=True, WEIGHTED=False, ADD=False,
         BM=tile.bm, BN=tile.bn, S=tile.s, num_warps=tile.warps, num_stages=tile.stages,
+        BIAS=biases is not None, OAI=oai is not None, ALPHA=alpha, LIMIT=limit,
     )  # fmt: skip
 
 
@@ -392,22 +426,26 @@ def moe_down(
     down: RepackedLayout,
     down_off: int,
     tile: Tile = MOE_TILE,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """y: float32 [T * k, D] <- wts[a] * (down_e act[p]) for the assignment a at each sorted
-    position p of expert e. wts: float32 [T * k]."""
+    """y: float32 [T * k, D] <- wts[a] * (down_e act[p] (+ ``bias``: float32 [E, D], the
+    expert's row)) for the assignment a at each sorted position p of expert e.
+    wts: float32 [T * k]."""
     _check(act, down)
     if tile.bm != g.bm:
         raise ValueError(f"tile rows {tile.bm} differ from the groups' block of {g.bm}")
     D = down.rows
+    _check_bias(bias, g.counts.numel(), D)
     o = plane_offsets(down.offsets)
     grid = (g.blocks.numel(), triton.cdiv(D, tile.bn))
     _gemm_kernel[grid](
         act, act.stride(0), y, y.stride(0), 0, D,
         g.rows, g.n_valid, g.blocks, table, wts,
-        anchor, down_off, *o, 0, *o,
+        anchor, down_off, *o, 0, *o, act if bias is None else bias, act,
         K=down.cols, QT=int(down.qtype), QV=int(down.qtype), TOPK=1,
         EXPERTS=True, GATHER=False, SCATTER=True, GLU=False, WEIGHTED=True, ADD=False,
         BM=tile.bm, BN=tile.bn, S=tile.s, num_warps=tile.warps, num_stages=tile.stages,
+        BIAS=bias is not None,
     )  # fmt: skip
 
 

@@ -73,14 +73,14 @@ def _seg(
 
 @triton.jit
 def _matvec_kernel(
-    x, nw, eps, y, h_out, K: tl.constexpr,
+    x, nw, eps, y, h_out, bias, K: tl.constexpr,
     w0, a1, a2, a3, a4, n0,
     w1, b1, b2, b3, b4, n1,
     w2, c1, c2, c3, c4, n2,
     Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,  # the three matrices' types
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,  # and their units per step
     NSEG: tl.constexpr, HAS_NORM: tl.constexpr, ADD_RES: tl.constexpr, STORE_H: tl.constexpr,
-    BN: tl.constexpr,
+    BN: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     # RMSNorm(x) . w = rms * ((x * nw) . w): the weights' loads need not wait for the scale
@@ -105,6 +105,8 @@ def _matvec_kernel(
     if HAS_NORM:
         rms = rms_scale(x, K, eps, 1024)
         acc = acc * rms
+    if HAS_BIAS:  # (W x + b, then the residual: the reference's order)
+        acc = acc + tl.load(bias + out, mask=ok, other=0.0)
     if ADD_RES:
         acc = tl.load(y + out, mask=ok, other=0.0) + acc
     tl.store(y + out, acc, mask=ok)
@@ -129,10 +131,12 @@ def matvec(
     h_out: torch.Tensor | None = None,
     bn: int = BN,
     num_warps: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """y[...] = W_i x for each matrix in ``mats`` (their rows side by side in ``y``), or
     y += W x with ``residual``; x is RMSNorm'd with the weight ``norm`` first when given, and
     written to ``h_out`` normalised. Every matrix takes ``len(x)`` inputs. x, y: float32.
+    ``bias``: float32 [sum of rows], added to the products (before the residual; gpt-oss).
     ``num_warps`` (None: one thread per unit of a step) and ``bn`` are tuning knobs."""
     if not 1 <= len(mats) <= 3:
         raise ValueError(f"matvec takes 1 to 3 matrices, got {len(mats)}")
@@ -146,9 +150,13 @@ def matvec(
         raise ValueError("a residual add takes one matrix")
     if h_out is not None and norm is None:
         raise ValueError("h_out is the normalised input: it needs norm")
+    if bias is not None and (bias.numel() != sum(m.rows for m in mats) or bias.dtype != y.dtype):
+        raise ValueError(f"a bias of {bias.numel()} {bias.dtype} values for "
+                         f"{sum(m.rows for m in mats)} {y.dtype} rows")  # fmt: skip
     segs = list(mats) + [mats[0]] * (3 - len(mats))
     nw = norm if norm is not None else x
-    args: list[object] = [x, nw, eps, y, h_out if h_out is not None else y, K]
+    args: list[object] = [x, nw, eps, y, h_out if h_out is not None else y,
+                          y if bias is None else bias, K]  # fmt: skip
     for m in segs:
         args += [m.data, *plane_offsets(m.lay.offsets), m.rows]
     types = [int(m.lay.qtype) for m in segs]
@@ -158,7 +166,7 @@ def matvec(
         *args,
         Q0=types[0], Q1=types[1], Q2=types[2], U0=units[0], U1=units[1], U2=units[2],
         NSEG=len(mats), HAS_NORM=norm is not None, ADD_RES=residual,
-        STORE_H=h_out is not None, BN=bn,
+        STORE_H=h_out is not None, BN=bn, HAS_BIAS=bias is not None,
         num_warps=num_warps or max(warps_for(u) for u in units[: len(mats)]),
     )  # fmt: skip
 
@@ -168,9 +176,11 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def matvec_reference(
-    x: torch.Tensor, mats: Sequence[Mat], norm: torch.Tensor | None = None, eps: float = 0.0
+    x: torch.Tensor, mats: Sequence[Mat], norm: torch.Tensor | None = None, eps: float = 0.0,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch twin of ``matvec`` (without the residual): [sum of rows] float32."""
     h = rms_norm_reference(x, norm, eps) if norm is not None else x
     outs = [dequantize_repacked(m.data, m.lay.qtype, (m.rows, m.cols)) @ h for m in mats]
-    return torch.cat(outs)
+    out = torch.cat(outs)
+    return out if bias is None else out + bias

@@ -50,14 +50,17 @@ from strata.engine.quant.repack import RepackedLayout
 @triton.jit
 def _route_kernel(logits, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E,
                   K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                  P: tl.constexpr):  # fmt: skip
+                  P: tl.constexpr, LATE: tl.constexpr):  # fmt: skip
     e = tl.arange(0, EP)
     em = e < E
     lg = tl.load(logits + e, mask=em, other=float("-inf"))
-    p = tl.exp(lg - tl.max(lg, 0))
-    p = tl.where(em, p, 0.0)
-    p = p / tl.sum(p, 0)
-    left = tl.where(em, p, -1.0)
+    if LATE:  # the top k logits themselves; a softmax over those k after (gpt-oss)
+        left = tl.where(em, lg, float("-inf"))
+    else:
+        p = tl.exp(lg - tl.max(lg, 0))
+        p = tl.where(em, p, 0.0)
+        p = p / tl.sum(p, 0)
+        left = tl.where(em, p, -1.0)
     kk = tl.arange(0, KP)
     sel_w = tl.zeros([KP], tl.float32)
     sel_i = tl.zeros([KP], tl.int32)
@@ -68,7 +71,11 @@ def _route_kernel(logits, table, ids, wts, eoffs, counts, pf_ids, stage, stage_b
         sel_w = tl.where(kk == k, best, sel_w)
         sel_i = tl.where(kk == k, idx, sel_i)
         chosen = tl.where(e == idx, 1, chosen)
-        left = tl.where(e == idx, -1.0, left)
+        left = tl.where(e == idx, float("-inf") if LATE else -1.0, left)
+    if LATE:  # (the first pick is the largest logit)
+        top = tl.max(tl.where(kk == 0, sel_w, float("-inf")), 0)
+        sel_w = tl.where(kk < K, tl.exp(sel_w - top), 0.0)
+        sel_w = sel_w / tl.sum(sel_w, 0)
     if NORM:
         sel_w = sel_w / tl.sum(tl.where(kk < K, sel_w, 0.0), 0)
     km = kk < K
@@ -98,10 +105,21 @@ def _expert(eoffs, base, k):
 
 
 @triton.jit
+def glu(g, u, OAI: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """SiLU(g) * u, or gpt-oss's clamped SwiGLU (``ops.SwigluOAI``) with ``OAI``."""
+    if OAI:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        return g / (1.0 + tl.exp(-ALPHA * g)) * (u + 1.0)
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _gate_up_kernel(
     h, eoffs, base, act, F, D: tl.constexpr,
-    g1, g2, g3, g4, up_off, u1, u2, u3, u4,
+    g1, g2, g3, g4, up_off, u1, u2, u3, u4, ids, bg, bu,
     TG: tl.constexpr, TU: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
+    BIAS: tl.constexpr, OAI: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     k = tl.program_id(0)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -112,13 +130,18 @@ def _gate_up_kernel(
     else:
         g = dot_rows(w, g1, g2, g3, g4, rows, ok, D, h, h, 1.0, TG, False, BN, T)
         u = dot_rows(w + up_off, u1, u2, u3, u4, rows, ok, D, h, h, 1.0, TU, False, BN, T)
-    tl.store(act + k * F + rows, g / (1.0 + tl.exp(-g)) * u, mask=ok)
+    if BIAS:  # the chosen expert's gate and up biases ([E, F], by its id: not in its slot)
+        at = tl.load(ids + k).to(tl.int64) * F + rows
+        g += tl.load(bg + at, mask=ok, other=0.0)
+        u += tl.load(bu + at, mask=ok, other=0.0)
+    tl.store(act + k * F + rows, glu(g, u, OAI, ALPHA, LIMIT), mask=ok)
 
 
 @triton.jit
 def _down_kernel(
-    act, eoffs, wts, base, x, F: tl.constexpr, D, down_off, d1, d2, d3, d4,
+    act, eoffs, wts, base, x, F: tl.constexpr, D, down_off, d1, d2, d3, d4, ids, bd,
     K: tl.constexpr, TD: tl.constexpr, BN: tl.constexpr, TS: tl.constexpr, EPT: tl.constexpr,
+    BIAS: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
     # a step's units: EPT experts side by side, TS units of each; the sum over experts and
     # units is one reduction at the end, in a fixed order
@@ -156,7 +179,15 @@ def _down_kernel(
                 um = em & (u < NF)
                 y = float_tile(wp, r, ok, u, um, F, act, act, 1.0, kk * F + 8 * u, TD, False)
                 acc += y * wt[None, :]
-    tl.store(x + rows, tl.load(x + rows, mask=ok, other=0.0) + tl.sum(acc, 1), mask=ok)
+    out = tl.sum(acc, 1)
+    if BIAS:  # + each chosen expert's down bias ([E, D], by its id) times its weight
+        kb = tl.arange(0, KP)
+        kbm = kb < K
+        bw = tl.load(wts + kb, mask=kbm, other=0.0)
+        bi = tl.load(ids + kb, mask=kbm, other=0).to(tl.int64)
+        b = tl.load(bd + bi[None, :] * D + r[:, None], mask=ok[:, None] & kbm[None, :], other=0.0)
+        out += tl.sum(b * bw[None, :], 1)
+    tl.store(x + rows, tl.load(x + rows, mask=ok, other=0.0) + out, mask=ok)
 
 
 # -- the CPU's share (kernels.cpu_experts): a post to the CPU pool's server, and its answer ----
@@ -318,10 +349,11 @@ class Prefetched:
 
 def route(logits: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
           eoffs: torch.Tensor, counts: torch.Tensor, k: int, norm: bool,
-          prefetched: Prefetched | None = None) -> None:  # fmt: skip
+          prefetched: Prefetched | None = None, late: bool = False) -> None:  # fmt: skip
     """logits: [E] float32 -> ids: int32 [k], wts: float32 [k], eoffs: int64 [k] (the chosen
     experts' entries of the layer's table, or their staging slots where ``prefetched``),
-    counts: int32 [E] += chosen."""
+    counts: int32 [E] += chosen. ``late``: the top k logits, weighted by a softmax over those
+    k alone (``RoutingSpec.softmax_after_topk``; a router bias is in the logits already)."""
     E = logits.numel()
     pf = prefetched
     _route_kernel[(1,)](
@@ -329,40 +361,73 @@ def route(logits: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, wts: tor
         ids if pf is None else pf.pf_ids, 0 if pf is None else pf.stage,
         0 if pf is None else pf.stage_bytes, eoffs if pf is None else pf.pf_stats,
         E, K=k, EP=triton.next_power_of_2(E), KP=triton.next_power_of_2(k), NORM=norm,
-        P=0 if pf is None else pf.pf_ids.numel(), num_warps=1,
+        P=0 if pf is None else pf.pf_ids.numel(), LATE=late, num_warps=1,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ExpertExtras:
+    """What gpt-oss's experts add (``ops.ExpertBiases``, ``ops.SwigluOAI``): the layer's
+    chosen ids int32 [k] (the biases are found by id, not in the slots), the biases float32
+    gate/up [E, F] and down [E, D] (None: none), and the clamped SwiGLU's (alpha, limit)
+    (None: SiLU(gate) * up)."""
+
+    ids: torch.Tensor
+    gate: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    oai: tuple[float, float] | None = None
 
 
 def gate_up(act: torch.Tensor, h: torch.Tensor, eoffs: torch.Tensor, base: torch.Tensor,
             gate: RepackedLayout, up: RepackedLayout, up_off: int, bn: int = BN_GATE_UP,
-            num_warps: int | None = None) -> None:  # fmt: skip
+            num_warps: int | None = None, extras: ExpertExtras | None = None) -> None:  # fmt: skip
     """act: [k, F] float32 <- SiLU(gate_i h) * (up_i h) for the expert whose slot is at
-    base + eoffs[i]."""
+    base + eoffs[i] (with ``extras``: + its gate and up biases, the clamped SwiGLU)."""
     k, F, D = eoffs.numel(), gate.rows, gate.cols
     units = units_per_step(int(gate.qtype), D)
+    x = extras
+    bias = x is not None and x.gate is not None and x.up is not None
+    if bias:
+        assert x is not None and x.gate is not None
+        if x.gate.shape[1:] != (F,) or x.up is None or x.up.shape != x.gate.shape:
+            raise ValueError(f"gate/up biases {tuple(x.gate.shape)} for experts of {F} rows")
+    alpha, limit = (x.oai if x is not None and x.oai is not None else (1.0, 0.0))
     _gate_up_kernel[(k, triton.cdiv(F, bn))](
         h, eoffs, base, act, F, D, *plane_offsets(gate.offsets), up_off,
-        *plane_offsets(up.offsets), TG=int(gate.qtype), TU=int(up.qtype), BN=bn, T=units,
+        *plane_offsets(up.offsets), eoffs if x is None else x.ids,
+        x.gate if bias else h, x.up if bias else h,  # type: ignore[union-attr]
+        TG=int(gate.qtype), TU=int(up.qtype), BN=bn, T=units, BIAS=bias,
+        OAI=x is not None and x.oai is not None, ALPHA=alpha, LIMIT=limit,
         num_warps=num_warps or warps_for(units),
     )  # fmt: skip
 
 
 def down(x: torch.Tensor, act: torch.Tensor, eoffs: torch.Tensor, wts: torch.Tensor,
          base: torch.Tensor, lay: RepackedLayout, down_off: int, bn: int = BN_DOWN,
-         num_warps: int | None = None) -> None:  # fmt: skip
-    """x: [D] += sum over i of wts[i] * (down_i act[i]), expert i's slot at base + eoffs[i]."""
+         num_warps: int | None = None, extras: ExpertExtras | None = None) -> None:  # fmt: skip
+    """x: [D] += sum over i of wts[i] * (down_i act[i]), expert i's slot at base + eoffs[i]
+    (with ``extras``' down biases: wts[i] * (down_i act[i] + bias[ids[i]]))."""
     k, D, F = eoffs.numel(), lay.rows, lay.cols
     per = units_per_step(int(lay.qtype), F)  # units of one expert per step
     ept = max(1, min(triton.next_power_of_2(k), MAX_UNITS // per))  # experts side by side
+    bd = extras.down if extras is not None else None
+    if bd is not None and bd.shape[1:] != (D,):
+        raise ValueError(f"down biases {tuple(bd.shape)} for experts of {D} rows")
     _down_kernel[(triton.cdiv(D, bn),)](
         act, eoffs, wts, base, x, F, D, down_off, *plane_offsets(lay.offsets),
-        K=k, TD=int(lay.qtype), BN=bn, TS=per, EPT=ept,
-        num_warps=num_warps or warps_for(per * ept),
+        eoffs if extras is None else extras.ids, x if bd is None else bd,
+        K=k, TD=int(lay.qtype), BN=bn, TS=per, EPT=ept, BIAS=bd is not None,
+        KP=triton.next_power_of_2(k), num_warps=num_warps or warps_for(per * ept),
     )  # fmt: skip
 
 
-def route_reference(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_reference(logits: torch.Tensor, k: int, norm: bool,
+                    late: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(ids, weights) as ``layers.moe.route`` chooses them for one token."""
+    if late:
+        w, i = torch.topk(logits, k)
+        return i, torch.softmax(w, -1)
     probs = torch.softmax(logits, dim=-1)
     w, i = torch.topk(probs, k)
     return i, (w / w.sum()) if norm else w
