@@ -352,8 +352,12 @@ class KVCache:
         return b.bytes_for(max(1, b.used_pages - b.evictable_pages())) + self.state_bytes
 
     def context_bytes(self, tokens: int) -> int:
-        """What ``tokens`` positions of one sequence need mapped (whole pages)."""
-        return pages_for(tokens, self.page) * self.page_bytes
+        """What ``tokens`` positions of one sequence need mapped (whole pages; the window
+        layers' pages: a window and the one kept where the prompt read ended)."""
+        pages = pages_for(tokens, self.page)
+        if self.window:
+            pages += min(pages, 2 * (pages_for(self.window, self.page) + 1))
+        return pages * self.page_bytes
 
     @staticmethod
     def nbytes_for(
