@@ -35,6 +35,7 @@ from strata.daemon.api_shapes import error_json
 from strata.daemon.openai_api import Parsed, chat_from, chat_prompt_text, json_object
 from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.daemon.serving import Serving, Started
+from strata.engine.calls import partial_object
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 FIRST_VERSION = "2023-01-01"  # the first anthropic-version of the Messages API
@@ -347,7 +348,7 @@ def message_json(s: Started, body: dict[str, Any], stop: str | None) -> dict[str
         content.append({"type": "text", "text": msg["content"]})
     for c in msg.get("tool_calls") or ():
         content.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                        "input": json.loads(c["function"]["arguments"])})  # fmt: skip
+                        "input": partial_object(c["function"]["arguments"])})  # fmt: skip
     reason = "stop_sequence" if stop is not None else _STOP_REASONS[choice["finish_reason"]]
     usage = body["usage"]
     return {**_head(s, "msg_" + body["id"].removeprefix("chatcmpl-")), "content": content,

@@ -39,6 +39,7 @@ from strata.daemon.engine_setup import models_dir
 from strata.daemon.openai_api import Parsed, chat_from, completion_from, json_object
 from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.daemon.serving import Serving, Started
+from strata.engine.calls import partial_object
 from strata.engine.generation import GenerationResult
 from strata.engine.reasoning import family_for
 
@@ -274,7 +275,7 @@ def _counts(r: GenerationResult, received: float) -> dict[str, Any]:
 
 def _ollama_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"function": {"name": c["function"]["name"],
-                          "arguments": json.loads(c["function"]["arguments"] or "{}")}}
+                          "arguments": partial_object(c["function"]["arguments"])}}
             for c in calls]  # fmt: skip
 
 

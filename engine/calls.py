@@ -3,6 +3,7 @@ back, and the events a call is streamed as. Plain Python: no torch."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,3 +66,50 @@ def merged(events: list[Event]) -> list[Event]:
         else:
             out.append(e)
     return out
+
+
+def partial_object(text: str) -> dict[str, Any]:
+    """A call's arguments as far as they were written, as an object: the JSON text of a call cut
+    off mid-object (``max_tokens`` hit) with its open strings and containers closed and a member
+    left without its value dropped — ``{"city": "Par`` reads ``{"city": "Par"}``, ``{"a": 1,
+    "b": tr`` reads ``{"a": 1}``, an empty text ``{}``. For the APIs whose call input is an
+    object (Anthropic's ``tool_use``, Ollama's ``arguments``), where OpenAI's carries the text;
+    the reply's stop reason says it was cut off. Whole arguments read as ``json.loads`` does."""
+    try:
+        whole = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, dict):
+        return whole
+    cuts, stack, in_str, escaped = [], [], False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+            cuts.append((i + 1, tuple(stack)))  # after an opening: an empty container
+        elif ch in "}]" and stack:
+            stack.pop()
+            cuts.append((i + 1, tuple(stack)))  # after a closed container
+        elif ch == ",":
+            cuts.append((i, tuple(stack)))  # before a comma: the members before it
+    if escaped:  # a dangling backslash: the escape it began is not written
+        text = text[:-1]
+    tail = ('"' if in_str else "") + "".join(reversed(stack))
+    for prefix, closers in [(text + tail, "")] + [(text[:i], "".join(reversed(s))) for i, s in
+                                                  reversed(cuts)]:  # fmt: skip
+        try:
+            got = json.loads(prefix + closers)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(got, dict):
+            return got
+    return {}

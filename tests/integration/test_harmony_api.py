@@ -32,6 +32,7 @@ from strata.daemon.generation import Piece
 from strata.daemon.openai_api import Reply, parse_chat, prepare
 from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.engine import synth
+from strata.engine.calls import partial_object
 from strata.engine.chat_template import ChatTemplate
 from strata.engine.generate import Engine
 from strata.engine.generation import GenerationResult
@@ -148,18 +149,13 @@ def events_blocks(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 b["partial"] += d["partial_json"]
     for b in blocks:
         if b["type"] == "tool_use":
-            b["input"] = json.loads(b["partial"])
+            b["input"] = partial_object(b["partial"])  # as the SDKs read partial JSON
     return blocks
-
-
-# cut off inside its arguments: a call in OpenAI's shapes, whose input Anthropic's message and
-# Ollama's shapes (which parse the arguments) cannot carry (see the note of this change)
-CUT_ARGUMENTS = {"a call cut off in its arguments", "a call cut off in its header, after its name"}
 
 
 @pytest.mark.parametrize("t", TRANSCRIPTS, ids=lambda t: t.name)
 def test_transcripts_in_openais_shapes(engine: TranscriptEngine, t: Transcript) -> None:
-    got = shapes(engine, t) if t.name not in CUT_ARGUMENTS else _openai_only(engine, t)
+    got = shapes(engine, t)
     want = (t.reasoning, t.content, t.calls)
     assert openai_reading(got["openai"]) == want
     finish = "tool_calls" if t.calls and t.finish == "stop" else t.finish
@@ -171,25 +167,12 @@ def test_transcripts_in_openais_shapes(engine: TranscriptEngine, t: Transcript) 
     assert [d["function"]["name"] for d in starts] == [name for name, _ in t.calls]
 
 
-def _openai_only(engine: TranscriptEngine, t: Transcript) -> dict[str, Any]:
-    raw = {"model": "m", "messages": ASK, "tools": [WEATHER], "max_tokens": 64}
-    ready = prepare(parse_chat(json.dumps(raw).encode()), engine)
-    tok = engine.tokenizer
-    tokens = tok.encode(t.text)
-    r = GenerationResult(t.text, tokens, t.finish, len(ready.prompt))  # type: ignore[arg-type]
-    reply = Reply("chat", "m", id="chatcmpl-1")
-    stream = ReplyStream(reply, ready, tok)
-    decoder = tok.stream_decoder(keep=ready.show_special)
-    chunks = stream.start() + [c for i in tokens for c in stream.piece(Piece(decoder.push(i)))]
-    return {"openai": reply_body(reply, r, ready, tok), "chunks": chunks + stream.end(r)}
-
-
-@pytest.mark.parametrize("t", [t for t in TRANSCRIPTS if t.name not in CUT_ARGUMENTS],
-                         ids=lambda t: t.name)  # fmt: skip
+@pytest.mark.parametrize("t", TRANSCRIPTS, ids=lambda t: t.name)
 def test_transcripts_in_anthropics_and_ollamas_shapes(engine: TranscriptEngine,
                                                       t: Transcript) -> None:  # fmt: skip
     got = shapes(engine, t)
-    calls = tuple((name, json.loads(args)) for name, args in t.calls)
+    # a call cut off in its arguments carries what was written of them (``partial_object``)
+    calls = tuple((name, partial_object(args)) for name, args in t.calls)
     want = (t.reasoning, t.content, calls)
     message = got["anthropic"]
     assert anthropic_reading(message["content"]) == want
