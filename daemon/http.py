@@ -217,16 +217,13 @@ def create_app(daemon: Daemon) -> FastAPI:
             reserve_mib, device = parse_vram_request(await request.body())
         except BadVramRequest as e:
             raise invalid(str(e), e.param) from None
-        if device is not None:
-            try:
-                daemon.controller_for(device)
-            except InvalidArgument as e:
-                raise invalid(str(e), "device", "unknown_device") from None
+        device = 0 if device is None else device  # no device named: the first
         try:
-            if device is None:
-                outcome = await daemon.reserve(reserve_mib)
-            else:
-                outcome = await daemon.reserve(reserve_mib, device)
+            daemon.controller_for(device)
+        except InvalidArgument as e:
+            raise invalid(str(e), "device", "unknown_device") from None
+        try:
+            outcome = await daemon.reserve(reserve_mib, device)
         except Timeout as e:
             raise ApiError(504, str(e), "timeout", "reserve_mib", "timeout") from None
         except NotEnoughVram as e:

@@ -62,9 +62,9 @@ class Daemon:
     """The daemon API: what HTTP, D-Bus and ``strata-ctl`` call. Thin over the worker and the
     control plane; ``status()`` is the one status schema all of them return.
 
-    A model split over several devices has one controller per device (``controllers``, in the
-    order of ``devices``); ``controller`` is device 0's, and every call that names no device
-    means device 0, as with one device."""
+    Devices are a list: one controller per device (``controllers``, in the order of
+    ``devices``; one without a split). A call that names no device means device 0, the first
+    entry (``controller`` is kept for readers that name none)."""
 
     def __init__(
         self,
@@ -116,11 +116,9 @@ class Daemon:
 
     # -- the VRAM API ---------------------------------------------------------------------------
 
-    def controller_for(self, device: int | None) -> VramController:
-        """The controller of device number ``device`` (None: device 0). An unknown number is
+    def controller_for(self, device: int) -> VramController:
+        """The controller of device number ``device``. An unknown number is
         :class:`InvalidArgument` naming it and the devices there are."""
-        if device is None:
-            return self.controller
         if not is_int(device) or not 0 <= device < len(self.controllers):
             there = ", ".join(f"{i} ({name})" for i, name in enumerate(self.devices))
             raise InvalidArgument(
@@ -129,7 +127,7 @@ class Daemon:
             )
         return self.controllers[device]
 
-    async def reserve(self, mib: int, device: int | None = None) -> Outcome:
+    async def reserve(self, mib: int, device: int = 0) -> Outcome:
         return await self.controller_for(device).set_reserve(mib)
 
     async def borrow(
@@ -139,7 +137,7 @@ class Daemon:
         pid: int | None,
         app_id: str,
         reason: str,
-        device: int | None = None,
+        device: int = 0,
     ) -> Lease:
         return await self.controller_for(device).borrow(mib, owner, pid, app_id, reason)
 

@@ -603,7 +603,7 @@ class DbusEdge:
     # -- methods --------------------------------------------------------------------------------
 
     async def borrow(
-        self, owner: str | None, mib: int, app_id: str, reason: str, device: int | None = None
+        self, owner: str | None, mib: int, app_id: str, reason: str, device: int = 0
     ) -> int:
         if not owner:
             raise DBusError(ERROR_FAILED, "Borrow: the caller has no bus name")
@@ -649,14 +649,9 @@ class DbusEdge:
         )  # fmt: skip
         return cookie
 
-    async def _borrow(
-        self, owner: str, mib: int, app_id: str, reason: str, device: int | None
-    ) -> int:
+    async def _borrow(self, owner: str, mib: int, app_id: str, reason: str, device: int) -> int:
         pid = await self._watch(owner)
-        if device is None:  # Borrow: as before devices existed
-            lease = await self.daemon.borrow(mib, owner, pid, app_id, reason)
-        else:
-            lease = await self.daemon.borrow(mib, owner, pid, app_id, reason, device)
+        lease = await self.daemon.borrow(mib, owner, pid, app_id, reason, device)
         return lease.cookie
 
     def return_lease(self, cookie: int, owner: str | None) -> None:
@@ -673,12 +668,9 @@ class DbusEdge:
             raise _dbus_error(e) from None
         self._forget_if_idle(lease.owner)
 
-    async def set_reserve(self, mib: int, device: int | None = None) -> None:
+    async def set_reserve(self, mib: int, device: int = 0) -> None:
         try:
-            if device is None:  # SetReserve: as before devices existed
-                await self.daemon.reserve(mib)
-            else:
-                await self.daemon.reserve(mib, device)
+            await self.daemon.reserve(mib, device)
         except Exception as e:
             raise _dbus_error(e) from None
 
