@@ -41,8 +41,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from strata.engine.experts.provider import FileExpertProvider
 from strata.engine.gguf_index import GGUFIndex
-from strata.engine.gpu.buffers import ExpertGeometry, StepBuffers, aligned
 from strata.engine.gpu import oss
+from strata.engine.gpu.buffers import ExpertGeometry, StepBuffers, aligned
 from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.staging import MissStaging
 from strata.engine.gpu.tables import ExpertTables

@@ -9,6 +9,7 @@ device the step runs each job itself, in order."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,20 @@ CPU_ARM_S = 0.5
 CPU_SHARE_CANDIDATES = (0.0, 0.25, 0.375, 0.5, 0.625, 0.75)
 
 
+@dataclass(frozen=True)
+class CpuExtras:
+    """What gpt-oss's experts add, for the CPU's jobs: per local layer the biases (gate, up
+    [E, F], down [E, D]; None: none) and the clamped SwiGLU's (alpha, limit) (None: SiLU)."""
+
+    biases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+    oai: tuple[float, float] | None
+
+    @property
+    def by_id(self) -> bool:
+        """Whether the jobs need the chosen experts' ids (their biases' rows)."""
+        return any(b is not None for b in self.biases)
+
+
 class CpuShareFault(EngineError):
     """A decode step waited for the CPU's share of the experts in vain: its output is wrong
     (the message says why). The runner has turned the CPU share off."""
@@ -43,9 +58,12 @@ def check_share(share: object) -> float:
 
 
 class CpuShare:
+    """``extras``: per layer, what gpt-oss's experts add on the CPU too (``CpuExtras``)."""
+
     def __init__(self, buf: StepBuffers, geometry: ExpertGeometry, n_layer: int,
-                 n_used: int) -> None:  # fmt: skip
+                 n_used: int, extras: CpuExtras | None = None) -> None:  # fmt: skip
         self.buf, self.geometry, self.n_layer, self.n_used = buf, geometry, n_layer, n_used
+        self.extras = extras
         self.device = buf.anchor.device
         self.share = 0.0
         self.now = torch.zeros(1, dtype=torch.float32, device=self.device)  # what kernels read
@@ -79,6 +97,9 @@ class CpuShare:
             return
         try:
             jobs = [cpu.job(lay, self.n_used, pin=cuda) for lay in self.geometry.slot_layouts]
+            if self.extras is not None:
+                for job, biases in zip(jobs, self.extras.biases, strict=True):
+                    job.set_extras(biases, self.extras.oai)
         except ValueError as e:  # a type the CPU kernels lack
             cpu.close()
             self._refuse(str(e))
@@ -139,7 +160,7 @@ class CpuShare:
         b, to = self.buf, self.posts[layer]
         moe.post_for_cpu(
             b.ids[layer], b.wts[layer], b.eoffs[layer], homes, self.done[layer : layer + 1],
-            b.h, self.zero_off, self.now, to,
+            b.h, self.zero_off, self.now, to, self.extras is not None and self.extras.by_id,
         )  # fmt: skip
         if not to.post:  # the CPU device (Triton's interpreter): in order
             self.jobs[layer].run()

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from strata.engine.gpu.cpu_share import CpuExtras
 from strata.engine.gpu.delta import rope_tables_for
 from strata.engine.kernels.moe import ExpertExtras
 from strata.engine.kv import KVCache
@@ -133,3 +134,17 @@ def attend(kv: KVCache, j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         o = probs @ vt  # [Hkv, group * n, d]
         out[t0:t1] = o.view(Hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, H * d)
     return out
+
+
+def cpu_extras(ffn: list[MoEWeights], spec: RoutingSpec) -> CpuExtras | None:
+    """What the CPU's share of the experts adds for a stage's layers ``ffn`` (None: the plain
+    SiLU experts): the biases, copied to the CPU, and the clamped SwiGLU."""
+    act = spec.activation
+    biases = [
+        None if w.expert_bias is None
+        else (w.expert_bias.gate.cpu(), w.expert_bias.up.cpu(), w.expert_bias.down.cpu())
+        for w in ffn
+    ]  # fmt: skip
+    if act is None and all(b is None for b in biases):
+        return None
+    return CpuExtras(biases, (act.alpha, act.limit) if act is not None else None)

@@ -30,6 +30,7 @@ from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.cpu_share import CPU_SHARE_CANDIDATES, CpuShare, CpuShareFault
 from strata.engine.gpu.decode import AHEAD, CPU, PLAIN, DecodeOps, DecodeParts
 from strata.engine.gpu.delta import keep_state
+from strata.engine.gpu.oss import cpu_extras
 from strata.engine.gpu.sampled import SampledSteps
 from strata.engine.gpu.staging import MissStaging, file_of
 from strata.engine.gpu.tables import ExpertTables, FastPathError
@@ -63,10 +64,10 @@ class GpuRunner(StageRunner):
         self.counters = UseCounters(L, r.n_expert, self.layers.start, g.expert_bytes, dev)
         self.ahead = CopiesAhead(buf, g, L, r.n_expert, r.n_used)
         self.sampled = SampledSteps(buf)
-        self.cpu = CpuShare(buf, g, L, r.n_used)
+        ffn = [model.ffn[i] for i in self.layers]
+        self.cpu = CpuShare(buf, g, L, r.n_used, cpu_extras(ffn, r))
         self.staging = MissStaging(buf, g, model.index, r.n_used)
         self.file = file_of(provider)
-        ffn = [model.ffn[i] for i in self.layers]
         self.ops = DecodeOps(
             DecodeParts(buf, g, self.tables, self.counters, self.ahead, self.cpu, kv), shape, ffn
         )

@@ -76,6 +76,12 @@ typedef struct {
     float *y;             /* [D] */
     float *act;           /* [kmax * F] scratch */
     strata_pool *pool;
+    /* gpt-oss's experts (bias_gate NULL: none): biases by expert id, the clamped SwiGLU */
+    const int32_t *ids;   /* [kmax] expert i's id (the biases' row) */
+    const float *bias_gate, *bias_up; /* [E * F] */
+    const float *bias_down;           /* [E * D] */
+    int32_t oai;          /* 1: g sigma(alpha g) (u + 1), g <= limit, |u| <= limit; 0: SiLU(g) u */
+    float alpha, limit;
 } strata_job;
 
 /* GGML type ids (gguf.GGMLQuantizationType); the Python tests check them against gguf's. */
@@ -813,6 +819,13 @@ struct strata_pool {
 
 INLINE float silu(float g) { return g / (1.0f + expf(-g)); }
 
+/* gpt-oss's clamped SwiGLU (ops.SwigluOAI) */
+INLINE float swiglu_oai(float g, float u, float alpha, float limit) {
+    g = g < limit ? g : limit;
+    u = u < -limit ? -limit : u > limit ? limit : u;
+    return g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
+}
+
 static const uint8_t *slot_of(const strata_job *job, int i) {
     return (const uint8_t *)(uintptr_t)(job->base + job->offs[i]);
 }
@@ -836,7 +849,13 @@ static void phase1(const strata_pool *pool, const strata_job *job, int lo, int h
             gu[0] = tg->dot1(pg, D, job->h, pool->hsums);
             gu[1] = tu->dot1(pu, D, job->h, pool->hsums);
         }
-        job->act[i] = silu(gu[0]) * gu[1];
+        if (job->bias_gate) {
+            const int64_t at = (int64_t)job->ids[e] * F + r;
+            gu[0] += job->bias_gate[at];
+            gu[1] += job->bias_up[at];
+        }
+        job->act[i] = job->oai ? swiglu_oai(gu[0], gu[1], job->alpha, job->limit)
+                               : silu(gu[0]) * gu[1];
     }
     unit_sums(job->act, lo / 32, hi / 32, pool->asums);
 }
@@ -855,6 +874,9 @@ static void phase2(const strata_pool *pool, const strata_job *job, int lo, int h
             s += td->dotw(pd, m, F, job->act + (int64_t)e0 * F, pool->asums + e0 * (F / 32),
                           job->wts + e0);
         }
+        if (job->bias_down) /* each expert's down bias times its weight */
+            for (int e = 0; e < n; e++)
+                s += job->wts[e] * job->bias_down[(int64_t)job->ids[e] * job->D + r];
         job->y[r] = s;
     }
 }

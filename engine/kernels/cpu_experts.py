@@ -90,6 +90,13 @@ class StrataJob(ctypes.Structure):
         ("y", ctypes.c_void_p),
         ("act", ctypes.c_void_p),
         ("pool", ctypes.c_void_p),
+        ("ids", ctypes.c_void_p),
+        ("bias_gate", ctypes.c_void_p),
+        ("bias_up", ctypes.c_void_p),
+        ("bias_down", ctypes.c_void_p),
+        ("oai", ctypes.c_int32),
+        ("alpha", ctypes.c_float),
+        ("limit", ctypes.c_float),
     ]
 
 
@@ -408,9 +415,15 @@ def request_offsets(D: int, kmax: int) -> tuple[int, int, int, int]:
     return 0, 8 * kmax, 12 * kmax, 12 * kmax + 4
 
 
+def request_ids_offset(D: int, kmax: int) -> int:
+    """Byte offset in a job's request of the chosen experts' ids (int32 [kmax], after h):
+    written only for experts with biases (gpt-oss), whose rows they find."""
+    return request_offsets(D, kmax)[3] + 4 * D
+
+
 def request_bytes(D: int, kmax: int) -> int:
-    """Bytes of a job's request (``request_views``), a multiple of 16."""
-    return -(-(request_offsets(D, kmax)[3] + 4 * D) // 16) * 16
+    """Bytes of a job's request (``request_views``, then the ids), a multiple of 16."""
+    return -(-(request_ids_offset(D, kmax) + 4 * kmax) // 16) * 16
 
 
 def request_views(
@@ -450,6 +463,9 @@ class CpuJob:
 
         self.request = buf(request_bytes(D, kmax), torch.uint8)
         self.offs, self.wts, self.n, self.h = request_views(self.request, D, kmax)
+        at = request_ids_offset(D, kmax)
+        self.ids = self.request[at : at + 4 * kmax].view(torch.int32)  # [kmax]
+        self.extras: tuple[torch.Tensor, ...] = ()  # what bias pointers point at
         self.y = buf(D, torch.float32)  # [D]
         self.act = buf(kmax * F, torch.float32)  # [kmax * F]
         self.struct = StrataJob(
@@ -478,10 +494,29 @@ class CpuJob:
     def base(self, value: int) -> None:
         self.struct.base = value
 
+    def set_extras(self, biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                   oai: tuple[float, float] | None) -> None:  # fmt: skip
+        """gpt-oss's experts: ``biases`` (gate, up: float32 [E, F], down: [E, D], on the CPU),
+        found by the ids the request carries; ``oai`` (alpha, limit): the clamped SwiGLU.
+        Before the job first runs."""
+        F, D = self.layout.gate.rows, self.layout.gate.cols
+        if biases is not None:
+            g, u, d = (b.detach().to("cpu", torch.float32).contiguous() for b in biases)
+            if g.shape[1:] != (F,) or u.shape != g.shape or d.shape != (g.shape[0], D):
+                raise ValueError(f"expert biases {tuple(g.shape)}, {tuple(u.shape)}, "
+                                 f"{tuple(d.shape)} for experts of {F} x {D}")  # fmt: skip
+            self.extras = (g, u, d)
+            self.struct.ids = self.ids.data_ptr()
+            self.struct.bias_gate, self.struct.bias_up, self.struct.bias_down = (
+                t.data_ptr() for t in self.extras
+            )
+        if oai is not None:
+            self.struct.oai, self.struct.alpha, self.struct.limit = 1, oai[0], oai[1]
+
     @property
     def buffers(self) -> tuple[object, ...]:
         """What the C struct points at (kept alive while a server may run the job)."""
-        return (self.struct, self.request, self.y, self.act)
+        return (self.struct, self.request, self.y, self.act, *self.extras)
 
     @property
     def arg_address(self) -> int:

@@ -176,7 +176,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def matvec_reference(
-    x: torch.Tensor, mats: Sequence[Mat], norm: torch.Tensor | None = None, eps: float = 0.0,
+    x: torch.Tensor,
+    mats: Sequence[Mat],
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch twin of ``matvec`` (without the residual): [sum of rows] float32."""

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.engine.kernels.cpu_experts import request_offsets
+from strata.engine.kernels.cpu_experts import request_ids_offset, request_offsets
 from strata.engine.kernels.dot import (
     BF16,
     F16,
@@ -219,7 +219,7 @@ def _globaltimer():
 def _cpu_post_kernel(ids, wts, eoffs, homes, counted, h, base, req, mb, seq, posted, job,
                      zero_off, share, D, K: tl.constexpr, KP: tl.constexpr, AT_O: tl.constexpr,
                      AT_W: tl.constexpr, AT_N: tl.constexpr, AT_H: tl.constexpr,
-                     BD: tl.constexpr, POST: tl.constexpr):  # fmt: skip
+                     BD: tl.constexpr, POST: tl.constexpr, AT_I: tl.constexpr):  # fmt: skip
     kk = tl.arange(0, KP)
     km = kk < K
     i = tl.load(ids + kk, mask=km, other=0)
@@ -235,6 +235,8 @@ def _cpu_post_kernel(ids, wts, eoffs, homes, counted, h, base, req, mb, seq, pos
     at = base + req
     tl.store((at + AT_O).to(tl.pointer_type(tl.int64)) + rank, home, mask=take)  # (anchor's)
     tl.store((at + AT_W).to(tl.pointer_type(tl.float32)) + rank, w, mask=take)
+    if AT_I > 0:  # the experts' ids, where their biases are found (gpt-oss)
+        tl.store((at + AT_I).to(tl.pointer_type(tl.int32)) + rank, i, mask=take)
     tl.store((at + AT_N).to(tl.pointer_type(tl.int32)), m)
     dd = tl.arange(0, BD)
     h_at = (at + AT_H).to(tl.pointer_type(tl.float32))
@@ -302,7 +304,7 @@ class CpuPost:
 
 def post_for_cpu(ids: torch.Tensor, wts: torch.Tensor, eoffs: torch.Tensor, homes: torch.Tensor,
                  counted: torch.Tensor, h: torch.Tensor, zero_off: int,
-                 share: torch.Tensor, to: CpuPost) -> None:  # fmt: skip
+                 share: torch.Tensor, to: CpuPost, with_ids: bool = False) -> None:  # fmt: skip
     """After ``route``: of the chosen experts read from their RAM homes (``homes``: the
     layer's RAM home offsets from the anchor, -1 elsewhere), the first ``round(share * n)`` in
     top-k order go to the CPU (``share``: float32 [1] on the device, read at run time, so a
@@ -311,13 +313,14 @@ def post_for_cpu(ids: torch.Tensor, wts: torch.Tensor, eoffs: torch.Tensor, home
     counted int64 [1] += the count, and with ``to.post`` the job is posted when it has an
     expert. Their entries in ``eoffs`` then point at ``zero_off`` (a slot of zero bytes in VRAM)
     and their ``wts`` are 0, so the expert kernels add nothing for them and read nothing over
-    PCIe."""
+    PCIe. ``with_ids``: the chosen ids go into the request too (experts with biases)."""
     k = ids.numel()
     o, w, n, at_h = request_offsets(h.numel(), k)
+    at_i = request_ids_offset(h.numel(), k) if with_ids else 0
     _cpu_post_kernel[(1,)](
         ids, wts, eoffs, homes, counted, h, to.base, to.req, to.mb, to.seq, to.posted,
         to.job, zero_off, share, h.numel(), K=k, KP=triton.next_power_of_2(k), AT_O=o, AT_W=w,
-        AT_N=n, AT_H=at_h, BD=512, POST=to.post, num_warps=4,
+        AT_N=n, AT_H=at_h, BD=512, POST=to.post, AT_I=at_i, num_warps=4,
     )  # fmt: skip
 
 
@@ -392,7 +395,7 @@ def gate_up(act: torch.Tensor, h: torch.Tensor, eoffs: torch.Tensor, base: torch
         assert x is not None and x.gate is not None
         if x.gate.shape[1:] != (F,) or x.up is None or x.up.shape != x.gate.shape:
             raise ValueError(f"gate/up biases {tuple(x.gate.shape)} for experts of {F} rows")
-    alpha, limit = (x.oai if x is not None and x.oai is not None else (1.0, 0.0))
+    alpha, limit = x.oai if x is not None and x.oai is not None else (1.0, 0.0)
     _gate_up_kernel[(k, triton.cdiv(F, bn))](
         h, eoffs, base, act, F, D, *plane_offsets(gate.offsets), up_off,
         *plane_offsets(up.offsets), eoffs if x is None else x.ids,
