@@ -26,9 +26,9 @@ log-decays and β the write strengths,
 
 T by forward substitution within four diagonal blocks and a short series across them, the
 products on tensor cores with three-pass TF32 (``tf32x3``: float32 accuracy; plain IEEE
-float32 in the interpreter). A program owns one
-v head's ``BV`` state rows and walks the chunks in order; the rows past ``n`` (read from the
-device: a captured chunk's padding) write nothing and change nothing.
+float32 in the interpreter). A program owns one v head's ``BV`` state rows and walks the
+chunks in order; the rows past ``n`` (read from the device: a captured chunk's padding) write
+nothing and change nothing.
 """
 
 from __future__ import annotations

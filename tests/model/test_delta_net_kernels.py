@@ -207,3 +207,22 @@ def test_the_element_wise_steps_match_torch() -> None:
     want = a * torch.sigmoid(gate)
     dk.sigmoid_mul(a, gate)
     assert _rel(a, want) < 1e-6
+
+
+def test_the_chunked_rule_holds_for_near_parallel_keys() -> None:
+    # keys that barely differ and strong writes: (I + A) far from I, its inverse's entries large
+    g = torch.Generator().manual_seed(4)
+    T, H, S = 130, 2, 16
+    base = torch.randn(1, H, S, generator=g)
+    k = l2_norm(base + 0.05 * torch.randn(T, H, S, generator=g), EPS).to(DEVICE)
+    q = (l2_norm(torch.randn(T, H, S, generator=g), EPS) / math.sqrt(S)).to(DEVICE)
+    v = torch.randn(T, H, S, generator=g).to(DEVICE)
+    gl = (-0.001 * torch.rand(T, H, generator=g)).to(DEVICE)
+    beta = torch.sigmoid(3 + torch.randn(T, H, generator=g)).to(DEVICE)
+    ssm_want = (0.1 * torch.randn(H, S, S, generator=g)).to(DEVICE)
+    ssm = ssm_want.clone()
+    want = delta_rule(q, k, v, gl, beta, ssm_want)
+    out = torch.full_like(v, float("nan"))
+    count = torch.tensor([T], dtype=torch.int32, device=DEVICE)
+    dk.chunk_delta_rule(q, k, v, gl, beta, ssm, out, count, True, chunk=64)
+    assert _rel(out, want) < TOL and _rel(ssm, ssm_want) < TOL
