@@ -106,6 +106,8 @@ class HttpLoad:
 
 
 def create_app(daemon: Daemon) -> FastAPI:
+    """The HTTP edge: every API on one generation path (``Serving``), the VRAM routes, the
+    metrics and the page."""
     config = daemon.config
     load = HttpLoad(config.max_requests_in_progress, config.max_request_kib * 1024)
     generations: Generations | None = None
@@ -130,6 +132,20 @@ def create_app(daemon: Daemon) -> FastAPI:
     app.state.metrics = metrics
     _add_error_handlers(app)
     _add_middleware(app, config, metrics, load)
+    # every API's requests take this one path (serving.py): name, prepare, queue
+    serving = _serving(daemon, generations)
+    _add_openai_routes(app, serving)
+    _add_vram_routes(app, daemon, metrics)
+    for path, file in page.load().items():
+        app.add_api_route(path, _page_file(file), methods=["GET"], include_in_schema=False)
+    # the other APIs, on the same generation path
+    for api in (llama_extras, anthropic_api, ollama_api, responses_api):
+        api.add_routes(app, serving)
+    return app
+
+
+def _serving(daemon: Daemon, generations: Generations) -> Serving:
+    config = daemon.config
 
     def engine() -> Engine:
         """The loaded engine, or a 503 while loading or stopping."""
@@ -142,11 +158,9 @@ def create_app(daemon: Daemon) -> FastAPI:
 
     def created() -> int:
         try:
-            return int(daemon.model_path.stat().st_mtime)
+            return int(daemon.model_path.stat().st_mtime)  # type: ignore[union-attr]
         except (AttributeError, OSError):
             return int(daemon.started)
-
-    reasoning = ReasoningDefaults(config.reasoning_format, config.enable_thinking)
 
     def in_library(name: str) -> bool:
         try:
@@ -159,9 +173,14 @@ def create_app(daemon: Daemon) -> FastAPI:
         return ModelNames.of(daemon.model_id, path.name if path else "", config.model_alias,
                              config.serve_any_model_name, in_library)  # fmt: skip
 
-    # every API's requests take this one path (serving.py): name, prepare, queue
-    serving = Serving(daemon, config, engine, names, created, reasoning, generations,
-                      FINGERPRINT, as_api_error)  # fmt: skip
+    reasoning = ReasoningDefaults(config.reasoning_format, config.enable_thinking)
+    return Serving(daemon, config, engine, names, created, reasoning, generations,
+                   FINGERPRINT, as_api_error)  # fmt: skip
+
+
+def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
+    """Health, OpenAI's models, chat and completions."""
+    daemon, config = serving.daemon, serving.config
 
     async def generate(request: Request, req: Parsed, received: float) -> Response:
         s = await serving.start(request, req, received)
@@ -184,14 +203,14 @@ def create_app(daemon: Daemon) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        engine()
+        serving.engine()
         shelf = await asyncio.to_thread(library.listed, models_dir(config))
-        return names().listing(created(), shelf)
+        return serving.names().listing(serving.created(), shelf)
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
-        engine()
-        return names().entry(model, created())
+        serving.engine()
+        return serving.names().entry(model, serving.created())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -206,6 +225,10 @@ def create_app(daemon: Daemon) -> FastAPI:
         return await generate(
             request, parse_completion(await request.body(), config.max_stop_sequences), received
         )
+
+
+def _add_vram_routes(app: FastAPI, daemon: Daemon, metrics: Metrics) -> None:
+    """``/v1/vram`` (the status, the run-time reserve), its events, and ``/metrics``."""
 
     @app.get("/v1/vram")
     async def get_vram() -> dict[str, Any]:
@@ -250,14 +273,6 @@ def create_app(daemon: Daemon) -> FastAPI:
     @app.get("/metrics")
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    for path, file in page.load().items():
-        app.add_api_route(path, _page_file(file), methods=["GET"], include_in_schema=False)
-
-    # the other APIs, on the same generation path
-    for api in (llama_extras, anthropic_api, ollama_api, responses_api):
-        api.add_routes(app, serving)
-    return app
 
 
 def _page_file(file: page.PageFile) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
@@ -43,7 +43,7 @@ class Started:
 class Serving:
     daemon: Daemon
     config: StrataConfig
-    engine: Callable[[], Any]  # the loaded engine, or a 503 while loading or stopping
+    engine: Callable[[], Engine]  # the loaded engine, or a 503 while loading or stopping
     names: Callable[[], ModelNames]
     created: Callable[[], int]  # the model file's time (seconds since the epoch)
     reasoning: ReasoningDefaults
