@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
-from strata.engine.status import EngineStatus, StageStatus, drive_read_bytes
+from strata.engine.status import CacheStatus, EngineStatus, StageStatus, drive_read_bytes
 
 if TYPE_CHECKING:
     from strata.daemon.control import VramController
@@ -234,24 +234,36 @@ def hit_rate(engine: EngineStatus | None) -> float | None:
     return hits / total if total else None
 
 
+def _host_tier(caches: list[CacheStatus]) -> dict[str, int | None]:
+    """The host tier's and the file's part (every stage's share of the one tier together), and
+    what this process has read from the drive."""
+    tiers = [c.host for c in caches if c.host is not None]
+    drive = drive_read_bytes()
+    return {
+        "host_tier_mib": sum(t.nbytes for t in tiers) // MiB,
+        "host_experts": sum(t.experts for t in tiers),
+        "host_room_experts": sum(t.slots - t.experts for t in tiers),
+        "file_experts": sum(c.file_experts for c in caches) if caches else None,
+        "swaps": sum(c.swaps for c in caches),
+        "corrupt_copies": sum(c.corrupt for c in caches),
+        "drive_read_mib": drive // MiB if drive is not None else None,
+    }
+
+
 def build_status(
     facts: DaemonFacts,
     engine: EngineStatus | None,
     controllers: Sequence[VramController],
     compute_devices: Sequence[str],
 ) -> Status:
-    """The status: each device's part, the top level (device 0's numbers, the whole model's
-    host tier, fetches and requests)."""
+    """Each device's part; the top level: device 0's numbers and the whole model's."""
     stages: list[StageStatus | None] = list(engine.stages) if engine is not None else []
     stages += [None] * (len(controllers) - len(stages))
     devices = [
         device_status(i, compute_devices[i], c, stages[i]) for i, c in enumerate(controllers)
     ]
-    first, stage = devices[0], stages[0]
+    first, stage, kv = devices[0], stages[0], stages[0].kv if stages[0] is not None else None
     caches = [s.cache for s in stages if s is not None and s.cache is not None]
-    tiers = [c.host for c in caches if c.host is not None]
-    kv = stage.kv if stage is not None else None
-    drive = drive_read_bytes()
     return Status(
         state=facts.state,
         model=facts.model,
@@ -271,13 +283,7 @@ def build_status(
         total_experts=sum(c.max_experts for c in caches)
         if stage is not None and stage.cache is not None
         else None,
-        host_tier_mib=sum(t.nbytes for t in tiers) // MiB,
-        host_experts=sum(t.experts for t in tiers),
-        host_room_experts=sum(t.slots - t.experts for t in tiers),
-        file_experts=sum(c.file_experts for c in caches) if caches else None,
-        swaps=sum(c.swaps for c in caches),
-        corrupt_copies=sum(c.corrupt for c in caches),
-        drive_read_mib=drive // MiB if drive is not None else None,
+        **_host_tier(caches),
         kv_mib=first.kv_mib,
         kv_active_tokens=kv.active_tokens if kv is not None else 0,
         kv_active_mib=_up(kv.active_bytes) if kv is not None else 0,
