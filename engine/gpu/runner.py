@@ -228,6 +228,7 @@ class GpuRunner(StageRunner):
     def run(self, batch: Batch, x: torch.Tensor | None = None) -> torch.Tensor:
         seq = batch.one
         self._last = batch.kind
+        self._settle_state(seq.start)
         if self.kv.state is not None and (batch.kind == StepKind.DECODE or self.prefill):
             begin_state(self.kv.state, seq.start)  # (the reference operations check their own)
         if batch.kind == StepKind.DECODE:
@@ -245,6 +246,22 @@ class GpuRunner(StageRunner):
             return reference_step(self, self._rope, batch, x)
         self.counters.dirty = True
         return self.prefill.run(seq.tensor(self.device), seq.start, batch.last_only, x)
+
+    def _settle_state(self, start: int) -> None:
+        """A hybrid's state that holds more than its committed tokens (a look-ahead stopped
+        with a step run ahead, or a step that failed) goes back to its latest checkpoint and
+        reads the committed tokens since then again, one step each, as ``Sequences.rewind``
+        would."""
+        state = self.kv.state
+        if state is None or not state.dirty or len(state.tokens) != start:
+            return
+        tokens = list(state.tokens)
+        n = state.restore(tokens)
+        log.debug("recurrent state: back to position %d, %d tokens read again", n, start - n)
+        for pos in range(n, start):
+            state.begin_step()
+            self.run_step(tokens[pos], pos)
+            state.advance([tokens[pos]])
 
     def _chunk_forward(self, ops: ChunkOps) -> torch.Tensor:
         return self.model.forward(ops, self.layers, ops.b.x)
