@@ -251,9 +251,11 @@ class GpuRunner(StageRunner):
         """A hybrid's state that holds more than its committed tokens (a look-ahead stopped
         with a step run ahead, or a step that failed) goes back to its latest checkpoint and
         reads the committed tokens since then again, one step each, as ``Sequences.rewind``
-        would."""
+        would (a model on one stage; on several, the step is refused: ``begin_state``)."""
         state = self.kv.state
         if state is None or not state.dirty or len(state.tokens) != start:
+            return
+        if self.layers.start != 0 or not self.is_last:  # a stage alone cannot read tokens
             return
         tokens = list(state.tokens)
         n = state.restore(tokens)
