@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata import paths
 from strata.daemon.bounded import Bounded
@@ -37,6 +37,9 @@ from strata.daemon.status_feed import StatusFeed
 from strata.daemon.worker import EngineWorker, State
 from strata.engine.status import EngineStatus
 from strata.errors import EXIT_CONFIG, EXIT_RUNTIME, ServiceError
+
+if TYPE_CHECKING:
+    from strata.vmm.monitor import VramMonitor
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +296,6 @@ def build(
     """The daemon's objects, not started yet: worker, monitor, controller, API."""
     from strata.daemon.engine_setup import engine_options, model_path, resolve_device_name
     from strata.engine.generate import Engine
-    from strata.vmm.monitor import VramMonitor, create_monitor
 
     split = config.devices is not None
     names = list(config.devices) if config.devices is not None else [config.device]
@@ -302,22 +304,7 @@ def build(
     for name in names:
         require_gpu_packages(name)
     controllers: list[VramController] = []
-    monitors: list[VramMonitor] = []
-
-    def ours(number: int) -> Callable[[], int]:
-        return lambda: controllers[number].ours_bytes() if len(controllers) > number else 0
-
-    try:
-        for number, (name, file) in enumerate(zip(names, config.simulated_files(), strict=True)):
-            index = int(name.partition(":")[2] or 0) if name.startswith("cuda") else 0
-            monitors.append(create_monitor(
-                _monitor_kind(config, name), ours=ours(number), device_index=index,
-                simulated_file=file,
-            ))  # fmt: skip
-    except BaseException:
-        for monitor in monitors:
-            monitor.close()
-        raise
+    monitors = _monitors(config, names, controllers)
     path = config.model
 
     def load() -> Engine:
@@ -341,6 +328,47 @@ def build(
         )
 
     worker = EngineWorker(load)
+    controllers += _controllers(config, worker, names, monitors)
+    daemon = Daemon(config, worker, controllers[0], path, device, controllers, names)
+
+    def close() -> None:
+        for monitor in monitors:
+            monitor.close()
+
+    return daemon, close
+
+
+def _monitors(
+    config: StrataConfig, names: list[str], controllers: list[VramController]
+) -> list[VramMonitor]:
+    """One VRAM monitor per device (NVML finds a CUDA device by its index, then its UUID);
+    each counts as Strata's what that device's controller, once made, says it holds."""
+    from strata.vmm.monitor import create_monitor
+
+    monitors: list[VramMonitor] = []
+
+    def ours(number: int) -> Callable[[], int]:
+        return lambda: controllers[number].ours_bytes() if len(controllers) > number else 0
+
+    try:
+        for number, (name, file) in enumerate(zip(names, config.simulated_files(), strict=True)):
+            index = int(name.partition(":")[2] or 0) if name.startswith("cuda") else 0
+            monitors.append(create_monitor(
+                _monitor_kind(config, name), ours=ours(number), device_index=index,
+                simulated_file=file,
+            ))  # fmt: skip
+    except BaseException:
+        for monitor in monitors:
+            monitor.close()
+        raise
+    return monitors
+
+
+def _controllers(
+    config: StrataConfig, worker: EngineWorker, names: list[str], monitors: list[VramMonitor]
+) -> list[VramController]:
+    """One VRAM controller per device, in device order: one cookie sequence and one set of
+    listeners for them all."""
     policy = PolicyConfig(
         elastic_reserve_mib=config.elastic_reserve_mib,
         elastic_stable_ms=config.elastic_stable_ms,
@@ -351,7 +379,8 @@ def build(
     control = ControlConfig(
         period_ms=config.elastic_period_ms, borrow_timeout_ms=config.borrow_timeout_ms
     )
-    cookies, listeners = Cookies(), []  # one cookie sequence, one set of listeners
+    cookies, listeners = Cookies(), []
+    controllers = []
     for number, (name, monitor) in enumerate(zip(names, monitors, strict=True)):
         controller = VramController(
             worker, monitor, policy, control, _fixed_bytes(name), on_gpu=name.startswith("cuda"),
@@ -360,13 +389,7 @@ def build(
         if len(names) > 1:
             controller.where = f"device {number}, {name}"
         controllers.append(controller)
-    daemon = Daemon(config, worker, controllers[0], path, device, controllers, names)
-
-    def close() -> None:
-        for monitor in monitors:
-            monitor.close()
-
-    return daemon, close
+    return controllers
 
 
 def log_progress(done: int, total: int, what: str) -> None:
@@ -388,72 +411,6 @@ def require_gpu_packages(device: str) -> None:
             f"{install_hint('cuda-bindings')}",
             EXIT_CONFIG,
         ) from None
-
-
-def describe_path(daemon: Daemon) -> str:
-    """One line: the path ``strata serve`` took (the VRAM arena, the monitor, the kernels), or
-    why not."""
-
-    monitor = daemon.controller.monitor
-    if monitor.kind == "none":
-        watch = "no VRAM monitor (vram_monitor none)"
-    elif monitor.healthy:
-        watch = f"{monitor.kind} VRAM monitor on {monitor.device_name}"
-    else:
-        watch = f"no VRAM monitor: {monitor.problem}"
-    requests = {
-        "room": "requests wait for their room",
-        "shrink": "a request shrinks the cache by its amount",
-        "refused": "VRAM requests are refused (no GPU)",
-    }[daemon.controller.requests]
-    engine = daemon.worker.engine
-    if not daemon.device.startswith("cuda"):
-        return (
-            f"path: CPU ({_why_cpu(daemon.config.device, daemon.config.devices)}); {watch}; "
-            f"{requests}"
-            f"{_stages_text(daemon)}"
-        )
-    status = engine.status() if engine is not None else None
-    cache = status.stages[0].cache if status is not None else None
-    arena = cache.arena if cache is not None else None
-    arena_text = {"CudaArena": "CUDA VMM arena", None: "no expert cache"}.get(arena, str(arena))
-    kernels = status.decode_path if status is not None else "not loaded"
-    if status is not None and not status.decodes_on_gpu:
-        from strata.engine.kernels import unavailable
-
-        why = unavailable() or ("fast_decode is off" if not daemon.config.fast_decode else None)
-        kernels += f", no Triton kernels: {why}" if why else ""
-    prefill = status.prefill_path if status is not None else "not loaded"
-    return (
-        f"path: {daemon.device}: {arena_text}; {watch}; {requests}; decode: {kernels}; "
-        f"prefill: {prefill}{_stages_text(daemon)}"
-    )
-
-
-def _stages_text(daemon: Daemon) -> str:
-    """With several devices: each stage, its layers and its device's monitor."""
-    if len(daemon.controllers) < 2:
-        return ""
-    parts = []
-    for number, c in enumerate(daemon.controllers):
-        layers = daemon.status_layers(number)
-        monitor = c.monitor.kind if c.monitor.healthy else f"failed: {c.monitor.problem}"
-        parts.append(f"{number} on {daemon.devices[number]}{layers} ({monitor} monitor)")
-    return "; stages: " + ", ".join(parts)
-
-
-def _why_cpu(asked: str, devices: list[str] | None = None) -> str:
-    if devices is not None:
-        return f"devices = {','.join(devices)}"
-    if asked == "cpu":
-        return "device = cpu"
-    import torch
-
-    if torch.version.cuda is None:
-        return f"no CUDA device: this torch {torch.__version__} is a CPU build"
-    return (
-        f"no CUDA device: torch.cuda.is_available() is False (torch for CUDA {torch.version.cuda})"
-    )
 
 
 def _free_vram(monitor: Any) -> Callable[[], int | None]:

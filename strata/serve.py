@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.daemon.config import LoadedConfig, StrataConfig
+from strata.daemon.describe import describe_path
 from strata.daemon.sdnotify import Notifier, http_status, watchdog_loop
 from strata.daemon.service import (
     Daemon,
     acquire_instance_lock,
     bind_socket,
     build,
-    describe_path,
     log_progress,
 )
 from strata.engine.errors import EngineError
