@@ -113,6 +113,7 @@ class ChunkBuffers:
         # gated attention's gates, from before attention to the output product
         self.gate = torch.zeros(T, a.q_dim, dtype=torch.float32, device=dev) if a.gated else None
         self.n = torch.full((1,), T, dtype=torch.long, device=dev)  # the real rows (no padding)
+        self.rows = T  # the same, for the eager attention between the segments
         rows = out_rows if parts.is_last else 0  # (a stage before the last has no head)
         self.logits = torch.zeros(rows, s.vocab_size, dtype=torch.float32, device=dev)
 
@@ -304,8 +305,11 @@ class ChunkPath:
         segments: the pool's view is the one the K/V has now. A window or sinks (gpt-oss):
         ``gpu.oss.attend``."""
         kv, q, out = self.p.kv, b.q, b.attn
-        if a.window is not None or sinks is not None:
-            out.copy_(oss.attend(kv, j, q, b.k, b.v, b.pos, start, a.window, sinks))
+        if a.window is not None or sinks is not None:  # the real rows only: the same bits
+            r = b.rows  # whether a graph's padding is there or not
+            out[:r].copy_(oss.attend(kv, j, q[:r], b.k[:r], b.v[:r], b.pos[:r], start, a.window,
+                                     sinks))  # fmt: skip
+            out[r:].zero_()
             return
         pages = kv.block_table.index_select(0, b.pos // kv.page).long()
         rows = b.pos % kv.page
@@ -536,6 +540,7 @@ class ChunkGraph:
         b.tok[n:].zero_()
         b.pos.copy_(torch.arange(start, start + self.T, device=b.pos.device))
         b.n.fill_(n)
+        b.rows = n
         if x_in is not None:  # a later stage: the real rows from the previous stage
             b.x[:n].copy_(x_in)
             b.x[n:].zero_()

@@ -21,10 +21,7 @@ from strata.engine.quant import SUPPORTED_TYPES
 SUPPORTED = ("qwen3moe", "llama", "qwen35moe", "qwen3next", "gpt-oss")
 # architectures only the reference operations run yet, and why (the GPU path says so and falls
 # back to the reference path on the same device)
-REFERENCE_ONLY = {
-    "gpt-oss": "its attention sinks, sliding window, biases and clamped SwiGLU experts have no "
-    "GPU kernels yet",
-}
+REFERENCE_ONLY: dict[str, str] = {}
 
 # {arch}.KEY that every supported file must carry, each a whole number >= 1
 REQUIRED_COUNTS = (
