@@ -19,8 +19,10 @@ each of q|k|v, z, β and α is, for both layouts.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +49,13 @@ from strata.engine.ops import (
 )
 from strata.engine.ops.delta_net import l2_norm
 from strata.engine.ops.reference import Rope, rms_norm, rotate
-from strata.engine.recurrent import RecurrentState
+from strata.engine.recurrent import RecurrentState, begin_state
 from strata.engine.weights import RepackedWeight, Weight
+
+if TYPE_CHECKING:
+    from strata.engine.gpu.runner import GpuRunner
+
+log = logging.getLogger(__name__)
 
 
 def rope_tables_for(
@@ -96,6 +103,29 @@ def keep_state(state: RecurrentState | None) -> Iterator[None]:
         state.conv.copy_(conv)
         state.ssm.copy_(ssm)
         state.dirty = dirty
+
+
+def begin_hybrid_step(runner: GpuRunner, start: int, check: bool) -> None:
+    """Before ``runner``'s step from ``start``, where its stage has a recurrent state: a state
+    that holds more than its committed tokens (a look-ahead stopped with a step run ahead, or a
+    step that failed) goes back to its latest checkpoint and reads the committed tokens since
+    then again, one decode step each, as ``Sequences.rewind`` would (where the stage is the
+    whole model; a stage alone cannot read tokens, and the step is refused). With ``check``,
+    the step then begins (``recurrent.begin_state``)."""
+    state = runner.kv.state
+    if state is None:
+        return
+    whole = runner.layers.start == 0 and runner.is_last
+    if state.dirty and len(state.tokens) == start and whole:
+        tokens = list(state.tokens)
+        n = state.restore(tokens)
+        log.debug("recurrent state: back to position %d, %d tokens read again", n, start - n)
+        for pos in range(n, start):
+            state.begin_step()
+            runner.run_step(tokens[pos], pos)
+            state.advance([tokens[pos]])
+    if check:
+        begin_state(state, start)
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,13 @@ from strata.engine.gpu.chunk import ChunkOps, ChunkParts, ChunkPath
 from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.cpu_share import CPU_SHARE_CANDIDATES, CpuShare, CpuShareFault
 from strata.engine.gpu.decode import AHEAD, CPU, PLAIN, DecodeOps, DecodeParts
-from strata.engine.gpu.delta import keep_state
+from strata.engine.gpu.delta import begin_hybrid_step, keep_state
 from strata.engine.gpu.oss import cpu_extras
 from strata.engine.gpu.sampled import SampledSteps
 from strata.engine.gpu.staging import MissStaging, file_of
 from strata.engine.gpu.tables import ExpertTables, FastPathError
 from strata.engine.kv import KVCache
 from strata.engine.models.base import MoEModel
-from strata.engine.recurrent import begin_state
 from strata.engine.sampling import TokenLogprob
 from strata.engine.step import Batch, StageRunner, StepKind
 
@@ -228,9 +227,8 @@ class GpuRunner(StageRunner):
     def run(self, batch: Batch, x: torch.Tensor | None = None) -> torch.Tensor:
         seq = batch.one
         self._last = batch.kind
-        self._settle_state(seq.start)
-        if self.kv.state is not None and (batch.kind == StepKind.DECODE or self.prefill):
-            begin_state(self.kv.state, seq.start)  # (the reference operations check their own)
+        fast = batch.kind == StepKind.DECODE or self.prefill is not None
+        begin_hybrid_step(self, seq.start, fast)  # (the reference operations check their own)
         if batch.kind == StepKind.DECODE:
             if x is not None:  # a later stage: the previous stage's hidden state
                 self.buf.x.copy_(x)
@@ -246,24 +244,6 @@ class GpuRunner(StageRunner):
             return reference_step(self, self._rope, batch, x)
         self.counters.dirty = True
         return self.prefill.run(seq.tensor(self.device), seq.start, batch.last_only, x)
-
-    def _settle_state(self, start: int) -> None:
-        """A hybrid's state that holds more than its committed tokens (a look-ahead stopped
-        with a step run ahead, or a step that failed) goes back to its latest checkpoint and
-        reads the committed tokens since then again, one step each, as ``Sequences.rewind``
-        would (a model on one stage; on several, the step is refused: ``begin_state``)."""
-        state = self.kv.state
-        if state is None or not state.dirty or len(state.tokens) != start:
-            return
-        if self.layers.start != 0 or not self.is_last:  # a stage alone cannot read tokens
-            return
-        tokens = list(state.tokens)
-        n = state.restore(tokens)
-        log.debug("recurrent state: back to position %d, %d tokens read again", n, start - n)
-        for pos in range(n, start):
-            state.begin_step()
-            self.run_step(tokens[pos], pos)
-            state.advance([tokens[pos]])
 
     def _chunk_forward(self, ops: ChunkOps) -> torch.Tensor:
         return self.model.forward(ops, self.layers, ops.b.x)
