@@ -29,8 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -38,14 +36,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from dbus_fast import (
-    BusType,
     DBusError,
     Message,
     MessageFlag,
     MessageType,
     NameFlag,
     RequestNameReply,
-    Variant,
 )
 from dbus_fast.aio import MessageBus
 from dbus_fast.annotations import DBusDict, DBusSignature, DBusStr, DBusUInt32, DBusUInt64
@@ -55,26 +51,64 @@ from dbus_fast.service import ServiceInterface, dbus_method, dbus_property, dbus
 from strata.daemon.bounded import Bounded
 from strata.daemon.leases import LeaseError
 from strata.daemon.status import StatusJson
+from strata.ipc.bus import (
+    CONNECT_TIMEOUT_S,
+    DBUS_NAME,
+    DBUS_PATH,
+    RECONNECT_FIRST_S,
+    RECONNECT_MAX_S,
+    NoSessionBus,
+    bus_call,
+    connect_session_bus,
+    from_variant,
+    guard_writes,
+    name_owner_match,
+    reconnect_delay_s,
+    session_bus_address,
+    to_vardict,
+    to_variant,
+)
 
 if TYPE_CHECKING:
     from strata.daemon.service import Daemon
 
 log = logging.getLogger(__name__)
 
+# the bus's helpers, imported from here by the edge's clients and tests as before the split
+__all__ = [
+    "BUS_NAME",
+    "CONNECT_TIMEOUT_S",
+    "CONTRACT",
+    "DBUS_NAME",
+    "DBUS_PATH",
+    "INTERFACE",
+    "OBJECT_PATH",
+    "RECONNECT_FIRST_S",
+    "RECONNECT_MAX_S",
+    "DbusEdge",
+    "NoSessionBus",
+    "bus_call",
+    "connect_session_bus",
+    "from_variant",
+    "guard_writes",
+    "name_owner_match",
+    "property_values",
+    "reconnect_delay_s",
+    "session_bus_address",
+    "start_dbus",
+    "to_vardict",
+    "to_variant",
+]
+
 BUS_NAME = "org.strata.Strata1"
 OBJECT_PATH = "/org/strata/Strata1"
 INTERFACE = "org.strata.Vram1"
 CONTRACT = Path(__file__).with_name("org.strata.Strata1.xml")
+CLOSE_TIMEOUT_S = 1.0
 
 ERROR_INVALID_ARGUMENT = "org.strata.Error.InvalidArgument"
 ERROR_FAILED = "org.strata.Error.Failed"
 
-DBUS_NAME = "org.freedesktop.DBus"
-DBUS_PATH = "/org/freedesktop/DBus"
-CONNECT_TIMEOUT_S = 5.0
-CLOSE_TIMEOUT_S = 1.0
-RECONNECT_FIRST_S = 0.5  # the wait before the first attempt to reconnect; doubled after each
-RECONNECT_MAX_S = 30.0
 
 DBusLeases = Annotated[list[list[Any]], DBusSignature("a(usstt)")]
 DBusCacheResized = Annotated[list[int], DBusSignature("tt")]
@@ -84,165 +118,6 @@ DBusLeaseReturned = Annotated[list[Any], DBusSignature("us")]
 
 # The unique bus name of the connection whose method call is being handled (see the module doc).
 _caller: ContextVar[str | None] = ContextVar("strata_dbus_caller", default=None)
-
-
-class NoSessionBus(Exception):
-    """There is no session bus to talk to; the message says why."""
-
-
-# -- the session bus, for the daemon and for clients --------------------------------------------
-
-
-def session_bus_address(environ: dict[str, str] | None = None) -> str | None:
-    """``DBUS_SESSION_BUS_ADDRESS``, else the systemd user bus ``$XDG_RUNTIME_DIR/bus`` when that
-    socket exists (what sd-bus falls back to), else None."""
-    env = os.environ if environ is None else environ
-    address = env.get("DBUS_SESSION_BUS_ADDRESS", "").strip()
-    if address:
-        return address
-    runtime = env.get("XDG_RUNTIME_DIR")
-    if runtime and Path(runtime, "bus").is_socket():
-        return f"unix:path={Path(runtime, 'bus')}"
-    return None
-
-
-async def connect_session_bus(timeout: float = CONNECT_TIMEOUT_S) -> MessageBus:
-    """A connection to the session bus, or :class:`NoSessionBus` naming the reason."""
-    address = session_bus_address()
-    if address is None:
-        raise NoSessionBus(
-            "no session bus: DBUS_SESSION_BUS_ADDRESS is unset and $XDG_RUNTIME_DIR/bus does not "
-            "exist"
-        )
-    try:
-        bus = MessageBus(bus_address=address, bus_type=BusType.SESSION)
-        return await asyncio.wait_for(bus.connect(), timeout)
-    except TimeoutError:
-        raise NoSessionBus(
-            f"the session bus at {address} did not answer in {timeout:g} s"
-        ) from None
-    except Exception as e:  # OSError, AuthError, InvalidAddressError: all mean "no bus"
-        raise NoSessionBus(f"cannot connect to the session bus at {address}: {e}") from None
-
-
-async def bus_call(
-    bus: MessageBus,
-    member: str,
-    signature: str = "",
-    body: list[Any] | None = None,
-    *,
-    destination: str = DBUS_NAME,
-    path: str = DBUS_PATH,
-    interface: str = DBUS_NAME,
-) -> list[Any]:
-    """Call a method and return the reply's body; a D-Bus error reply raises ``DBusError``, a
-    bus no longer connected ``ConnectionError`` (dbus-fast would wait for its reply forever)."""
-    if not bus.connected:
-        raise ConnectionError(f"not connected to the bus (calling {member})")
-    reply = await bus.call(
-        Message(
-            destination=destination,
-            path=path,
-            interface=interface,
-            member=member,
-            signature=signature,
-            body=body or [],
-        )
-    )
-    assert reply is not None
-    if reply.message_type == MessageType.ERROR:
-        raise DBusError._from_message(reply)
-    return reply.body
-
-
-def name_owner_match(name: str) -> str:
-    """The match rule for ``NameOwnerChanged`` of one name."""
-    return (
-        f"type='signal',sender='{DBUS_NAME}',path='{DBUS_PATH}',interface='{DBUS_NAME}',"
-        f"member='NameOwnerChanged',arg0='{name}'"
-    )
-
-
-def reconnect_delay_s(attempt: int) -> float:
-    """The wait before reconnection attempt ``attempt`` (0, 1, …): 0.5 s, doubled each time, at
-    most 30 s."""
-    return min(RECONNECT_MAX_S, RECONNECT_FIRST_S * 2 ** min(attempt, 32))
-
-
-class _GuardedSocket:
-    """The socket dbus-fast's writer sends through, made safe in two ways dbus-fast is not.
-
-    A socket buffer that is full (a large reply or signal to a slow bus) raises EAGAIN, which
-    dbus-fast's writer takes for a lost connection and drops the bus (python-dbus-next#153): here
-    it writes nothing, and the writer waits until the socket is writable. And once the bus has
-    disconnected, what is still sent to it is dropped: dbus-fast would write to the closed
-    socket's descriptor, and its error path would unregister whatever uses that number now (a
-    new connection's)."""
-
-    def __init__(self, bus: MessageBus, sock: socket.socket) -> None:
-        self._bus = bus
-        self._sock = sock
-
-    def send(self, data: Any) -> int:
-        if self._bus._disconnected:
-            return len(data)
-        try:
-            return self._sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            return 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
-def guard_writes(bus: MessageBus) -> None:
-    """Send ``bus``'s messages through :class:`_GuardedSocket` (a connected bus)."""
-    writer = getattr(bus, "_writer", None)
-    sock = getattr(writer, "sock", None)
-    if sock is None or isinstance(sock, _GuardedSocket):
-        log.debug("dbus-fast's writer has no socket to guard: %r", writer)
-        return
-    writer.sock = _GuardedSocket(bus, sock)  # type: ignore[union-attr]
-
-
-# -- values on the wire -------------------------------------------------------------------------
-
-
-def to_variant(value: Any) -> Variant:
-    """A status value as a variant: ints are int64 ('x'), dicts a{sv}, lists of dicts aa{sv}."""
-    if isinstance(value, bool):
-        return Variant("b", value)
-    if isinstance(value, int):
-        return Variant("x", value)
-    if isinstance(value, float):
-        return Variant("d", value)
-    if isinstance(value, str):
-        return Variant("s", value)
-    if isinstance(value, dict):
-        return Variant("a{sv}", to_vardict(value))
-    if isinstance(value, (list, tuple)):
-        if all(isinstance(v, dict) for v in value):
-            return Variant("aa{sv}", [to_vardict(v) for v in value])
-        if all(isinstance(v, str) for v in value):
-            return Variant("as", list(value))
-        return Variant("av", [to_variant(v) for v in value if v is not None])
-    raise TypeError(f"no D-Bus type for {value!r}")
-
-
-def to_vardict(values: dict[str, Any]) -> dict[str, Variant]:
-    """A dict as a{sv}; None (unknown) values are left out: D-Bus has no null."""
-    return {str(k): to_variant(v) for k, v in values.items() if v is not None}
-
-
-def from_variant(value: Any) -> Any:
-    """Variants (nested) back to plain Python values."""
-    if isinstance(value, Variant):
-        return from_variant(value.value)
-    if isinstance(value, dict):
-        return {k: from_variant(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):  # arrays and structs alike: JSON has lists only
-        return [from_variant(v) for v in value]
-    return value
 
 
 def property_values(status: StatusJson) -> dict[str, Any]:
