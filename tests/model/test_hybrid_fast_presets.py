@@ -71,3 +71,20 @@ def test_a_tiny_streamed_file_reads_the_same_in_llama_cpp(arch, tmp_path: Path, 
     assert np.isfinite(quantised).all()
     assert relative_error(ours, exact) < 1e-4
     assert top1_agreement(ours, quantised) >= 0.9
+
+
+def test_the_benchs_ensure_synthetic_reaches_the_streamed_writer(tmp_path, monkeypatch) -> None:
+    from strata.bench.settings import ensure_synthetic
+    from strata.engine import synth_hybrid
+
+    asked = []
+
+    def write(path, spec, n_vocab, seed, progress):  # the real one writes 20 GiB
+        asked.append((spec.arch, n_vocab))
+        Path(path).write_bytes(b"")
+        return Path(path)
+
+    monkeypatch.setattr(synth_hybrid, "write_streamed", write)
+    first = ensure_synthetic("qwen3.6-35b-a3b", tmp_path)
+    assert asked == [("qwen35moe", 248320)] and first.name.startswith("qwen3.6-35b-a3b-g")
+    assert ensure_synthetic("qwen3.6-35b-a3b", tmp_path) == first and len(asked) == 1  # reused
