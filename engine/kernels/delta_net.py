@@ -154,13 +154,12 @@ def recurrent_step(
 
 
 @triton.jit
-def _unit_lower_inverse(a, i, eye, BT: tl.constexpr, PREC: tl.constexpr):
+def _unit_lower_inverse(a, i, eye, BB: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 for A [BT, BT] strictly lower triangular, in four diagonal blocks: each
     block's inverse B by forward substitution (the four side by side: BT/4 - 1 steps), then
     with N = B L (L: A below the blocks, N nilpotent of order 4)
     (I + A)^-1 = (I + N)^-1 B = (I - N + N² - N³) B."""
-    BB: tl.constexpr = BT // 4
-    blk = i // BB
+    blk = i // BB  # BB: a diagonal block's rows, a quarter of the chunk
     same = blk[:, None] == blk[None, :]
     ad = tl.where(same, a, 0.0)
     inv = eye
@@ -177,8 +176,8 @@ def _unit_lower_inverse(a, i, eye, BT: tl.constexpr, PREC: tl.constexpr):
 def _chunk_kernel(
     q, k, v, g, beta, state, o, n_p,
     HV, HK, R,
-    S: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, TILED: tl.constexpr,
-    PREC: tl.constexpr,
+    S: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BB: tl.constexpr,
+    TILED: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)  # the v head
     v0 = tl.program_id(1) * BV  # its state rows v0 .. v0 + BV - 1
@@ -209,7 +208,7 @@ def _chunk_kernel(
         diff = tl.where(lower, G[:, None] - G[None, :], 0.0)
         kk = tl.dot(kt, tl.trans(kt), input_precision=PREC)  # [BT, BT]
         a = tl.where(lower, bt[:, None] * kk * tl.exp(diff), 0.0)
-        tinv = _unit_lower_inverse(a, i, eye, BT, PREC)
+        tinv = _unit_lower_inverse(a, i, eye, BB, PREC)
         eg = tl.exp(G)
         w = tl.dot(tinv, kt * (bt * eg)[:, None], input_precision=PREC)  # [BT, S]
         u = tl.dot(tinv, vt * bt[:, None], input_precision=PREC)  # [BT, BV]
@@ -252,7 +251,7 @@ def chunk_delta_rule(
     prec = "ieee" if INTERPRETED else "tf32x3"
     _chunk_kernel[(Hv, S // bv)](
         q, k, v, g, beta, state, out, n, Hv, Hk, Hv // Hk,
-        S=S, BV=bv, BT=chunk, TILED=tiled, PREC=prec, num_warps=8 if S >= 128 else 4,
+        S=S, BV=bv, BT=chunk, BB=chunk // 4, TILED=tiled, PREC=prec, num_warps=8 if S >= 128 else 4,
     )  # fmt: skip
 
 

@@ -138,12 +138,11 @@ def rope_tables(
 def _rope_gated_kernel(
     qkv, cos, sin, qn, kn, q_out, gate_out, kc, vc, bt, pos_p, eps, H, HKV, PS,
     D: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, NEOX: tl.constexpr,
-    QK_NORM: tl.constexpr, GATED: tl.constexpr,
+    QK_NORM: tl.constexpr, GATED: tl.constexpr, QS: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)
     pos = tl.load(pos_p)
     d = tl.arange(0, D)
-    QS: tl.constexpr = 2 * D if GATED else D  # a query head's rows: its query, then its gate
     at = tl.load(bt + pos // PAGE).to(tl.int64) * PS + (pos % PAGE) * HKV * D
     if i < H + HKV:
         if i < H:
@@ -211,5 +210,7 @@ def rope_store_gated(
         qkv, cos, sin, q_norm if qk else qkv, k_norm if qk else qkv, q_out,
         gate_out if gated else q_out, k_cache, v_cache, block_table, pos, eps, n_head,
         n_head_kv, page_stride,
-        D=head_dim, R=n_rot, PAGE=page, NEOX=neox, QK_NORM=qk, GATED=gated, num_warps=1,
+        D=head_dim, R=n_rot, PAGE=page, NEOX=neox, QK_NORM=qk, GATED=gated,
+        QS=head_dim * (2 if gated else 1),  # a query head's rows: its query, then its gate
+        num_warps=1,
     )  # fmt: skip
