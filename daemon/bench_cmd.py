@@ -82,23 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--json", action="store_true", help="print the results as JSON")
     g.add_argument("--plot", metavar="FILE.png", help="draw tok/s against peak VRAM (matplotlib)")
-    g.add_argument(
-        "--vs-llama-cpp",
-        metavar="LLAMA_BENCH",
-        help="path of llama.cpp's llama-bench: run it on the same file and pair the rows",
-    )
-    g.add_argument(
-        "--n-cpu-moe",
-        metavar="LIST",
-        help="llama-bench --n-cpu-moe values, one process each (0,12,24,36,48)",
-    )
-    g.add_argument(
-        "--only-llama-cpp",
-        action="store_const",
-        const=True,
-        help="run llama-bench alone (needs --vs-llama-cpp), no Strata budget; --merge pairs its "
-        "rows with a Strata run's",
-    )
+    _add_llama_cpp_arguments(g)
     g.add_argument(
         "--grammar",
         action="store_const",
@@ -127,6 +111,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "table, JSON and plot",
     )
     parser.set_defaults(run=run)
+
+
+def _add_llama_cpp_arguments(g: argparse._ArgumentGroup) -> None:
+    """The options of the llama.cpp comparison."""
+    g.add_argument(
+        "--vs-llama-cpp",
+        metavar="LLAMA_BENCH",
+        help="path of llama.cpp's llama-bench: run it on the same file and pair the rows",
+    )
+    g.add_argument(
+        "--n-cpu-moe",
+        metavar="LIST",
+        help="llama-bench --n-cpu-moe values, one process each (0,12,24,36,48)",
+    )
+    g.add_argument(
+        "--only-llama-cpp",
+        action="store_const",
+        const=True,
+        help="run llama-bench alone (needs --vs-llama-cpp), no Strata budget; --merge pairs its "
+        "rows with a Strata run's",
+    )
 
 
 def build_settings(loaded: LoadedConfig, args: argparse.Namespace) -> BenchSettings:
@@ -250,7 +255,7 @@ def _model(loaded: LoadedConfig, name: str | None, preset: str | None) -> Path:
         from strata.daemon.engine_setup import model_path
 
         return model_path(loaded.config)  # a file, or a library model's name
-    from strata.engine.synth import ensure_synthetic
+    from strata.bench.settings import ensure_synthetic
 
     bar = ProgressBar(f"writing {name}")
     return ensure_synthetic(preset, paths.cache_dir(), lambda d, t: bar(d, t, "random weights"))

@@ -274,24 +274,8 @@ class VramController:
             self.last_sample = sample
         if cache is None or _closed(cache):
             return None
-        fixed = _mib(self.fixed_bytes())
-        # One budget: where the K/V shares it, the policy's size is the cache's and the K/V's
-        # together, and its core the cache's core plus what the K/V cannot give back now.
-        kv_mapped, kv_floor, kv_max = self._kv_bytes()
         budget = self._engine_budget()
-        size_mib = self._policy_size_mib
-        if budget is not None:
-            if size_mib is None or size_mib * MiB != budget:
-                size_mib = -(-(cache.arena.mapped_bytes + kv_mapped) // MiB)
-        elif size_mib is None or cache.slots_for_bytes(size_mib * MiB) != cache.n_slots:
-            size_mib = -(-cache.arena.mapped_bytes // MiB)
-        core_mib = _core_mib(cache) + -(-kv_floor // MiB)
-        view = CacheView(
-            size_mib=max(size_mib, core_mib),
-            core_mib=core_mib,
-            max_mib=-(-(cache.mapped_bytes_for(cache.max_slots) + kv_max) // MiB),
-            fixed_mib=fixed,
-        )
+        view = self._cache_view(cache, budget)
         now_ms = self.clock() * 1000
         idle = None if self._idle_since is None else self._idle_since * 1000
         if sample is None:
@@ -317,6 +301,31 @@ class VramController:
         self.state = decision.state
         self.last_decision = decision
         self._policy_size_mib = decision.target_mib
+        self._ask(decision, cache, budget, why)
+        return decision
+
+    def _cache_view(self, cache: ExpertCache, budget: int | None) -> CacheView:
+        """The cache as the policy sees it. One budget: where the K/V shares it, the policy's
+        size is the cache's and the K/V's together, and its core the cache's core plus what the
+        K/V cannot give back now."""
+        kv_mapped, kv_floor, kv_max = self._kv_bytes()
+        size_mib = self._policy_size_mib
+        if budget is not None:
+            if size_mib is None or size_mib * MiB != budget:
+                size_mib = -(-(cache.arena.mapped_bytes + kv_mapped) // MiB)
+        elif size_mib is None or cache.slots_for_bytes(size_mib * MiB) != cache.n_slots:
+            size_mib = -(-cache.arena.mapped_bytes // MiB)
+        core_mib = _core_mib(cache) + -(-kv_floor // MiB)
+        return CacheView(
+            size_mib=max(size_mib, core_mib),
+            core_mib=core_mib,
+            max_mib=-(-(cache.mapped_bytes_for(cache.max_slots) + kv_max) // MiB),
+            fixed_mib=_mib(self.fixed_bytes()),
+        )
+
+    def _ask(self, decision: Decision, cache: ExpertCache, budget: int | None, why: str) -> None:
+        """Ask the worker for the decision's size: a budget where the K/V shares one, else a
+        number of slots; nothing when the size is already that."""
         if budget is not None:
             if decision.target_mib * MiB != budget:
                 log.debug("budget %d MiB (%s, %s): %s", decision.target_mib, decision.reason,
@@ -324,13 +333,12 @@ class VramController:
                 self.worker.request_budget(
                     decision.target_mib * MiB, f"{decision.reason} ({why})", stage=self.stage
                 )
-            return decision
+            return
         slots = cache.slots_for_bytes(decision.target_mib * MiB)
         if slots != cache.n_slots:
             log.debug("resize to %d slots (%s, %s): %s", slots, decision.reason, why,
                       decision.explain)  # fmt: skip
             self.worker.request_resize(slots, None, f"{decision.reason} ({why})", stage=self.stage)
-        return decision
 
     def _engine_budget(self) -> int | None:
         """The engine's budget for the cache and the K/V (None: the cache alone is steered)."""
@@ -647,28 +655,33 @@ class VramController:
                 free, needed = None, None  # loading, no monitor: wait for the cache
             left = deadline - self.clock()
             if left <= 0:
-                waited = self.control.borrow_timeout_ms
-                if self.worker.engine is None:
-                    raise Timeout(
-                        f"{what}: the model is still loading after {waited} ms; it is recorded "
-                        "and is carried out once the cache exists"
-                    )
-                if free is None:
-                    target = decision.target_mib if decision is not None else None
-                    raise Timeout(
-                        f"{what}: the cache has not reached {target} MiB after {waited} ms "
-                        f"({self.cache_mib} MiB now)"
-                    )
-                explain = decision.explain if decision is not None else "no expert cache"
-                raise Timeout(
-                    f"{what}: only {free} MiB free after {waited} ms, {needed} MiB needed "
-                    f"({explain})"
-                )
+                raise self._timed_out(what, decision, free, needed)
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), min(left, 0.05))
             except TimeoutError:
                 pass
+
+    def _timed_out(
+        self, what: str, decision: Decision | None, free: int | None, needed: int | None
+    ) -> Timeout:
+        """Why a request was not carried out within ``borrow_timeout_ms``."""
+        waited = self.control.borrow_timeout_ms
+        if self.worker.engine is None:
+            return Timeout(
+                f"{what}: the model is still loading after {waited} ms; it is recorded "
+                "and is carried out once the cache exists"
+            )
+        if free is None:
+            target = decision.target_mib if decision is not None else None
+            return Timeout(
+                f"{what}: the cache has not reached {target} MiB after {waited} ms "
+                f"({self.cache_mib} MiB now)"
+            )
+        explain = decision.explain if decision is not None else "no expert cache"
+        return Timeout(
+            f"{what}: only {free} MiB free after {waited} ms, {needed} MiB needed ({explain})"
+        )
 
     def _mapped_mib(self) -> int:
         """The cache's memory now, as the status's ``cache_mib`` (whole arena chunks)."""

@@ -470,6 +470,13 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         req = completion_from(out, max_stop) if "prompt" in out else chat_from(out, max_stop)
         return await run(request, req, received, "generate")
 
+    _add_model_routes(app, serving)
+    ollama_pull.add_routes(app, serving)
+
+
+def _add_model_routes(app: FastAPI, serving: Serving) -> None:
+    """The models served and on the shelf, one model's details, the loaded one, the version."""
+
     @app.get("/api/tags")
     async def api_tags() -> dict[str, Any]:
         eng = serving.engine()
@@ -506,8 +513,6 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.get("/api/version")
     async def api_version() -> dict[str, str]:
         return {"version": OLLAMA_API_VERSION}
-
-    ollama_pull.add_routes(app, serving)
 
 
 def _shelf(root: Any, served: set[str]) -> list[dict[str, Any]]:

@@ -359,6 +359,20 @@ class EngineWorker:
         if listener is not None:
             listener(result, reason)
 
+    def _apply_budget(self, stage: int, pending: _Resize) -> None:
+        """A resize asked as a budget (cache and K/V together): the K/V's share first, as it
+        is now, then the slots that leave."""
+        if pending.budget is None or self.engine is None:
+            return
+        self.resize_epoch += 1  # the K/V may unmap
+        try:
+            if stage == 0:
+                pending.n_slots = self.engine.set_budget(pending.budget)
+            else:
+                pending.n_slots = self.engine.set_budget(pending.budget, stage=stage)
+        finally:
+            self.resize_epoch += 1
+
     def _apply_resize(self, stage: int = 0) -> None:
         with self._cv:
             pending = self._resizes.pop(stage, None)
@@ -371,15 +385,7 @@ class EngineWorker:
                 f.set_exception(err)
             return
         start = cache.n_slots
-        if pending.budget is not None and self.engine is not None:
-            self.resize_epoch += 1  # the K/V may unmap
-            try:
-                if stage == 0:
-                    pending.n_slots = self.engine.set_budget(pending.budget)
-                else:
-                    pending.n_slots = self.engine.set_budget(pending.budget, stage=stage)
-            finally:
-                self.resize_epoch += 1
+        self._apply_budget(stage, pending)
         piece = max(1, GROW_PIECE_BYTES // cache.slot_bytes)
         to = min(pending.n_slots, start + piece) if pending.n_slots > start else pending.n_slots
         self.resize_epoch += 1

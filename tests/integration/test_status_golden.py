@@ -97,6 +97,9 @@ def capture(strata: StrataDaemon, bus: PrivateBus, tmp: Path, model: Path) -> di
                 if normalised(again) == normalised(status):
                     break
                 status = again
+            # Ollama's /api/ps reads the same status: the loaded model's VRAM is the cache's
+            ps = httpx.get(strata.url + "/api/ps", timeout=5).json()
+            assert ps["models"][0]["size_vram"] == status["cache_mib"] * 2**20, ps
             dbus_status = await client.status()
             props = await client.strata_props()
             ctl = {
