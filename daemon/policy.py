@@ -384,74 +384,112 @@ def decide(
     idle = _idle(now_ms, cfg, idle_since_ms)
 
     # Oscillation damping: back to the base stable time after a quiet stretch.
-    stable = state.stable_ms
-    damped_at = state.last_shrink_after_growth_ms
+    stable, damped_at = state.stable_ms, state.last_shrink_after_growth_ms
     if damped_at is not None and now_ms - damped_at >= cfg.stable_backoff_reset_ms:
         stable, damped_at = cfg.elastic_stable_ms, None
-
     urgent_target, urgent_reason = _urgent(size, core, b, book, state)
-    room_since, grown_at = state.room_since_ms, state.last_growth_ms
-    growing_to: int | None = None
+    c = _Course(size, "steady", False, urgent_target, urgent_reason, state.room_since_ms,
+                state.last_growth_ms, stable, damped_at)  # fmt: skip
     if idle:
-        # Voluntary: neither an oscillation nor the end of the room. The room keeps being
-        # tracked as though the cache were at its core, so the next request grows at once.
-        target, reason, urgent = core, "idle", size > core
-        urgent_target = urgent_reason = None
-        if goal <= core:
-            room_since = None
-        elif room_since is None or room_since > now_ms:
-            # What the release gives back from a cache at its goal is room that has lasted:
-            # the next request grows it back at once. Room that appears later waits as usual.
-            room_since = now_ms - stable if core < size <= goal else now_ms
+        _release(c, now_ms, size, core, goal)
     elif goal < size:
-        room_since = None
-        if urgent_target is not None:
-            # The explicit part at once, plus at most one step for what the tenants did.
-            target = max(goal, urgent_target - cfg.elastic_shrink_step_mib)
-            target = urgent_target if goal == urgent_target else target
-            reason, urgent = urgent_reason or "lease", True
-        else:
-            target = max(goal, size - cfg.elastic_shrink_step_mib)
-            reason, urgent = "tenant", False
-        if grown_at is not None:
-            if now_ms - grown_at < cfg.stable_backoff_reset_ms:
-                stable, damped_at = min(stable * 2, cfg.stable_max_ms), now_ms
-            grown_at = None
+        _shrink(c, now_ms, size, goal, cfg)
     elif goal > size:
-        urgent = False
-        if state.growing_to_mib is not None and size < state.growing_to_mib:
-            # Decided but not applied yet (a busy engine grows at its next safe point): repeat
-            # it rather than restart the wait.
-            target, reason, growing_to = goal, "room", goal
-        else:
-            if room_since is None or room_since > now_ms:  # a clock that went back: restart
-                room_since = now_ms
-            if now_ms - room_since >= stable:
-                target, reason, grown_at, room_since, growing_to = goal, "room", now_ms, None, goal
-            elif size < core:
-                target, reason = core, "core"
-            else:
-                target, reason = size, "waiting"
+        _grow(c, now_ms, size, core, goal, state.growing_to_mib)
     else:
-        room_since, urgent, target = None, False, size
-        reason = "core" if size == core and b.available_mib < core else "steady"
-
+        c.room_since, c.urgent, c.target = None, False, size
+        c.reason = "core" if size == core and b.available_mib < core else "steady"
     next_state = PolicyState(
-        stable_ms=stable,
-        room_since_ms=room_since,
-        last_growth_ms=grown_at,
-        last_shrink_after_growth_ms=damped_at,
+        stable_ms=c.stable,
+        room_since_ms=c.room_since,
+        last_growth_ms=c.grown_at,
+        last_shrink_after_growth_ms=c.damped_at,
         base_room_mib=b.base_mib,
         known_cookies=frozenset(lease.cookie for lease in book.leases),
-        urgent_target_mib=urgent_target,
-        urgent_reason=urgent_reason,
-        growing_to_mib=growing_to,
+        urgent_target_mib=c.urgent_target,
+        urgent_reason=c.urgent_reason,
+        growing_to_mib=c.growing_to,
         tenants_mib=tenants_seen,
         ahead_mib=ahead,
         ahead_at_ms=ahead_at,
     )
+    target, reason, urgent = c.target, c.reason, c.urgent
     explain = _explain(now_ms, device, cache, cfg, book, b, target, reason, next_state)
     return Decision(target, reason, urgent, next_state, b, explain)
+
+
+@dataclass
+class _Course:
+    """What ``decide`` works out: the target and why, and the state it carries on."""
+
+    target: int
+    reason: str
+    urgent: bool
+    urgent_target: int | None
+    urgent_reason: str | None
+    room_since: float | None
+    grown_at: float | None
+    stable: float
+    damped_at: float | None
+    growing_to: int | None = None
+
+
+def _release(c: _Course, now_ms: float, size: int, core: int, goal: int) -> None:
+    """Idle: back to the core. Voluntary: neither an oscillation nor the end of the room. The
+    room keeps being tracked as though the cache were at its core, so the next request grows
+    at once."""
+    c.target, c.reason, c.urgent = core, "idle", size > core
+    c.urgent_target = c.urgent_reason = None
+    if goal <= core:
+        c.room_since = None
+    elif c.room_since is None or c.room_since > now_ms:
+        # What the release gives back from a cache at its goal is room that has lasted: the
+        # next request grows it back at once. Room that appears later waits as usual.
+        c.room_since = now_ms - c.stable if core < size <= goal else now_ms
+
+
+def _shrink(c: _Course, now_ms: float, size: int, goal: int, cfg: PolicyConfig) -> None:
+    """Less room than the cache: a request's part at once, a tenant's one step at a time; a
+    shrink soon after a growth doubles the stable time (oscillation damping)."""
+    c.room_since = None
+    if c.urgent_target is not None:
+        # The explicit part at once, plus at most one step for what the tenants did.
+        target = max(goal, c.urgent_target - cfg.elastic_shrink_step_mib)
+        c.target = c.urgent_target if goal == c.urgent_target else target
+        c.reason, c.urgent = c.urgent_reason or "lease", True
+    else:
+        c.target = max(goal, size - cfg.elastic_shrink_step_mib)
+        c.reason, c.urgent = "tenant", False
+    if c.grown_at is not None:
+        if now_ms - c.grown_at < cfg.stable_backoff_reset_ms:
+            c.stable, c.damped_at = min(c.stable * 2, cfg.stable_max_ms), now_ms
+        c.grown_at = None
+
+
+def _grow(
+    c: _Course, now_ms: float, size: int, core: int, goal: int, growing_to: int | None
+) -> None:
+    """More room than the cache: grow once the room has lasted the stable time."""
+    c.urgent = False
+    if growing_to is not None and size < growing_to:
+        # Decided but not applied yet (a busy engine grows at its next safe point): repeat it
+        # rather than restart the wait.
+        c.target, c.reason, c.growing_to = goal, "room", goal
+        return
+    if c.room_since is None or c.room_since > now_ms:  # a clock that went back: restart
+        c.room_since = now_ms
+    if now_ms - c.room_since >= c.stable:
+        c.target, c.reason, c.grown_at, c.room_since, c.growing_to = (
+            goal,
+            "room",
+            now_ms,
+            None,
+            goal,
+        )
+    elif size < core:
+        c.target, c.reason = core, "core"
+    else:
+        c.target, c.reason = size, "waiting"
 
 
 def _check_now(now_ms: float) -> None:
@@ -522,19 +560,27 @@ def decide_unwatched(
         unwatched_base_mib=base,
         unwatched_demand_mib=at_base,
     )
-    free_of = base + at_base - core
+    idle_s = (now_ms - (idle_since_ms or now_ms)) / 1000 if idle else None
+    text = _unwatched_text(book, base + at_base, demand, core, idle_s, size, target)
+    return Decision(target, reason, target < size, next_state, b, text)
+
+
+def _unwatched_text(
+    book: BookView, start: int, demand: int, core: int, idle_s: float | None, size: int, target: int
+) -> str:
+    """``decide_unwatched``'s reasoning in words (``idle_s``: None while a request runs)."""
     text = (
-        f"no monitor sees the device: the cache is {base + at_base} MiB less what is asked "
+        f"no monitor sees the device: the cache is {start} MiB less what is asked "
         f"({demand} MiB: reserve {book.reserve_mib}, holds {sum(book.holds.values())}, leases "
-        f"{book.borrowed_mib}), at most {free_of} MiB below that"
+        f"{book.borrowed_mib}), at most {start - core} MiB below that"
     )
-    if idle:
-        text += f"; idle for {(now_ms - (idle_since_ms or now_ms)) / 1000:g} s: down to the core"
+    if idle_s is not None:
+        text += f"; idle for {idle_s:g} s: down to the core"
     if target != size:
         text += f"; {'shrink' if target < size else 'grow'} {size} -> {target} MiB"
     else:
         text += f"; no change at {size} MiB"
-    return Decision(target, reason, target < size, next_state, b, text)
+    return text
 
 
 def _urgent(
@@ -562,6 +608,51 @@ def _urgent(
     return target, reason
 
 
+def _action_text(
+    now_ms: float,
+    cache: CacheView,
+    cfg: PolicyConfig,
+    b: Budget,
+    target: int,
+    reason: str,
+    state: PolicyState,
+) -> str:
+    """What the decision does, and why, in words."""
+    size = cache.size_mib
+    if reason == "idle":
+        since = now_ms - (state.room_since_ms if state.room_since_ms is not None else now_ms)
+        return (
+            f"no request for {cfg.idle_release_ms / 1000:g} s or more: "
+            + (f"shrink {size} -> {target} MiB, the core" if target < size else "held at the core")
+            + (
+                f" (room for {b.goal_mib - cache.core_mib} MiB more for {since / 1000:g} s)"
+                if b.goal_mib > cache.core_mib
+                else ""
+            )
+        )
+    elif target < size:
+        how = {
+            "tenant": f"one step of at most {cfg.elastic_shrink_step_mib} MiB: other programs grew",
+            "lease": "all at once: a new lease",
+            "reserve": "all at once: the reserve was raised",
+            "vram_max": f"all at once: vram_max_mib is {cfg.vram_max_mib}",
+            "max": f"all at once: the cache's largest size is {cache.max_mib}",
+        }.get(reason, f"all at once: the {reason} hold")
+        return f"shrink {size} -> {target} MiB ({how})"
+    elif target > size and reason == "room":
+        return f"grow {size} -> {target} MiB (the room lasted {state.stable_ms / 1000:g} s)"
+    elif target > size:
+        return f"grow {size} -> {target} MiB (back to the core at once)"
+    elif reason == "waiting":
+        waited = now_ms - (state.room_since_ms if state.room_since_ms is not None else now_ms)
+        return (
+            f"room for {b.goal_mib - size} MiB more; grow once it has lasted "
+            f"{state.stable_ms / 1000:g} s ({waited / 1000:g} s so far)"
+        )
+    else:
+        return f"no change at {size} MiB"
+
+
 def _explain(
     now_ms: float,
     device: DeviceView,
@@ -587,39 +678,7 @@ def _explain(
     text = [f"keep {b.room_mib} MiB free ({'; '.join(parts)})"]
     text.append(f"other programs use {b.tenants_mib} MiB")
 
-    size = cache.size_mib
-    if reason == "idle":
-        since = now_ms - (state.room_since_ms if state.room_since_ms is not None else now_ms)
-        text.append(
-            f"no request for {cfg.idle_release_ms / 1000:g} s or more: "
-            + (f"shrink {size} -> {target} MiB, the core" if target < size else "held at the core")
-            + (
-                f" (room for {b.goal_mib - cache.core_mib} MiB more for {since / 1000:g} s)"
-                if b.goal_mib > cache.core_mib
-                else ""
-            )
-        )
-    elif target < size:
-        how = {
-            "tenant": f"one step of at most {cfg.elastic_shrink_step_mib} MiB: other programs grew",
-            "lease": "all at once: a new lease",
-            "reserve": "all at once: the reserve was raised",
-            "vram_max": f"all at once: vram_max_mib is {cfg.vram_max_mib}",
-            "max": f"all at once: the cache's largest size is {cache.max_mib}",
-        }.get(reason, f"all at once: the {reason} hold")
-        text.append(f"shrink {size} -> {target} MiB ({how})")
-    elif target > size and reason == "room":
-        text.append(f"grow {size} -> {target} MiB (the room lasted {state.stable_ms / 1000:g} s)")
-    elif target > size:
-        text.append(f"grow {size} -> {target} MiB (back to the core at once)")
-    elif reason == "waiting":
-        waited = now_ms - (state.room_since_ms if state.room_since_ms is not None else now_ms)
-        text.append(
-            f"room for {b.goal_mib - size} MiB more; grow once it has lasted "
-            f"{state.stable_ms / 1000:g} s ({waited / 1000:g} s so far)"
-        )
-    else:
-        text.append(f"no change at {size} MiB")
+    text.append(_action_text(now_ms, cache, cfg, b, target, reason, state))
 
     free_at_core = device.usable_mib - b.tenants_mib - cache.fixed_mib - cache.core_mib
     if b.room_mib > free_at_core:
