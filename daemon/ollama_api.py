@@ -21,9 +21,7 @@ library's pull (``ollama_pull``).
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import hashlib
 import json
 import re
 import time
@@ -33,24 +31,22 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from strata.daemon import library, ollama_pull
+from strata.daemon import ollama_pull
 from strata.daemon.api_errors import invalid, unsupported, wrong_type
-from strata.daemon.engine_setup import models_dir
+from strata.daemon.ollama_models import add_model_routes
 from strata.daemon.openai_api import Parsed, chat_from, completion_from, json_object
 from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.daemon.serving import Serving, Started
 from strata.engine.calls import partial_object
 from strata.engine.generation import GenerationResult
-from strata.engine.reasoning import family_for
 
 if TYPE_CHECKING:
-    from strata.engine.generate import Engine
+    pass
 
 PATHS = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version",
          *ollama_pull.PATHS)  # fmt: skip
 # the Ollama release whose API this module follows (think, JSON Schema formats, tool calls):
 # clients read it to know which fields they may send
-OLLAMA_API_VERSION = "0.9.0"
 NDJSON = "application/x-ndjson"
 # options: Ollama's name -> the OpenAI request's field
 _OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -385,59 +381,6 @@ async def _stream(serving: Serving, s: Started, kind: str, model: str,
         yield b
 
 
-# -- the model ----------------------------------------------------------------------------------
-
-
-def _details(engine: Any) -> dict[str, Any]:
-    index = engine.index
-    arch = str(index.metadata.get("general.architecture", ""))
-    params = sum(_elements(t.shape) for t in index.tensors.values())
-    ftype = index.metadata.get("general.file_type")
-    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
-            "parameter_size": _size_words(params),
-            "quantization_level": str(ftype) if ftype is not None else ""}  # fmt: skip
-
-
-def _elements(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _size_words(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)
-
-
-def _entry(serving: Serving, engine: Any, name: str) -> dict[str, Any]:
-    index = engine.index
-    modified = dt.datetime.fromtimestamp(serving.created(), dt.UTC).isoformat()
-    # an identity of the file as served (name, size, time), not a hash of its bytes
-    ident = f"{index.name}\0{index.file_bytes}\0{serving.created()}".encode()
-    return {"name": name, "model": name, "modified_at": modified.replace("+00:00", "Z"),
-            "size": index.file_bytes, "digest": hashlib.sha256(ident).hexdigest(),
-            "details": _details(engine)}  # fmt: skip
-
-
-def show(serving: Serving, engine: Engine, name: str) -> dict[str, Any]:
-    index = engine.index
-    template = engine.template.source if engine.template is not None else ""
-    caps = ["completion"]
-    if engine.template is not None and engine.template_renders_tools:
-        caps.append("tools")
-    if family_for(template or None) is not None:
-        caps.append("thinking")
-    info = {k: v for k, v in index.metadata.items()
-            if isinstance(v, int | float | str) and not k.startswith("tokenizer.")}  # fmt: skip
-    entry = _entry(serving, engine, name)
-    return {"modelfile": "", "parameters": "", "template": template, "details": entry["details"],
-            "model_info": info, "capabilities": caps,
-            "modified_at": entry["modified_at"]}  # fmt: skip
-
-
 def add_routes(app: FastAPI, serving: Serving) -> None:
     async def run(request: Request, req: Parsed, received: float, kind: str) -> Response:
         s = await serving.start(request, req, received)
@@ -470,63 +413,5 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
         req = completion_from(out, max_stop) if "prompt" in out else chat_from(out, max_stop)
         return await run(request, req, received, "generate")
 
-    _add_model_routes(app, serving)
+    add_model_routes(app, serving)
     ollama_pull.add_routes(app, serving)
-
-
-def _add_model_routes(app: FastAPI, serving: Serving) -> None:
-    """The models served and on the shelf, one model's details, the loaded one, the version."""
-
-    @app.get("/api/tags")
-    async def api_tags() -> dict[str, Any]:
-        eng = serving.engine()
-        names = serving.names()
-        served = [_entry(serving, eng, n) for n in (names.id, *names.aliases)]
-        shelf = await asyncio.to_thread(
-            _shelf, models_dir(serving.config), {e["name"] for e in served}
-        )
-        return {"models": served + shelf}
-
-    @app.post("/api/show")
-    async def api_show(request: Request) -> dict[str, Any]:
-        raw = json_object(await request.body())
-        name = raw.get("model", raw.get("name"))
-        if name is None:
-            raise invalid("model: missing required field", "model")
-        if not isinstance(name, str):
-            raise wrong_type("model", "a string", name)
-        eng = serving.engine()
-        serving.names().check(name)
-        return show(serving, eng, name)
-
-    @app.get("/api/ps")
-    async def api_ps() -> dict[str, Any]:
-        eng = serving.engine()
-        names = serving.names()
-        idle = serving.config.idle_release_s
-        expires = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=idle)) if idle else None
-        vram = serving.daemon.read_status().cache_mib * 1024 * 1024
-        until = expires.isoformat().replace("+00:00", "Z") if expires else None
-        entry = {**_entry(serving, eng, names.id), "size_vram": vram, "expires_at": until}
-        return {"models": [entry]}
-
-    @app.get("/api/version")
-    async def api_version() -> dict[str, str]:
-        return {"version": OLLAMA_API_VERSION}
-
-
-def _shelf(root: Any, served: set[str]) -> list[dict[str, Any]]:
-    """The library's other models (``strata pull``'s), as ``/api/tags`` lists them; a library
-    that cannot be read lists nothing (logged by ``library``)."""
-    out = []
-    for name, created in library.listed(root):
-        m = library.find(root, name)
-        if name in served or m is None:
-            continue
-        modified = dt.datetime.fromtimestamp(created, dt.UTC).isoformat().replace("+00:00", "Z")
-        ident = f"{name}\0{m.size}\0{created}".encode()
-        details = {"parent_model": "", "format": "gguf", "family": "", "families": [],
-                   "parameter_size": "", "quantization_level": m.quant or ""}  # fmt: skip
-        out.append({"name": name, "model": name, "modified_at": modified, "size": m.size,
-                    "digest": hashlib.sha256(ident).hexdigest(), "details": details})  # fmt: skip
-    return out
