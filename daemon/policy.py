@@ -60,202 +60,37 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from strata.daemon.leases import BookView, Lease, is_int
+from strata.daemon.leases import BookView, Lease
+from strata.daemon.policy_text import explain, unwatched_text
+from strata.daemon.policy_types import (
+    ELASTIC_RESERVE,
+    Budget,
+    CacheView,
+    Decision,
+    DeviceView,
+    LeaseUsage,
+    PolicyConfig,
+    PolicyState,
+)
 
-ELASTIC_RESERVE = "elastic_reserve"
-
-
-def _whole(owner: str, name: str, value: object, minimum: int) -> None:
-    if not is_int(value):
-        raise ValueError(f"{owner}{name}: expected a whole number, got {value!r}")
-    if value < minimum:  # type: ignore[operator]
-        raise ValueError(f"{owner}{name}: expected at least {minimum}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """The policy's knobs (the service builds this from ``StrataConfig``)."""
-
-    elastic_reserve_mib: int = 1024
-    elastic_stable_ms: int = 5000
-    elastic_shrink_step_mib: int = 1024
-    stable_backoff_reset_ms: int = 300_000
-    vram_max_mib: int | None = None
-    idle_release_ms: int = 0  # 0: never
-
-    def __post_init__(self) -> None:
-        _whole("", "elastic_reserve_mib", self.elastic_reserve_mib, 0)
-        _whole("", "elastic_stable_ms", self.elastic_stable_ms, 0)
-        _whole("", "elastic_shrink_step_mib", self.elastic_shrink_step_mib, 1)
-        _whole("", "stable_backoff_reset_ms", self.stable_backoff_reset_ms, 0)
-        _whole("", "idle_release_ms", self.idle_release_ms, 0)
-        if self.vram_max_mib is not None:
-            _whole("", "vram_max_mib", self.vram_max_mib, 1)
-
-    @property
-    def stable_max_ms(self) -> int:
-        """Doubling stops here: beyond it the reset would come before the room could last."""
-        return max(self.elastic_stable_ms, self.stable_backoff_reset_ms)
-
-
-@dataclass(frozen=True)
-class DeviceView:
-    """One reading of the device (``vmm.monitor.VramSample`` in MiB). ``ours_mib``: the arena's
-    mapped memory plus the engine's own allocations (what Strata really holds, never the policy's
-    target). ``used_mib``: memory allocated by processes, Strata included; memory the driver keeps
-    for itself is in neither used nor free. Without it, everything not free counts as used.
-    ``settled``: false when a resize may have run between the readings of used and ours (then
-    the tenants' growth is not trusted)."""
-
-    total_mib: int
-    free_mib: int
-    ours_mib: int
-    used_mib: int | None = None
-    settled: bool = True  # no resize was under way while it was read
-
-    def __post_init__(self) -> None:
-        for name in ("total_mib", "free_mib", "ours_mib"):
-            _whole("DeviceView.", name, getattr(self, name), 0)
-        if self.used_mib is not None:
-            _whole("DeviceView.", "used_mib", self.used_mib, 0)
-
-    @property
-    def usable_mib(self) -> int:
-        """What processes can hold at all: used + free (the total less the driver's reserve)."""
-        if self.used_mib is None:
-            return self.total_mib
-        return min(self.total_mib, self.used_mib + self.free_mib)
-
-    @property
-    def tenants_mib(self) -> int:
-        """Other programs' usage: used - ours. Readings taken a moment apart can make it
-        negative: 0."""
-        used = self.total_mib - self.free_mib if self.used_mib is None else self.used_mib
-        return max(0, used - self.ours_mib)
-
-
-@dataclass(frozen=True)
-class CacheView:
-    """The expert cache: its current (mapped) size, fixed core, largest size (the whole expert
-    set or the reservation), and the engine's own non-cache memory (weights outside the experts,
-    K/V, workspaces; it is part of ``DeviceView.ours_mib``)."""
-
-    size_mib: int
-    core_mib: int
-    max_mib: int
-    fixed_mib: int
-
-    def __post_init__(self) -> None:
-        for name in ("size_mib", "core_mib", "max_mib", "fixed_mib"):
-            _whole("CacheView.", name, getattr(self, name), 0)
-        if self.core_mib > self.max_mib:
-            raise ValueError(
-                f"CacheView: core_mib {self.core_mib} is larger than max_mib {self.max_mib}"
-            )
-
-
-@dataclass(frozen=True)
-class LeaseUsage:
-    """What a lease's borrower has allocated *since its Borrow* (the service subtracts the PID's
-    usage at Borrow time), from NVML's per-process usage; None where the driver does not say."""
-
-    cookie: int
-    allocated_mib: int | None
-
-    def __post_init__(self) -> None:
-        if self.allocated_mib is not None:
-            _whole("LeaseUsage.", "allocated_mib", self.allocated_mib, 0)
-
-
-@dataclass(frozen=True)
-class PolicyState:
-    """The policy's memory between decisions; start from :meth:`initial`.
-
-    * ``stable_ms``: how long room must last before the cache grows (doubles, then resets);
-    * ``room_since_ms``: when the current unbroken stretch of room began (None: no room now);
-    * ``last_growth_ms``: the last growth not yet followed by a shrink (a shrink within
-      ``stable_backoff_reset_ms`` of it doubles ``stable_ms``);
-    * ``last_shrink_after_growth_ms``: when ``stable_ms`` last doubled (the reset counts from it);
-    * ``base_room_mib``, ``known_cookies``: the base room and the leases of the last decision, to
-      recognise new explicit demand (``initial`` starts from the automatic reserve; None: count
-      nothing as new);
-    * ``urgent_target_mib``, ``urgent_reason``: an explicit shrink the cache has not reached yet;
-    * ``growing_to_mib``: a growth decided but not reached yet (repeated, not waited for again);
-    * ``tenants_mib``: the tenants not accounted for by a lease at the last settled reading
-      (their growth is measured from it);
-    * ``ahead_mib``, ``ahead_at_ms``: the ahead room set at the last growth, and when (it fades
-      from there over ``elastic_stable_ms``);
-    * ``unwatched_base_mib``, ``unwatched_demand_mib``: with no monitor, the cache's size when
-      that began and what the book asked for then (see :func:`decide_unwatched`).
-    """
-
-    stable_ms: float
-    room_since_ms: float | None = None
-    last_growth_ms: float | None = None
-    last_shrink_after_growth_ms: float | None = None
-    base_room_mib: int | None = None
-    known_cookies: frozenset[int] = frozenset()
-    urgent_target_mib: int | None = None
-    urgent_reason: str | None = None
-    growing_to_mib: int | None = None
-    tenants_mib: int | None = None
-    ahead_mib: int = 0
-    ahead_at_ms: float | None = None
-    unwatched_base_mib: int | None = None
-    unwatched_demand_mib: int = 0
-
-    @classmethod
-    def initial(cls, cfg: PolicyConfig) -> PolicyState:
-        # The automatic reserve is the room the cache was sized for before any request.
-        return cls(stable_ms=cfg.elastic_stable_ms, base_room_mib=cfg.elastic_reserve_mib)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """The arithmetic behind a decision, for the log and the status.
-
-    ``owed_mib``: per lease cookie, the part its borrower has not allocated yet (kept free);
-    ``available_mib``: ``usable - tenants - fixed - room`` (may be negative); ``cap_mib``: the
-    largest size allowed (``max_mib``, or ``vram_max_mib - fixed`` when that is lower, reason
-    ``"vram_max"``); ``goal_mib``: ``available`` clamped to ``[core, cap]``, the core winning;
-    ``ahead_mib``: the part of the room kept for a program that is growing (in ``room_mib``).
-    """
-
-    tenants_mib: int
-    base_mib: int
-    base_source: str
-    owed_mib: Mapping[int, int]
-    room_mib: int
-    available_mib: int
-    cap_mib: int
-    cap_reason: str
-    goal_mib: int
-    ahead_mib: int = 0
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What the cache should be now; ``state`` goes into the next call."""
-
-    target_mib: int
-    reason: str
-    urgent: bool
-    state: PolicyState
-    budget: Budget
-    explain: str
-
-    @property
-    def room_kept_mib(self) -> int:
-        return self.budget.room_mib
-
-    @property
-    def tenants_mib(self) -> int:
-        return self.budget.tenants_mib
-
-    @property
-    def goal_mib(self) -> int:
-        """Where the policy is heading: the target without the step limit or the stable wait."""
-        return self.budget.goal_mib
+# the values live in policy_types; their importers keep importing them from here
+__all__ = [
+    "ELASTIC_RESERVE",
+    "Budget",
+    "CacheView",
+    "Decision",
+    "DeviceView",
+    "LeaseUsage",
+    "PolicyConfig",
+    "PolicyState",
+    "base_room",
+    "budget",
+    "decide",
+    "decide_unwatched",
+    "faded_ahead",
+    "lease_allocations",
+    "unwatched_demand",
+]
 
 
 def base_room(cfg: PolicyConfig, reserve_mib: int, holds: Mapping[str, int]) -> tuple[int, str]:
@@ -414,8 +249,8 @@ def decide(
         ahead_at_ms=ahead_at,
     )
     target, reason, urgent = c.target, c.reason, c.urgent
-    explain = _explain(now_ms, device, cache, cfg, book, b, target, reason, next_state)
-    return Decision(target, reason, urgent, next_state, b, explain)
+    text = explain(now_ms, device, cache, cfg, book, b, target, reason, next_state)
+    return Decision(target, reason, urgent, next_state, b, text)
 
 
 @dataclass
@@ -561,26 +396,8 @@ def decide_unwatched(
         unwatched_demand_mib=at_base,
     )
     idle_s = (now_ms - (idle_since_ms or now_ms)) / 1000 if idle else None
-    text = _unwatched_text(book, base + at_base, demand, core, idle_s, size, target)
+    text = unwatched_text(book, base + at_base, demand, core, idle_s, size, target)
     return Decision(target, reason, target < size, next_state, b, text)
-
-
-def _unwatched_text(
-    book: BookView, start: int, demand: int, core: int, idle_s: float | None, size: int, target: int
-) -> str:
-    """``decide_unwatched``'s reasoning in words (``idle_s``: None while a request runs)."""
-    text = (
-        f"no monitor sees the device: the cache is {start} MiB less what is asked "
-        f"({demand} MiB: reserve {book.reserve_mib}, holds {sum(book.holds.values())}, leases "
-        f"{book.borrowed_mib}), at most {start - core} MiB below that"
-    )
-    if idle_s is not None:
-        text += f"; idle for {idle_s:g} s: down to the core"
-    if target != size:
-        text += f"; {'shrink' if target < size else 'grow'} {size} -> {target} MiB"
-    else:
-        text += f"; no change at {size} MiB"
-    return text
 
 
 def _urgent(
@@ -606,94 +423,3 @@ def _urgent(
         if target >= size:
             target = reason = None
     return target, reason
-
-
-def _action_text(
-    now_ms: float,
-    cache: CacheView,
-    cfg: PolicyConfig,
-    b: Budget,
-    target: int,
-    reason: str,
-    state: PolicyState,
-) -> str:
-    """What the decision does, and why, in words."""
-    size = cache.size_mib
-    if reason == "idle":
-        since = now_ms - (state.room_since_ms if state.room_since_ms is not None else now_ms)
-        return (
-            f"no request for {cfg.idle_release_ms / 1000:g} s or more: "
-            + (f"shrink {size} -> {target} MiB, the core" if target < size else "held at the core")
-            + (
-                f" (room for {b.goal_mib - cache.core_mib} MiB more for {since / 1000:g} s)"
-                if b.goal_mib > cache.core_mib
-                else ""
-            )
-        )
-    elif target < size:
-        how = {
-            "tenant": f"one step of at most {cfg.elastic_shrink_step_mib} MiB: other programs grew",
-            "lease": "all at once: a new lease",
-            "reserve": "all at once: the reserve was raised",
-            "vram_max": f"all at once: vram_max_mib is {cfg.vram_max_mib}",
-            "max": f"all at once: the cache's largest size is {cache.max_mib}",
-        }.get(reason, f"all at once: the {reason} hold")
-        return f"shrink {size} -> {target} MiB ({how})"
-    elif target > size and reason == "room":
-        return f"grow {size} -> {target} MiB (the room lasted {state.stable_ms / 1000:g} s)"
-    elif target > size:
-        return f"grow {size} -> {target} MiB (back to the core at once)"
-    elif reason == "waiting":
-        waited = now_ms - (state.room_since_ms if state.room_since_ms is not None else now_ms)
-        return (
-            f"room for {b.goal_mib - size} MiB more; grow once it has lasted "
-            f"{state.stable_ms / 1000:g} s ({waited / 1000:g} s so far)"
-        )
-    else:
-        return f"no change at {size} MiB"
-
-
-def _explain(
-    now_ms: float,
-    device: DeviceView,
-    cache: CacheView,
-    cfg: PolicyConfig,
-    book: BookView,
-    b: Budget,
-    target: int,
-    reason: str,
-    state: PolicyState,
-) -> str:
-    """One line for the log and the status: the room and why, the tenants, the action."""
-    base_name = {ELASTIC_RESERVE: "automatic", "reserve": "reserve"}.get(
-        b.base_source, f"hold {b.base_source}"
-    )
-    parts = [f"{base_name} {b.base_mib}"]
-    parts += [
-        f"lease {lease.cookie}: {b.owed_mib[lease.cookie]} of {lease.mib} not yet allocated"
-        for lease in book.leases
-    ]
-    if b.ahead_mib:
-        parts.append(f"ahead {b.ahead_mib}: other programs are growing")
-    text = [f"keep {b.room_mib} MiB free ({'; '.join(parts)})"]
-    text.append(f"other programs use {b.tenants_mib} MiB")
-
-    text.append(_action_text(now_ms, cache, cfg, b, target, reason, state))
-
-    free_at_core = device.usable_mib - b.tenants_mib - cache.fixed_mib - cache.core_mib
-    if b.room_mib > free_at_core:
-        what = f"the room to keep ({b.room_mib} MiB)"
-        if b.base_mib > free_at_core and b.base_source != ELASTIC_RESERVE:
-            what = f"the {base_name} of {b.base_mib} MiB"
-        text.append(
-            f"{what} cannot be met: even at its core ({cache.core_mib} MiB) the cache "
-            f"leaves {max(0, free_at_core)} MiB free of {device.total_mib} MiB"
-        )
-    if b.cap_reason == "vram_max" and b.cap_mib < cache.core_mib:
-        text.append(
-            f"vram_max_mib {cfg.vram_max_mib} is below the core plus the engine's memory "
-            f"({cache.core_mib} + {cache.fixed_mib} MiB): the cache stays at its core"
-        )
-    if state.stable_ms != cfg.elastic_stable_ms:
-        text.append(f"stable time {state.stable_ms / 1000:g} s after an oscillation")
-    return "; ".join(text)
