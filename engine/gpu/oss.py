@@ -27,7 +27,8 @@ from strata.engine.kv import KVCache
 from strata.engine.ops import AttentionWeights, MoEWeights, RopeSpec, RoutingSpec
 from strata.engine.ops.reference import Rope
 
-ATTEND_BYTES = 256 << 20  # the float32 scores of one block of query rows, at most
+ATTEND_BYTES = 64 << 20  # the float32 scores of one block of query rows, at most (its softmax
+# takes two more of that size for a moment)
 
 
 def rope_tables(
