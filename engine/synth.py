@@ -42,6 +42,7 @@ from gguf import GGML_QUANT_SIZES, QK_K, TENSOR_NAMES, GGMLQuantizationType, Lla
 from gguf import MODEL_TENSOR as MT
 
 from strata.engine import synth_gpt_oss, synth_recipes
+from strata.engine.vocab import pad_vocab
 
 if TYPE_CHECKING:
     from strata.engine.vocab import Vocab
@@ -450,20 +451,6 @@ def _add_metadata(w: gguf.GGUFWriter, spec: ModelSpec, types: TypePlan, n_vocab:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_uint32("strata.synth.generator_version", GENERATOR_VERSION)
     w.add_uint64("strata.synth.seed", seed)
-
-
-def pad_vocab(vocab: Vocab, size: int) -> Vocab:
-    """``vocab`` with UNUSED ``[PAD<id>]`` tokens appended up to ``size`` (real-shape models)."""
-    n = len(vocab.tokens)
-    if size < n:
-        raise ValueError(f"vocab_size={size} is smaller than the {n}-token vocabulary")
-    extra = size - n
-    return replace(
-        vocab,
-        tokens=[*vocab.tokens, *(f"[PAD{i}]" for i in range(n, size))],
-        token_types=[*vocab.token_types, *[int(gguf.TokenType.UNUSED)] * extra],
-        scores=None if vocab.scores is None else [*vocab.scores, *[0.0] * extra],
-    )
 
 
 # Bytes a terminal would act on (C0 controls but tab/newline/CR, and DEL): tokens that decode to

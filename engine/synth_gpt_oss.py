@@ -24,14 +24,14 @@ import os
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 from strata.engine.synth_recipes import BLOCK_SCALES, fix_blocks
-from strata.engine.vocab import Vocab, build_bpe_vocab
+from strata.engine.vocab import Vocab, build_bpe_vocab, pad_vocab
 
 log = logging.getLogger(__name__)
 
@@ -286,21 +286,6 @@ def _metadata(w: gguf.GGUFWriter, s: GptOssSpec, types: str, seed: int) -> None:
     w.add_uint64("strata.synth.seed", seed)
 
 
-def _padded(vocab: Vocab, size: int | None) -> Vocab:
-    n = len(vocab.tokens)
-    if size is None or size == n:
-        return vocab
-    if size < n:
-        raise ValueError(f"vocab_size={size} is smaller than the {n}-token vocabulary")
-    extra = size - n
-    return replace(
-        vocab,
-        tokens=[*vocab.tokens, *(f"[PAD{i}]" for i in range(n, size))],
-        token_types=[*vocab.token_types, *[int(gguf.TokenType.UNUSED)] * extra],
-        scores=None if vocab.scores is None else [*vocab.scores, *[0.0] * extra],
-    )
-
-
 def write_gpt_oss(
     path: str | os.PathLike[str],
     spec: GptOssSpec,
@@ -312,7 +297,9 @@ def write_gpt_oss(
     """Write a random-weight ``spec`` file to ``path`` (atomically) in ``types`` (F32, Q8_0 or
     MXFP4_MOE; norms, sinks, biases and the router F32)."""
     path = Path(path)
-    vocab = _padded(vocab if vocab is not None else build_bpe_vocab(), spec.vocab_size)
+    vocab = vocab if vocab is not None else build_bpe_vocab()
+    if spec.vocab_size is not None:
+        vocab = pad_vocab(vocab, spec.vocab_size)
     tensors = tensor_list(spec, types, len(vocab.tokens))
     echo = _echo(tensors, vocab, seed)
     total = sum(t.nbytes for t in tensors)

@@ -40,7 +40,7 @@ from strata.engine.synth import (
     muted_token_ids,
     vocab_for,
 )
-from strata.engine.vocab import Vocab
+from strata.engine.vocab import Vocab, pad_vocab
 
 log = logging.getLogger(__name__)
 
@@ -485,8 +485,6 @@ def write_streamed(
     by tensor in row chunks: files of tens of GiB never sit in memory. The vocabulary is the
     test one padded to ``n_vocab`` tokens, with Qwen3.5's template."""
     from dataclasses import replace
-
-    from strata.engine.synth import pad_vocab
 
     path = Path(path)
     vocab = replace(pad_vocab(vocab_for("qwen3moe"), n_vocab), chat_template=QWEN35_TEMPLATE)

@@ -666,3 +666,17 @@ def build_mistral_tools_vocab() -> Vocab:
         scores=[*v.scores, *[0.0] * n],
         chat_template=MISTRAL_TOOLS_TEMPLATE,
     )
+
+
+def pad_vocab(vocab: Vocab, size: int) -> Vocab:
+    """``vocab`` with UNUSED ``[PAD<id>]`` tokens appended up to ``size`` (real-shape models)."""
+    n = len(vocab.tokens)
+    if size < n:
+        raise ValueError(f"vocab_size={size} is smaller than the {n}-token vocabulary")
+    extra = size - n
+    return dataclasses.replace(
+        vocab,
+        tokens=[*vocab.tokens, *(f"[PAD{i}]" for i in range(n, size))],
+        token_types=[*vocab.token_types, *[int(gguf.TokenType.UNUSED)] * extra],
+        scores=None if vocab.scores is None else [*vocab.scores, *[0.0] * extra],
+    )

@@ -14,6 +14,7 @@ from reference import RefModel
 
 from strata.engine import demo, synth, synth_recipes
 from strata.engine.synth import Kind, ModelSpec, TypePlan
+from strata.engine.vocab import pad_vocab
 
 Q = gguf.GGMLQuantizationType
 
@@ -200,7 +201,7 @@ def test_ensure_synthetic_writes_once_and_reuses(tmp_path, monkeypatch):
 
 def test_full_size_q4k_preset_plan():
     spec = synth.PRESETS["qwen3-30b-a3b-q4k"]
-    vocab = synth.pad_vocab(synth.vocab_for("qwen3moe"), spec.vocab_size)
+    vocab = pad_vocab(synth.vocab_for("qwen3moe"), spec.vocab_size)
     descs = synth.tensor_descs(spec, synth.PRESET_TYPES["qwen3-30b-a3b-q4k"], len(vocab.tokens))
     by_kind: dict[Kind, set[Q]] = {}
     for x in descs:
@@ -218,7 +219,7 @@ def test_full_size_q4k_preset_plan():
 def test_full_size_q5k_preset_is_llama_cpps_q5_k_m_recipe():
     spec = synth.PRESETS["qwen3-30b-a3b-q5k"]
     plan = synth.PRESET_TYPES["qwen3-30b-a3b-q5k"]
-    vocab = synth.pad_vocab(synth.vocab_for("qwen3moe"), spec.vocab_size)
+    vocab = pad_vocab(synth.vocab_for("qwen3moe"), spec.vocab_size)
     descs = synth.tensor_descs(spec, plan, len(vocab.tokens))
     by_kind: dict[Kind, set[Q]] = {}
     for x in descs:
