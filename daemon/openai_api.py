@@ -13,9 +13,7 @@ Sampling defaults are the engine's (``SamplingParams``), not OpenAI's: a field l
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,100 +38,38 @@ from strata.daemon.openai_reasoning import (
     plan_reasoning,
     template_variables,
 )
+from strata.daemon.openai_refused import CHAT_RULES, COMPLETION_RULES, refuse_unsupported
+from strata.daemon.openai_reply import (  # the reply's pieces: imported from here too
+    SSE_DONE,  # noqa: F401
+    Reply,  # noqa: F401
+    logprobs_json,  # noqa: F401
+    retry_after_s,  # noqa: F401
+    sse,  # noqa: F401
+    usage,  # noqa: F401
+)
 from strata.daemon.openai_tools import (
     OutputPlan,
     ResponseFormat,
     ToolChoice,
     ToolContext,
-    chat_logprobs,
     compile_output,
-    completion_logprobs,
     parse_chat_logprobs,
     parse_completion_logprobs,
     parse_response_format,
     parse_tool_choice,
     parse_tools,
     plan_output,
-    tool_calls_json,
 )
 from strata.engine.errors import ContextOverflow, EngineError, TokenizerError
 from strata.engine.params import SamplingParams
 from strata.engine.reasoning import family_for
-from strata.engine.tool_calls import ToolCall, ToolSpec
+from strata.engine.tool_calls import ToolSpec
 
 if TYPE_CHECKING:
     from strata.engine.generate import Engine
-    from strata.engine.generation import TokenLogprob
     from strata.engine.grammar import Constraint
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-# -- fields the engine cannot honour: each is refused unless its value asks for nothing ---------
-
-
-def _absent(v: Any) -> bool:
-    return v is None
-
-
-def _empty(v: Any) -> bool:
-    return v is None or v == [] or v == {}
-
-
-def _zero(v: Any) -> bool:
-    return v is None or (type(v) in (int, float) and v == 0)
-
-
-def _one(v: Any) -> bool:
-    return v is None or (type(v) is int and v == 1)
-
-
-def _falsy(v: Any) -> bool:
-    return v is None or v is False or (type(v) is int and v == 0)
-
-
-# field -> (does this value ask for nothing the engine lacks?, why it is refused otherwise)
-Rule = tuple[Callable[[Any], bool], str]
-_COMMON_RULES: dict[str, Rule] = {
-    "n": (_one, "only n = 1 is supported (one choice per request)"),
-    "logit_bias": (_empty, "logit_bias is not supported"),
-    "frequency_penalty": (
-        _zero,
-        "OpenAI's additive frequency penalty is not supported; use repeat_penalty "
-        "(llama.cpp's multiplicative penalty) or leave it at 0",
-    ),
-    "presence_penalty": (
-        _zero,
-        "OpenAI's additive presence penalty is not supported; use repeat_penalty "
-        "(llama.cpp's multiplicative penalty) or leave it at 0",
-    ),
-}
-_CHAT_RULES: dict[str, Rule] = {
-    **_COMMON_RULES,
-    "functions": (_empty, "the deprecated functions are not supported; use tools"),
-    "function_call": (
-        lambda v: v in (None, "none"),
-        "the deprecated function_call is not supported; use tool_choice",
-    ),
-    "audio": (_absent, "audio output is not supported"),
-    "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
-    "prediction": (_absent, "predicted outputs are not supported"),
-    "web_search_options": (_absent, "web search is not supported"),
-}
-_COMPLETION_RULES: dict[str, Rule] = {
-    **_COMMON_RULES,
-    "echo": (_falsy, "echo is not supported"),
-    "best_of": (_one, "only best_of = 1 is supported"),
-    "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
-    # a raw prompt goes through no chat template: nothing could think or be steered
-    **{
-        name: (
-            _absent,
-            f"{name} applies to chat completions only (a raw prompt has no chat template)",
-        )
-        for name in ("chat_template_kwargs", "reasoning_format", "reasoning_effort", "think")
-    },
-}
 
 
 # -- request models -----------------------------------------------------------------------------
@@ -226,7 +162,7 @@ def parse_chat(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
 
 def chat_from(raw: dict[str, Any], max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
     """A chat request from its JSON object (the other APIs build one and come through here)."""
-    _refuse_unsupported(raw, _CHAT_RULES)
+    refuse_unsupported(raw, CHAT_RULES)
     req = _validate(ChatRequest, raw)
     messages = _messages(req.messages)
     tools = parse_tools(req.tools)
@@ -266,7 +202,7 @@ def parse_completion(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
 
 def completion_from(raw: dict[str, Any], max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
     """A completion request from its JSON object."""
-    _refuse_unsupported(raw, _COMPLETION_RULES)
+    refuse_unsupported(raw, COMPLETION_RULES)
     req = _validate(CompletionRequest, raw)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -314,12 +250,6 @@ def json_object(body: bytes) -> dict[str, Any]:
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
-
-
-def _refuse_unsupported(raw: dict[str, Any], rules: dict[str, Rule]) -> None:
-    for name, (harmless, why) in rules.items():
-        if name in raw and not harmless(raw[name]):
-            raise unsupported(name, f"{why} (got {json.dumps(raw[name])[:80]})")
 
 
 def _validate(model: type[_Sampling], raw: dict[str, Any]) -> Any:
@@ -519,141 +449,3 @@ def _prompt_ids(req: Parsed, engine: Any) -> list[int]:
         return engine.encode_prompt(req.text)
     except TokenizerError as e:
         raise invalid(f"prompt: {e}", "prompt") from None
-
-
-# -- responses ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reply:
-    """What every body and chunk of one response shares."""
-
-    kind: Literal["chat", "completion"]
-    model: str
-    include_usage: bool = False
-    id: str = ""
-    created: int = 0
-    fingerprint: str = ""
-
-    @classmethod
-    def new(cls, req: Parsed, model: str, fingerprint: str) -> Reply:
-        prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
-        return cls(req.kind, model, req.include_usage, prefix + uuid.uuid4().hex[:24],
-                   int(time.time()), fingerprint)  # fmt: skip
-
-    @property
-    def object(self) -> str:
-        return "chat.completion" if self.kind == "chat" else "text_completion"
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": self.fingerprint}  # fmt: skip
-
-    def body(
-        self,
-        text: str | None,
-        finish_reason: str,
-        prompt_tokens: int,
-        completion_tokens: int,
-        calls: list[ToolCall] | None = None,
-        logprobs: dict[str, Any] | None = None,
-        cached_tokens: int = 0,
-        reasoning: str | None = None,
-    ) -> dict[str, Any]:
-        """The whole reply; chat ``calls`` become ``message.tool_calls`` (``text`` None: no
-        content beside them); ``logprobs``: the choice's, in the endpoint's shape;
-        ``cached_tokens``: prompt tokens whose K/V an earlier request left; ``reasoning``: the
-        thought (``message.reasoning_content``, as llama-server and DeepSeek send it)."""
-        if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if reasoning is not None:
-                message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = tool_calls_json(calls)
-            choice = {"index": 0, "message": message, "logprobs": logprobs,
-                      "finish_reason": finish_reason}  # fmt: skip
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
-                      "finish_reason": finish_reason}  # fmt: skip
-        return {**self._head(self.object), "choices": [choice],
-                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}  # fmt: skip
-
-    def chunk(
-        self,
-        text: str | None,
-        finish_reason: str | None = None,
-        first: bool = False,
-        tool_calls: list[dict[str, Any]] | None = None,
-        logprobs: dict[str, Any] | None = None,
-        reasoning: str | None = None,
-    ) -> dict[str, Any]:
-        """One streamed chunk: ``text`` None with a ``finish_reason`` is the closing chunk;
-        ``tool_calls``: ``delta.tool_calls`` entries (id and name first, then arguments);
-        ``reasoning``: a piece of the thought (``delta.reasoning_content``)."""
-        if self.kind == "chat":
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-            if reasoning is not None:
-                delta["reasoning_content"] = reasoning
-            if text is not None:
-                delta["content"] = text
-            if tool_calls:
-                delta["tool_calls"] = tool_calls
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": finish_reason}  # fmt: skip
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
-                      "finish_reason": finish_reason}  # fmt: skip
-            obj = "text_completion"
-        out = {**self._head(obj), "choices": [choice]}
-        if self.include_usage:
-            out["usage"] = None
-        return out
-
-    def usage_chunk(
-        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-    ) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}  # fmt: skip
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens whose
-    K/V a kept conversation had (not computed again)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
-
-
-def sse(obj: dict[str, Any] | str) -> bytes:
-    data = (
-        obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    )
-    return f"data: {data}\n\n".encode()
-
-
-SSE_DONE = sse("[DONE]")
-
-
-def retry_after_s(mean_generation_s: float | None) -> int:
-    """The ``Retry-After`` hint of a 429: about one generation's time, 1 to 60 seconds."""
-    if mean_generation_s is None or mean_generation_s != mean_generation_s:
-        return 1
-    return max(1, min(60, -int(-mean_generation_s // 1)))
-
-
-def logprobs_json(
-    kind: Literal["chat", "completion"],
-    entries: Sequence[TokenLogprob] | None,
-    tokenizer: Any,
-    offset: int = 0,
-) -> dict[str, Any] | None:
-    """A choice's ``logprobs`` in the endpoint's shape (None when none were asked for)."""
-    if entries is None:
-        return None
-    if kind == "chat":
-        return chat_logprobs(entries, tokenizer)
-    return completion_logprobs(entries, tokenizer, offset)
