@@ -71,7 +71,10 @@ def _route_kernel(logits, table, ids, wts, eoffs, counts, pf_ids, stage, stage_b
         sel_w = tl.where(kk == k, best, sel_w)
         sel_i = tl.where(kk == k, idx, sel_i)
         chosen = tl.where(e == idx, 1, chosen)
-        left = tl.where(e == idx, float("-inf") if LATE else -1.0, left)
+        if LATE:
+            left = tl.where(e == idx, float("-inf"), left)
+        else:
+            left = tl.where(e == idx, -1.0, left)
     if LATE:  # (the first pick is the largest logit)
         top = tl.max(tl.where(kk == 0, sel_w, float("-inf")), 0)
         sel_w = tl.where(kk < K, tl.exp(sel_w - top), 0.0)
