@@ -101,6 +101,24 @@ def name_owner_match(name: str) -> str:
     )
 
 
+async def describe_owner(bus: MessageBus, name: str) -> str:
+    """Who owns ``name`` on ``bus``, for a message: its unique name, pid and command line (as
+    much of it as the bus and /proc say)."""
+    try:
+        (owner,) = await bus_call(bus, "GetNameOwner", "s", [name])
+    except DBusError:
+        return "another connection"
+    try:
+        (pid,) = await bus_call(bus, "GetConnectionUnixProcessID", "s", [owner])
+    except DBusError:
+        return owner
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        cmd = ""
+    return f"{owner} (pid {pid}{': ' + cmd if cmd else ''})"
+
+
 def reconnect_delay_s(attempt: int) -> float:
     """The wait before reconnection attempt ``attempt`` (0, 1, …): 0.5 s, doubled each time, at
     most 30 s."""

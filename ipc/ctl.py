@@ -36,6 +36,13 @@ from dbus_fast import DBusError, Message, MessageType
 from dbus_fast.aio import MessageBus
 
 from strata import __version__
+from strata.ipc.bus import (
+    NoSessionBus,
+    bus_call,
+    connect_session_bus,
+    from_variant,
+    name_owner_match,
+)
 from strata.ipc.ctl_format import (
     _all_leases,
     _device_status,
@@ -44,16 +51,7 @@ from strata.ipc.ctl_format import (
     format_leases,
     format_status,
 )
-from strata.ipc.dbus import (
-    BUS_NAME,
-    INTERFACE,
-    OBJECT_PATH,
-    NoSessionBus,
-    bus_call,
-    connect_session_bus,
-    from_variant,
-    name_owner_match,
-)
+from strata.ipc.dbus_interface import BUS_NAME, INTERFACE, OBJECT_PATH
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2

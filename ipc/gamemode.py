@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from dbus_fast import DBusError, Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from strata.ipc.dbus import DBUS_NAME, bus_call, name_owner_match
+from strata.ipc.bus import DBUS_NAME, bus_call, name_owner_match
 
 if TYPE_CHECKING:
     from strata.daemon.service import Daemon

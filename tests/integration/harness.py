@@ -32,7 +32,8 @@ import httpx
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from strata.ipc.dbus import BUS_NAME, INTERFACE, OBJECT_PATH, bus_call, from_variant
+from strata.ipc.bus import bus_call, from_variant
+from strata.ipc.dbus_interface import BUS_NAME, INTERFACE, OBJECT_PATH
 from tests.helpers import require_tool
 
 READY_TIMEOUT_S = 90.0
