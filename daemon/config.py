@@ -9,7 +9,6 @@ can say where each effective value came from.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from strata.daemon.config_checks import as_list, device_name, list_text, loopback
 from strata.engine.options import ARENA_GRANULE_MIB, BOUNDS, DEFAULTS
 
 ENV_PREFIX = "STRATA_"
@@ -306,7 +306,7 @@ class StrataConfig(BaseSettings):
     @field_validator("device")
     @classmethod
     def _device_name(cls, value: str) -> str:
-        name = _device(value)
+        name = device_name(value)
         if name is None:
             raise ValueError("expected auto, cpu, cuda or cuda:N")
         return name
@@ -314,7 +314,7 @@ class StrataConfig(BaseSettings):
     @field_validator("devices", mode="before")
     @classmethod
     def _device_list(cls, value: Any) -> Any:
-        names = _as_list(value)
+        names = as_list(value)
         if names is None:
             return value
         if not names:
@@ -323,7 +323,7 @@ class StrataConfig(BaseSettings):
         for name in names:
             if not isinstance(name, str):
                 raise ValueError(f"expected device names, got {name!r}")
-            device = _device(name)
+            device = device_name(name)
             if device is None or device == "auto":
                 raise ValueError(f"{name!r} is not a device: expected cpu, cuda or cuda:N")
             out.append(device)
@@ -332,7 +332,7 @@ class StrataConfig(BaseSettings):
     @field_validator("layer_split", mode="before")
     @classmethod
     def _layer_counts(cls, value: Any) -> Any:
-        items = _as_list(value)
+        items = as_list(value)
         if items is None:
             return value
         if not items:
@@ -350,7 +350,7 @@ class StrataConfig(BaseSettings):
     @field_validator("model_alias", mode="before")
     @classmethod
     def _alias_list(cls, value: Any) -> Any:
-        items = _as_list(value)
+        items = as_list(value)
         if items is None:
             return value
         for item in items:
@@ -361,7 +361,7 @@ class StrataConfig(BaseSettings):
     @field_validator("simulated_vram_files", mode="before")
     @classmethod
     def _file_list(cls, value: Any) -> Any:
-        items = _as_list(value)
+        items = as_list(value)
         if items is None:
             return value
         if not items:
@@ -376,25 +376,25 @@ class StrataConfig(BaseSettings):
         if self.devices is None:
             if self.layer_split is not None:
                 raise ValueError(
-                    f"layer_split {_list_text(self.layer_split)} needs devices (one count per "
+                    f"layer_split {list_text(self.layer_split)} needs devices (one count per "
                     "device); set devices too, or unset layer_split"
                 )
             return self
         if self.device != "auto":
             raise ValueError(
-                f"device {self.device!r} and devices {_list_text(self.devices)} are both set: "
+                f"device {self.device!r} and devices {list_text(self.devices)} are both set: "
                 "with devices, each stage's device comes from it (unset device)"
             )
         if self.layer_split is not None and len(self.layer_split) != len(self.devices):
             raise ValueError(
-                f"layer_split {_list_text(self.layer_split)} has {len(self.layer_split)} "
+                f"layer_split {list_text(self.layer_split)} has {len(self.layer_split)} "
                 f"count(s) for the {len(self.devices)} device(s) of devices "
-                f"{_list_text(self.devices)}: expected one per device"
+                f"{list_text(self.devices)}: expected one per device"
             )
         return self
 
     @model_validator(mode="after")
-    def _one_file_per_device(self) -> StrataConfig:
+    def _one_file_perdevice_name(self) -> StrataConfig:
         files = self.simulated_vram_files
         if files is None:
             return self
@@ -406,7 +406,7 @@ class StrataConfig(BaseSettings):
         count = len(self.devices) if self.devices is not None else 1
         if len(files) != count:
             raise ValueError(
-                f"simulated_vram_files {_list_text([str(f) for f in files])} has {len(files)} "
+                f"simulated_vram_files {list_text([str(f) for f in files])} has {len(files)} "
                 f"file(s) for {count} device(s): expected one per device"
             )
         return self
@@ -466,7 +466,7 @@ class StrataConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _remote_needs_a_key(self) -> StrataConfig:
-        if self.api_key is None and not self.allow_remote_without_key and not _loopback(self.host):
+        if self.api_key is None and not self.allow_remote_without_key and not loopback(self.host):
             raise ValueError(
                 f"host {self.host!r} is reachable from other machines: set api_key (or "
                 "STRATA_API_KEY), or allow_remote_without_key = true to serve it without one"
@@ -474,47 +474,7 @@ class StrataConfig(BaseSettings):
         return self
 
 
-def _device(value: str) -> str | None:
-    """A device name as ``device`` takes it, normalised; None: not one."""
-    value = value.strip().lower()
-    kind, _, index = value.partition(":")
-    if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
-        return value
-    return None
-
-
-def _as_list(value: Any) -> list[Any] | None:
-    """A list option's value as given: a TOML array, or a comma-separated string (a flag, an
-    environment variable). None: not a list (pydantic then says what it expected)."""
-    if isinstance(value, str):
-        return [] if not value.strip() else [item.strip() for item in value.split(",")]
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return None
-
-
-def _list_text(values: list[Any]) -> str:
-    return ",".join(str(v) for v in values)
-
-
-SECRET_OPTIONS = frozenset({"api_key"})  # shown as set or unset, never in clear
-
-
-def _loopback(host: str) -> bool:
-    name = host.strip().strip("[]").lower()
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:  # a host name: only localhost is known to stay on this machine
-        return False
-
-
 OPTION_NAMES: tuple[str, ...] = tuple(StrataConfig.model_fields)
-
-
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def env_of(name: str) -> str:
@@ -527,6 +487,7 @@ def env_of(name: str) -> str:
 _SOURCES = frozenset({
     "flag_settings", "env_settings", "file_settings", "LoadedConfig", "load_config",
     "describe_sources", "ENGINE_OPTIONS", "LIBRARY_OPTIONS", "BENCH_OPTIONS", "add_option_flags",
+    "SECRET_OPTIONS", "flag_of",
 })  # fmt: skip
 
 

@@ -20,14 +20,18 @@ from strata.daemon.config import (
     ENV_PREFIX,
     ENV_RESERVED,
     OPTION_NAMES,
-    SECRET_OPTIONS,
     ConfigError,
     Origin,
     Setting,
     StrataConfig,
     env_of,
-    flag_of,
 )
+
+SECRET_OPTIONS = frozenset({"api_key"})  # shown as set or unset, never in clear
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _is_bool(name: str) -> bool:

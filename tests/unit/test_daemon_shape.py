@@ -1,6 +1,6 @@
-"""The daemon's and the edges' functions stay short enough to read at once: none in ``daemon/``,
-``ipc/`` or the composition root (``strata/``) over 60 lines (nested ones counted on their own
-and within the function that holds them)."""
+"""The daemon's and the edges' code stays small enough to read at once: no file in ``daemon/``,
+``ipc/`` or the composition root (``strata/``) over 500 lines, no function there over 60 (nested
+ones counted on their own and within the function that holds them)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("daemon", "ipc", "strata")
 MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 500
 
 
 def _long_functions(source: str, name: str) -> list[str]:
@@ -28,6 +29,16 @@ def test_no_function_over_60_lines() -> None:
         for folder in FOLDERS
         for path in sorted((ROOT / folder).rglob("*.py"))
         for f in _long_functions(path.read_text(), str(path.relative_to(ROOT)))
+    ]
+    assert long == []
+
+
+def test_no_file_over_500_lines() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for folder in FOLDERS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES
     ]
     assert long == []
 
