@@ -37,7 +37,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from strata.daemon.control_loop import (
     ControlConfig,
@@ -65,7 +65,7 @@ from strata.daemon.policy import (
 from strata.daemon.vram_request import BadVramRequest, parse_vram_request
 
 if TYPE_CHECKING:
-    pass
+    from strata.daemon.engine_port import CachePort
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class VramController(ControlLoop):
             return None
         cache = self._cache()
         core = _core_mib(cache) if cache is not None else 0
-        core += -(-self._kv_bytes()[1] // MiB)  # the K/V's pages in use stay
+        core += -(-self._kv_bytes().floor // MiB)  # the K/V's pages in use stay
         usable = _mib(sample.used_bytes + sample.free_bytes)
         return max_freeable_mib(usable, core, _mib(self.fixed_bytes()))
 
@@ -127,7 +127,7 @@ class VramController(ControlLoop):
             return  # still loading: the request waits for the cache (or times out)
         base, at_base = self._unwatched_base(cache)
         # what the cache's core and the K/V's pages in use keep can never be given
-        allowed = base + at_base - _core_mib(cache) - -(-self._kv_bytes()[1] // MiB)
+        allowed = base + at_base - _core_mib(cache) - -(-self._kv_bytes().floor // MiB)
         if demand_after > allowed:
             others = demand_after - mib
             raise NotEnoughVram(
@@ -137,11 +137,11 @@ class VramController(ControlLoop):
                 "reserve, holds and leases",
             )  # fmt: skip
 
-    def _unwatched_base(self, cache: Any) -> tuple[int, int]:
+    def _unwatched_base(self, cache: CachePort) -> tuple[int, int]:
         """The cache's size without requests, and what the book asked when it was that size."""
         if self.state.unwatched_base_mib is not None:
             return self.state.unwatched_base_mib, self.state.unwatched_demand_mib
-        size = -(-cache.arena.mapped_bytes // MiB)
+        size = -(-cache.mapped_bytes // MiB)
         if self.last_decision is None:  # unwatched from the start: nothing given yet
             return size, 0
         return size, unwatched_demand(self.book.view())
@@ -219,7 +219,7 @@ class VramController(ControlLoop):
                     f"{tenants} MiB and Strata's cache cannot go below its core, so it is met "
                     f"once they free {needed - best} MiB"
                 )
-            if self.worker.engine is None:
+            if not self.worker.loaded:
                 return "pending", (
                     f"only {free} MiB free on {device}, {needed} MiB needed; the model is still "
                     "loading"
@@ -228,12 +228,12 @@ class VramController(ControlLoop):
                 f"only {free} MiB free on {device}, {needed} MiB needed; Strata's cache is "
                 f"shrinking ({self._mapped_mib()} MiB now)"
             )
-        if self.worker.engine is None or cache is None or _closed(cache):
+        if not self.worker.loaded or cache is None or _closed(cache):
             return "pending", "the model is still loading; the cache shrinks once it exists"
         if decision is None:
             return "pending", "not checked yet"
-        slots = cache.slots_for_bytes(decision.target_mib * MiB - self._kv_bytes()[0])
-        if cache.arena.mapped_bytes <= cache.mapped_bytes_for(slots):
+        slots = cache.slots_for_bytes(decision.target_mib * MiB - self._kv_bytes().mapped)
+        if cache.mapped_bytes <= cache.mapped_bytes_for(slots):
             return "met", (
                 f"no monitor sees the device ({self.unwatched_why()}): the cache shrank by what "
                 "is asked; whether that memory is free on the GPU is not checked"
@@ -260,7 +260,7 @@ class VramController(ControlLoop):
         cache = self._cache()
         if decision is None or cache is None or _closed(cache):
             return None
-        core = _core_mib(cache) + -(-self._kv_bytes()[1] // MiB)
+        core = _core_mib(cache) + -(-self._kv_bytes().floor // MiB)
         b = decision.budget
         return b.available_mib + b.room_mib - core  # usable - tenants - fixed - core
 
@@ -367,21 +367,21 @@ class VramController(ControlLoop):
                     return "pending"  # known now: the other programs hold too much
             elif decision is not None:  # unwatched: the cache at its target is all there is
                 assert cache is not None
-                slots = cache.slots_for_bytes(decision.target_mib * MiB - self._kv_bytes()[0])
+                slots = cache.slots_for_bytes(decision.target_mib * MiB - self._kv_bytes().mapped)
                 # unmapped, not only planned: the slots go first, the memory chunk by chunk
-                if cache.arena.mapped_bytes <= cache.mapped_bytes_for(slots):
+                if cache.mapped_bytes <= cache.mapped_bytes_for(slots):
                     return "shrink"
                 free, needed = None, decision.room_kept_mib
             elif sample is not None:  # watched, no cache (yet): the room may exist anyway
                 free, needed = _mib(sample.free_bytes), self._room_needed()
                 if free >= needed:
                     return "room"
-                if self.worker.engine is not None:  # loaded, and no cache to give back
+                if self.worker.loaded:  # loaded, and no cache to give back
                     raise NotEnoughVram(
                         needed, free, "Strata holds no expert cache to shrink: what is free now"
                     )
             else:
-                if self.worker.engine is not None:
+                if self.worker.loaded:
                     raise NoDevice(f"cannot carry out the {what}: {self._no_device_text()}")
                 free, needed = None, None  # loading, no monitor: wait for the cache
             left = deadline - self.clock()
@@ -398,7 +398,7 @@ class VramController(ControlLoop):
     ) -> Timeout:
         """Why a request was not carried out within ``borrow_timeout_ms``."""
         waited = self.control.borrow_timeout_ms
-        if self.worker.engine is None:
+        if not self.worker.loaded:
             return Timeout(
                 f"{what}: the model is still loading after {waited} ms; it is recorded "
                 "and is carried out once the cache exists"

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from strata.daemon.engine_port import CachePort, KvBytes
 from strata.daemon.leases import (
     Lease,
     LeaseBook,
@@ -30,8 +31,7 @@ from strata.daemon.worker import EngineWorker
 from strata.vmm.monitor import VramMonitor, VramSample
 
 if TYPE_CHECKING:
-    from strata.engine.experts.cache import ExpertCache
-    from strata.engine.step import StageRunner
+    from strata.engine.experts.cache import ResizeResult
 
 log = logging.getLogger("strata.daemon.control")  # the name its log lines always had
 
@@ -51,7 +51,7 @@ def _mib(nbytes: int) -> int:
     return nbytes // MiB
 
 
-def _core_mib(cache: Any) -> int:
+def _core_mib(cache: CachePort) -> int:
     """The least the cache can hold, as its arena maps it (whole chunks), in whole MiB."""
     return -(-cache.core_mapped_bytes // MiB)
 
@@ -98,31 +98,22 @@ class ControlLoop:
 
     # -- what Strata holds ----------------------------------------------------------------------
 
-    def _cache(self) -> ExpertCache | None:
+    def _cache(self) -> CachePort | None:
         """This stage's expert cache (None before the model is loaded, or without one)."""
         return self.worker.stage_cache(self.stage)
-
-    def _stage(self) -> StageRunner | None:
-        """This stage's runner, which holds its K/V and budget (None before the model is
-        loaded); device 0's is the first stage, as any other."""
-        engine = self.worker.engine
-        return engine.stages[self.stage] if engine is not None else None
 
     def ours_bytes(self) -> int:
         """The arenas' mapped bytes (the cache's, the K/V's) plus the engine's own device
         memory: what we really hold."""
         cache = self._cache()
-        mapped = cache.arena.mapped_bytes if cache is not None and not _closed(cache) else 0
-        return mapped + self._kv_bytes()[0] + self.fixed_bytes()
+        mapped = cache.mapped_bytes if cache is not None and not _closed(cache) else 0
+        return mapped + self._kv_bytes().mapped + self.fixed_bytes()
 
-    def _kv_bytes(self) -> tuple[int, int, int]:
-        """The K/V's (mapped, floor, reservation) bytes where it shares the cache's budget
-        (docs/policy.md), else zeros: the policy's size is the cache's and the K/V's."""
-        runner = self._stage()
-        if runner is None or runner.budget is None or runner.kv.arena.closed:
-            return 0, 0, 0
-        kv = runner.kv
-        return kv.mapped_bytes, kv.floor_bytes(), kv.arena.reserved_bytes
+    def _kv_bytes(self) -> KvBytes:
+        """The K/V's bytes where it shares the cache's budget (docs/policy.md), else zeros: the
+        policy's size is the cache's and the K/V's."""
+        port = self.worker.port
+        return port.kv_bytes(self.stage) if port is not None else KvBytes()
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -141,7 +132,7 @@ class ControlLoop:
             except Exception:
                 log.exception("listener failed on %s", name)
 
-    def _resized_in_engine(self, result: Any, reason: str) -> None:  # engine thread
+    def _resized_in_engine(self, result: ResizeResult, reason: str) -> None:  # engine thread
         if self._loop is not None and result.from_slots != result.to_slots:
             self._loop.call_soon_threadsafe(self._after_resize)
 
@@ -175,7 +166,7 @@ class ControlLoop:
         if self.monitor.kind == "none" and not self.on_gpu:
             return "refused"
         cache = self._cache()
-        loaded = self.worker.engine is not None
+        loaded = self.worker.loaded
         if loaded and (cache is None or _closed(cache)):
             return "refused"
         return "shrink"
@@ -254,17 +245,18 @@ class ControlLoop:
         self._ask(decision, cache, budget, why)
         return decision
 
-    def _cache_view(self, cache: ExpertCache, budget: int | None) -> CacheView:
+    def _cache_view(self, cache: CachePort, budget: int | None) -> CacheView:
         """The cache as the policy sees it. One budget: where the K/V shares it, the policy's
         size is the cache's and the K/V's together, and its core the cache's core plus what the
         K/V cannot give back now."""
-        kv_mapped, kv_floor, kv_max = self._kv_bytes()
+        kv = self._kv_bytes()
+        kv_mapped, kv_floor, kv_max = kv.mapped, kv.floor, kv.reserved
         size_mib = self._policy_size_mib
         if budget is not None:
             if size_mib is None or size_mib * MiB != budget:
-                size_mib = -(-(cache.arena.mapped_bytes + kv_mapped) // MiB)
+                size_mib = -(-(cache.mapped_bytes + kv_mapped) // MiB)
         elif size_mib is None or cache.slots_for_bytes(size_mib * MiB) != cache.n_slots:
-            size_mib = -(-cache.arena.mapped_bytes // MiB)
+            size_mib = -(-cache.mapped_bytes // MiB)
         core_mib = _core_mib(cache) + -(-kv_floor // MiB)
         return CacheView(
             size_mib=max(size_mib, core_mib),
@@ -273,7 +265,7 @@ class ControlLoop:
             fixed_mib=_mib(self.fixed_bytes()),
         )
 
-    def _ask(self, decision: Decision, cache: ExpertCache, budget: int | None, why: str) -> None:
+    def _ask(self, decision: Decision, cache: CachePort, budget: int | None, why: str) -> None:
         """Ask the worker for the decision's size: a budget where the K/V shares one, else a
         number of slots; nothing when the size is already that."""
         if budget is not None:
@@ -292,8 +284,8 @@ class ControlLoop:
 
     def _engine_budget(self) -> int | None:
         """The engine's budget for the cache and the K/V (None: the cache alone is steered)."""
-        runner = self._stage()
-        return runner.budget if runner is not None and self._kv_bytes()[2] else None
+        port = self.worker.port
+        return port.budget(self.stage) if port is not None and self._kv_bytes().reserved else None
 
     def _lease_usage(self, lease: Lease) -> LeaseUsage:
         if lease.pid is None:
@@ -309,8 +301,8 @@ class ControlLoop:
     def _mapped_mib(self) -> int:
         """The cache's memory now, as the status's ``cache_mib`` (whole arena chunks)."""
         cache = self._cache()
-        return cache.arena.mapped_bytes // MiB if cache is not None and not _closed(cache) else 0
+        return cache.mapped_bytes // MiB if cache is not None and not _closed(cache) else 0
 
 
-def _closed(cache: ExpertCache) -> bool:
-    return cache.arena.closed
+def _closed(cache: CachePort) -> bool:
+    return cache.closed

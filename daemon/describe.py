@@ -25,14 +25,14 @@ def describe_path(daemon: Daemon) -> str:
         "shrink": "a request shrinks the cache by its amount",
         "refused": "VRAM requests are refused (no GPU)",
     }[daemon.controller.requests]
-    engine = daemon.worker.engine
+    port = daemon.worker.port
     if not daemon.device.startswith("cuda"):
         return (
             f"path: CPU ({_why_cpu(daemon.config.device, daemon.config.devices)}); {watch}; "
             f"{requests}"
             f"{_stages_text(daemon)}"
         )
-    status = engine.status() if engine is not None else None
+    status = port.status() if port is not None else None
     cache = status.stages[0].cache if status is not None else None
     arena = cache.arena if cache is not None else None
     arena_text = {"CudaArena": "CUDA VMM arena", None: "no expert cache"}.get(arena, str(arena))

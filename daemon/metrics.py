@@ -141,7 +141,7 @@ class _StatusCollector(Collector):
             ("strata_cache_resizes", "expert cache resizes", s.get("resizes")),
             ("strata_dbus_reconnects", "bus connections re-established", link.get("reconnects")),
             # safe points passed (prefill chunks and decode steps): the engine's work
-            ("strata_engine_steps", "engine steps", getattr(self.daemon.worker, "steps", None)),
+            ("strata_engine_steps", "engine steps", self.daemon.worker.steps),
         )
         for name, doc, value in counters:
             if value is not None:

@@ -188,9 +188,9 @@ class Daemon:
             Bounded("leases", "leases in the books (every device's)",
                     sum(len(c.book.leases()) for c in self.controllers), MAX_LEASES),
         ]  # fmt: skip
-        engine = self.worker.engine
-        if engine is not None:
-            e = engine.status()
+        port = self.worker.port
+        if port is not None:
+            e = port.status()
             out += [
                 Bounded("kv_tokens", "positions the K/V cache holds (the prefix a next prompt "
                         "may reuse)", e.kv_tokens, e.n_ctx, "tokens"),
@@ -216,7 +216,7 @@ class Daemon:
 
     def read_status(self) -> Status:
         """The status schema (docs/status.md), typed."""
-        engine = self.worker.engine
+        port = self.worker.port
         facts = DaemonFacts(
             state=self.state,
             model=self.model_id,
@@ -228,7 +228,7 @@ class Daemon:
             queued=self.worker.queued(),
             generated_tokens=self.worker.tokens,
         )
-        engine_status = engine.status() if engine is not None else None
+        engine_status = port.status() if port is not None else None
         return build_status(facts, engine_status, self.controllers, self.devices)
 
     def status(self) -> StatusJson:
@@ -237,10 +237,10 @@ class Daemon:
 
     def status_layers(self, number: int) -> str:
         """`` layers A-B`` of stage ``number`` once the model is loaded, else ""."""
-        engine = self.worker.engine
-        if engine is None:
+        port = self.worker.port
+        if port is None:
             return ""
-        stage = engine.status().stages[number]
+        stage = port.status().stages[number]
         last = stage.first_layer + stage.layers - 1
         return f" layers {stage.first_layer}-{last}" if stage.layers else ""
 
@@ -294,6 +294,7 @@ def build(
     config: StrataConfig, progress: Callable[[int, int, str], None] | None = None
 ) -> tuple[Daemon, Callable[[], None]]:
     """The daemon's objects, not started yet: worker, monitor, controller, API."""
+    from strata.daemon.engine_port import LoadedEngine
     from strata.daemon.engine_setup import engine_options, model_path, resolve_device_name
     from strata.engine.generate import Engine
 
@@ -307,7 +308,7 @@ def build(
     monitors = _monitors(config, names, controllers)
     path = config.model
 
-    def load() -> Engine:
+    def load() -> LoadedEngine:
         nonlocal path
         path = model_path(config)
         daemon.model_path = path
@@ -318,14 +319,14 @@ def build(
             free: Any = [_free_vram(m) for m in monitors]
         else:
             factory, free = _arena_factory(monitors[0]), _free_vram(monitors[0])
-        return Engine.load(
+        return LoadedEngine(Engine.load(
             path,
             options,
             state_dir=paths.state_dir(),
             arena_factory=factory,
             progress=progress or log_progress,
             free_vram=free,
-        )
+        ))  # fmt: skip
 
     worker = EngineWorker(load)
     controllers += _controllers(config, worker, names, monitors)
@@ -444,10 +445,10 @@ def _fixed_bytes(device: str) -> Callable[[], int]:
     return lambda: int(torch.cuda.memory_reserved(dev))
 
 
-def _kv_sizes(engine: EngineStatus) -> list[Bounded]:
+def _kv_sizes(status: EngineStatus) -> list[Bounded]:
     """The K/V's bytes (every stage's): what is mapped, within the reservation made for the
     whole context at load, and the kept conversations, at most ``kv_keep_conversations``."""
-    kvs = [stage.kv for stage in engine.stages if stage.kv is not None]
+    kvs = [stage.kv for stage in status.stages if stage.kv is not None]
     if not kvs:
         return []
     reserved = sum(kv.reserved_bytes for kv in kvs)

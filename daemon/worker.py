@@ -10,7 +10,8 @@ idle release) starts at once and never waits for the whole refill.
 
 A model split over several devices (``devices``) has one cache per stage and one pending resize
 per stage: a request for stage 1 never replaces one for stage 0, and each applies to its own
-stage's cache (``engine.stages[i].cache``, its budget through ``engine.set_budget(b, stage=i)``).
+stage's cache. The worker reaches the engine only through ``engine_port.EnginePort``: every stage,
+the first one included, by its number.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from strata.engine.experts.cache import ExpertCache, ResizeResult
+from strata.daemon.engine_port import CachePort, EnginePort
+from strata.engine.experts.cache import ResizeResult
 from strata.engine.generate import Engine
 from strata.engine.generation import GenerationResult, TokenLogprob
 from strata.engine.grammar import Constraint
@@ -133,9 +135,9 @@ class _Resize:
 
 
 class EngineWorker:
-    def __init__(self, load: Callable[[], Engine]) -> None:
+    def __init__(self, load: Callable[[], EnginePort]) -> None:
         self._load = load
-        self.engine: Engine | None = None
+        self.port: EnginePort | None = None  # once loaded
         self.state = State.LOADING
         self.error: BaseException | None = None
         self.ready = cf.Future[None]()
@@ -163,14 +165,18 @@ class EngineWorker:
         self._thread.start()
 
     @property
-    def cache(self) -> ExpertCache | None:
-        return self.engine.cache if self.engine is not None else None
+    def engine(self) -> Engine | None:
+        """The loaded engine itself, for the API edges (its tokenizer and chat template); None
+        before it is loaded."""
+        return self.port.engine if self.port is not None else None
 
-    def stage_cache(self, stage: int) -> ExpertCache | None:
-        """The expert cache of ``stage`` (0: :attr:`cache`); None before the model is loaded."""
-        if stage == 0 or self.engine is None:
-            return self.cache
-        return self.engine.stages[stage].cache
+    @property
+    def loaded(self) -> bool:
+        return self.port is not None
+
+    def stage_cache(self, stage: int) -> CachePort | None:
+        """The expert cache of ``stage``; None before the model is loaded, or without one."""
+        return self.port.cache(stage) if self.port is not None else None
 
     def submit(self, job: GenerationJob) -> None:
         """Queue ``job``. Jobs cancelled while they waited are dropped here (their futures
@@ -250,20 +256,18 @@ class EngineWorker:
 
     def _run(self) -> None:
         try:
-            self.engine = self._load()
+            port = self._load()
         except BaseException as e:  # reported to the service, which exits with its code
             self.error = e
             self.state = State.FAILED
             self.ready.set_exception(e)
             return
+        # the K/V's growth resizes a stage's cache itself: the control plane hears of it as of any
+        # (and the refill after a request comes from here, in pieces)
+        for number in range(port.stage_count()):
+            port.listen(number, lambda r, why, n=number: self._resized(n, r, why))
+        self.port = port
         self.state = State.READY
-        # the K/V's growth resizes the cache itself: the control plane hears of it as of any
-        runner = getattr(self.engine, "sequences", None)
-        if runner is not None:
-            runner.on_cache_resized = self._resized_by_kv
-            runner.settle_grows = False  # the refill after a request comes in pieces instead
-        for stage in (getattr(self.engine, "stages", None) or [])[1:]:  # a split's other stages
-            stage.on_cache_resized = lambda r, why, n=stage.number: self._resized(n, r, why)
         self.ready.set_result(None)
         try:
             while True:
@@ -280,7 +284,7 @@ class EngineWorker:
             self._shutdown()
 
     def _run_job(self, job: GenerationJob) -> None:
-        assert self.engine is not None
+        assert self.port is not None
         if job.cancel.is_set() or not job.done.set_running_or_notify_cancel():
             if not job.done.done():
                 job.done.cancel()
@@ -289,7 +293,7 @@ class EngineWorker:
             job.on_start()
         self.busy = True
         try:
-            result = self.engine.generate(
+            result = self.port.generate(
                 job.prompt,
                 job.params,
                 on_text=job.on_text,
@@ -317,19 +321,13 @@ class EngineWorker:
         """The room a request's K/V gave back goes to the cache's tail, in pieces like any growth
         (a request arriving meanwhile starts at once) — unless a resize is already pending: the
         newer request decides the size. Each stage of a split refills its own cache."""
-        runner = getattr(self.engine, "sequences", None)
-        if runner is None:
+        port = self.port
+        if port is None:
             return
-        stages = getattr(self.engine, "stages", None) or []
-        for number in range(max(1, len(stages))):
-            if number == 0:  # the runner's, as with one device
-                if runner.budget is None or runner.refill_slots() is None:
-                    continue
-                budget = runner.budget
-            else:
-                budget = stages[number].budget
-                if budget is None or runner.refill_slots(number) is None:
-                    continue
+        for number in range(port.stage_count()):
+            budget = port.budget(number)
+            if budget is None or port.refill_slots(number) is None:
+                continue
             with self._cv:
                 cache = self.stage_cache(number)
                 if number not in self._resizes and cache is not None:
@@ -338,10 +336,6 @@ class EngineWorker:
 
     def _count_token(self) -> None:
         self.tokens += 1  # one writer (this thread); the loop only reads it
-
-    def _resized_by_kv(self, result: ResizeResult, reason: str) -> None:
-        if self.on_resized is not None:
-            self.on_resized(result, reason)
 
     def _safe_point(self) -> None:
         self.steps += 1
@@ -362,14 +356,11 @@ class EngineWorker:
     def _apply_budget(self, stage: int, pending: _Resize) -> None:
         """A resize asked as a budget (cache and K/V together): the K/V's share first, as it
         is now, then the slots that leave."""
-        if pending.budget is None or self.engine is None:
+        if pending.budget is None or self.port is None:
             return
         self.resize_epoch += 1  # the K/V may unmap
         try:
-            if stage == 0:
-                pending.n_slots = self.engine.set_budget(pending.budget)
-            else:
-                pending.n_slots = self.engine.set_budget(pending.budget, stage=stage)
+            pending.n_slots = self.port.set_budget(stage, pending.budget)
         finally:
             self.resize_epoch += 1
 
@@ -439,9 +430,9 @@ class EngineWorker:
         for resize in pending:
             for f in resize.futures:
                 f.cancel()
-        if self.engine is not None:
-            self.engine.save_profile()
-            self.engine.close()  # unmaps the arena: the VRAM goes back now
+        if self.port is not None:
+            self.port.save_profile()
+            self.port.close()  # unmaps the arena: the VRAM goes back now
 
     def describe(self) -> dict[str, str | bool | int]:
         return {"state": str(self.state), "busy": self.busy, "queued": self.queued()}

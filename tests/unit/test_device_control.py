@@ -17,6 +17,7 @@ import pytest
 
 from strata.daemon.config import StrataConfig
 from strata.daemon.control import ControlConfig, VramController
+from strata.daemon.engine_port import KvBytes
 from strata.daemon.leases import Cookies, InvalidArgument, LeaseBook, LeaseNotFound
 from strata.daemon.policy import PolicyConfig
 from strata.daemon.service import Daemon
@@ -34,7 +35,8 @@ class _Cache:
 
     def __init__(self, n_slots: int) -> None:
         self.n_slots = n_slots
-        self.arena = SimpleNamespace(mapped_bytes=n_slots * MiB, closed=False)
+        self.mapped_bytes = n_slots * MiB
+        self.closed = False
 
     @property
     def size_bytes(self) -> int:
@@ -48,7 +50,7 @@ class _Cache:
 
     def resize(self, n_slots: int) -> Any:
         before, self.n_slots = self.n_slots, n_slots
-        self.arena.mapped_bytes = n_slots * MiB
+        self.mapped_bytes = n_slots * MiB
         return SimpleNamespace(from_slots=before, to_slots=n_slots)
 
 
@@ -58,15 +60,12 @@ class _Worker:
     def __init__(self, caches: list[_Cache]) -> None:
         self.caches = caches
         # loaded; no budget: the cache alone is steered (the K/V is not the controllers' here)
-        self.engine = SimpleNamespace(stages=[SimpleNamespace(budget=None) for _ in caches])
+        self.port = SimpleNamespace(kv_bytes=lambda stage: KvBytes(), budget=lambda stage: None)
+        self.loaded = True
         self.resize_epoch = 0
         self.on_resized: Callable[[Any, str], None] | None = None
         self.on_stage_resized: dict[int, Callable[[Any, str], None]] = {}
         self.asked: list[tuple[int, int]] = []  # (stage, slots)
-
-    @property
-    def cache(self) -> _Cache:
-        return self.caches[0]
 
     def stage_cache(self, stage: int) -> _Cache:
         return self.caches[stage]

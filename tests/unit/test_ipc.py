@@ -203,6 +203,10 @@ def test_metrics_label_each_device_and_keep_the_old_series_for_device_0() -> Non
     assert 'strata_device_reserve_mib{device="1",name="cuda:1"} 100.0' in text
     assert 'strata_device_borrowed_mib{device="1",name="cuda:1"} 512.0' in text
     unwatched = {**SPLIT, "devices": [{**FIRST, "free_mib": None}, SECOND]}
-    text = Metrics(SimpleNamespace(status=lambda: unwatched, worker=None)).render().decode()
+    text = (
+        Metrics(SimpleNamespace(status=lambda: unwatched, worker=SimpleNamespace(steps=3)))
+        .render()
+        .decode()
+    )
     assert 'strata_device_free_vram_mib{device="0"' not in text, "an unknown value is left out"
     assert 'strata_device_free_vram_mib{device="1",name="cuda:1"} 700.0' in text

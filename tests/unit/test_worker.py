@@ -59,14 +59,44 @@ class _Cache:
         return ResizeResult(before, n_slots, abs(n_slots - before), 0.001)
 
 
-class _Engine:
-    def __init__(self, cache: _Cache) -> None:
-        self.cache = cache
+class _Port:
+    """An engine behind the worker's ``EnginePort``: one cache per stage, each stage's budget
+    (None: none) and the slots its refill would reach (``wants``); budgets set are recorded with
+    their stage; a generation passes 20 safe points."""
+
+    engine = None  # the API edges' engine: none here
+
+    def __init__(self, *caches: _Cache) -> None:
+        self.caches = list(caches)
+        self.stage_budgets: list[int | None] = [None] * len(caches)
+        self.wants: list[int | None] = [None] * len(caches)
+        self.budgets: list[tuple[int, int]] = []
+        self.listeners: dict[int, Any] = {}
         self.safe_points: list[int] = []
 
-    def generate(self, prompt, params, on_text=None, cancelled=None, safe_point=None, **_):
+    def stage_count(self) -> int:
+        return len(self.caches)
+
+    def cache(self, stage: int) -> _Cache:
+        return self.caches[stage]
+
+    def budget(self, stage: int) -> int | None:
+        return self.stage_budgets[stage]
+
+    def set_budget(self, stage: int, budget: int) -> int:
+        self.budgets.append((stage, budget))
+        return budget // self.caches[stage].slot_bytes
+
+    def refill_slots(self, stage: int) -> int | None:
+        want = self.wants[stage]
+        return want if want is not None and want > self.caches[stage].n_slots else None
+
+    def listen(self, stage: int, on_resized: Any) -> None:
+        self.listeners[stage] = on_resized
+
+    def generate(self, prompt: Any, params: Any, *, safe_point: Any, **_: Any) -> str:
         for _ in range(20):  # a generation of 20 steps
-            self.safe_points.append(self.cache.n_slots)
+            self.safe_points.append(self.caches[0].n_slots)
             safe_point()
         return "done"
 
@@ -77,11 +107,18 @@ class _Engine:
         pass
 
 
+def _budget_port(cache: _Cache, want: int) -> _Port:
+    """One stage whose budget has room for ``want`` slots once the K/V gave its pages back."""
+    port = _Port(cache)
+    port.stage_budgets[0], port.wants[0] = want * cache.slot_bytes, want
+    return port
+
+
 def test_a_growth_comes_in_pieces_and_a_request_does_not_wait_for_all_of_them() -> None:
     from strata.daemon.worker import GROW_PIECE_BYTES
 
     cache = _Cache(4)
-    engine = _Engine(cache)
+    engine = _Port(cache)
     worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
     piece = GROW_PIECE_BYTES // cache.slot_bytes
     assert piece == 4
@@ -102,43 +139,18 @@ def test_a_growth_comes_in_pieces_and_a_request_does_not_wait_for_all_of_them() 
     assert worker.resize_epoch == 10  # even: no resize under way
 
 
-class _Runner:
-    """The part of Runner the worker reads after a request: a budget with room for ``want``
-    slots once the K/V has given its pages back."""
-
-    def __init__(self, cache: _Cache, want: int) -> None:
-        self.cache, self.want = cache, want
-        self.budget = want * cache.slot_bytes
-        self.settle_grows = True
-        self.on_cache_resized = None
-
-    def refill_slots(self) -> int | None:
-        return self.want if self.want > self.cache.n_slots else None
-
-
-class _BudgetEngine(_Engine):
-    def __init__(self, cache: _Cache, want: int) -> None:
-        super().__init__(cache)
-        self.sequences = _Runner(cache, want)
-        self.budgets: list[int] = []
-
-    def set_budget(self, budget: int) -> int:
-        self.budgets.append(budget)
-        return budget // self.cache.slot_bytes
-
-
 def test_the_room_a_request_gave_back_refills_the_cache_in_pieces_after_it() -> None:
     from strata.daemon.worker import GROW_PIECE_BYTES
 
     cache = _Cache(4)
     piece = GROW_PIECE_BYTES // cache.slot_bytes
-    engine = _BudgetEngine(cache, 4 + 3 * piece)
+    engine = _budget_port(cache, 4 + 3 * piece)
     worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
     resized: list[tuple[int, int, str]] = []
     worker.on_resized = lambda r, why: resized.append((r.from_slots, r.to_slots, why))
     worker.start()
     worker.ready.result(30)
-    assert engine.sequences.settle_grows is False, "the worker grows the cache itself"
+    assert set(engine.listeners) == {0}, "the worker hears of the engine's own resizes"
     first = GenerationJob([1], SamplingParams(max_tokens=1))
     worker.submit(first)
     assert first.done.result(30) == "done"
@@ -150,7 +162,7 @@ def test_the_room_a_request_gave_back_refills_the_cache_in_pieces_after_it() -> 
     # after the first request: one piece at a time, the budget asked again at each piece
     assert cache.calls[:3] == [4 + piece, 4 + 2 * piece, 4 + 3 * piece]
     assert [why for *_, why in resized[:3]] == ["room the K/V gave back"] * 3
-    assert engine.budgets[:3] == [engine.sequences.budget] * 3
+    assert engine.budgets[:3] == [(0, engine.stage_budgets[0])] * 3
     assert cache.n_slots == 4 + 3 * piece
 
 
@@ -158,9 +170,9 @@ def test_a_pending_resize_is_not_replaced_by_the_refill_after_a_request() -> Non
     from strata.daemon.worker import _Resize
 
     cache = _Cache(40)
-    engine = _BudgetEngine(cache, 60)
+    engine = _budget_port(cache, 60)
     worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
-    worker.engine = engine  # type: ignore[assignment]  # as the engine thread sees it
+    worker.port = engine  # type: ignore[assignment]  # as the engine thread sees it
     pending = _Resize(8, None, "reserve (request)", [])
     worker._resizes[0] = pending  # a shrink asked for while the request ran
     worker._refill_after_request()
@@ -169,8 +181,8 @@ def test_a_pending_resize_is_not_replaced_by_the_refill_after_a_request() -> Non
     worker._refill_after_request()
     refill = worker._resizes.get(0)
     assert refill is not None and refill.reason == "room the K/V gave back"
-    assert refill.budget == engine.sequences.budget and refill.futures == []
-    engine.sequences.want = 40  # no room left: nothing to ask
+    assert refill.budget == engine.stage_budgets[0] and refill.futures == []
+    engine.wants[0] = 40  # no room left: nothing to ask
     worker._resizes.clear()
     worker._refill_after_request()
     assert worker._resizes == {}
@@ -178,7 +190,7 @@ def test_a_pending_resize_is_not_replaced_by_the_refill_after_a_request() -> Non
 
 def test_a_shrink_comes_at_once() -> None:
     cache = _Cache(40)
-    worker = EngineWorker(lambda: _Engine(cache))  # type: ignore[arg-type, return-value]
+    worker = EngineWorker(lambda: _Port(cache))  # type: ignore[arg-type, return-value]
     worker.start()
     worker.ready.result(30)
     assert worker.request_resize(4, None, "reserve (request)").result(30).to_slots == 4
@@ -189,30 +201,11 @@ def test_a_shrink_comes_at_once() -> None:
 # -- a layer split: one cache and one pending resize per stage ----------------------------------
 
 
-class _Stage:
-    def __init__(self, number: int, cache: _Cache) -> None:
-        self.number, self.cache, self.budget = number, cache, None
-        self.on_cache_resized: Any = None
-
-
-class _SplitEngine(_Engine):
-    """Two stages, each with its own cache; budgets recorded with their stage."""
-
-    def __init__(self, first: _Cache, second: _Cache) -> None:
-        super().__init__(first)
-        self.stages = [_Stage(0, first), _Stage(1, second)]
-        self.budgets: list[tuple[int, int]] = []
-
-    def set_budget(self, budget: int, stage: int = 0) -> int:
-        self.budgets.append((stage, budget))
-        return budget // self.stages[stage].cache.slot_bytes
-
-
 def test_each_stage_has_its_own_pending_resize_and_cache() -> None:
     first, second = _Cache(40), _Cache(40)
-    engine = _SplitEngine(first, second)
+    engine = _Port(first, second)
     worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
-    worker.engine = engine  # type: ignore[assignment]  # not started: requests stay pending
+    worker.port = engine  # type: ignore[assignment]  # not started: requests stay pending
     assert worker.stage_cache(0) is first and worker.stage_cache(1) is second
     one = worker.request_resize(10, None, "lease (request)", stage=1)
     zero = worker.request_resize(30, None, "reserve (request)")
@@ -232,7 +225,7 @@ def test_each_stage_has_its_own_pending_resize_and_cache() -> None:
 
 def test_a_stage_budget_goes_to_that_stage() -> None:
     first, second = _Cache(4), _Cache(4)
-    engine = _SplitEngine(first, second)
+    engine = _Port(first, second)
     worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
     worker.start()
     worker.ready.result(30)
@@ -245,7 +238,7 @@ def test_a_stage_budget_goes_to_that_stage() -> None:
     heard: list[tuple[str, str]] = []
     worker.on_resized = lambda r, why: heard.append(("stage 0", why))
     worker.on_stage_resized[1] = lambda r, why: heard.append(("stage 1", why))
-    engine.stages[1].on_cache_resized(second.resize(5), "K/V growth")
+    engine.listeners[1](second.resize(5), "K/V growth")
     assert heard == [("stage 1", "K/V growth")]
 
 
@@ -281,13 +274,10 @@ def test_a_waiting_job_whose_client_left_leaves_the_queue_at_once() -> None:
 def test_the_allocator_hands_memory_back_after_a_request_when_nothing_waits() -> None:
     """After a request with nothing waiting, the C allocator's free memory goes back to the
     system (malloc_trim): a long prompt's temporaries no longer stay resident for ever."""
-    from types import SimpleNamespace
-
     from strata.daemon.worker import CAllocator
 
-    done = SimpleNamespace(finish_reason="stop")
-    engine = SimpleNamespace(generate=lambda *a, **k: done, save_profile=lambda: None,
-                             close=lambda: None)  # fmt: skip
+    done = "done"
+    engine = _Port(_Cache(4))
     worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
     worker.start()
     try:
