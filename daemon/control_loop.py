@@ -119,10 +119,7 @@ class ControlLoop:
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        if self.stage == 0:
-            self.worker.on_resized = self._resized_in_engine
-        else:
-            self.worker.on_stage_resized[self.stage] = self._resized_in_engine
+        self.worker.on_resized[self.stage] = self._resized_in_engine
 
     def _emit(self, name: str, **fields: Any) -> None:
         fields["device"] = self.stage

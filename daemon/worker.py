@@ -151,9 +151,8 @@ class EngineWorker:
         # Odd while a resize maps or unmaps memory: a reading of the device taken while it
         # changed (or was odd) may count Strata's own memory as another program's.
         self.resize_epoch = 0
-        self.on_resized: Callable[[ResizeResult, str], None] | None = None  # stage 0's
-        # the other stages' (a layer split over devices), by stage number
-        self.on_stage_resized: dict[int, Callable[[ResizeResult, str], None]] = {}
+        # told of each resize of a stage's cache, by stage number (0: the first)
+        self.on_resized: dict[int, Callable[[ResizeResult, str], None]] = {}
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self.allocator = CAllocator()
         self.allocator.fix_mmap_threshold(MMAP_THRESHOLD_BYTES)
@@ -349,7 +348,7 @@ class EngineWorker:
             self._apply_resize(stage)
 
     def _resized(self, stage: int, result: ResizeResult, reason: str) -> None:
-        listener = self.on_resized if stage == 0 else self.on_stage_resized.get(stage)
+        listener = self.on_resized.get(stage)
         if listener is not None:
             listener(result, reason)
 

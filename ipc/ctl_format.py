@@ -18,11 +18,11 @@ def _all_leases(status: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _device_status(status: dict[str, Any], device: int | None) -> dict[str, Any]:
-    """The part of the status that describes ``device`` (None, 0: the top level)."""
-    if not device:
-        return status
+    """``device``'s entry in the status's device list (None: no device named, the first); {}
+    for one the daemon does not have (the request then fails, naming the devices it has)."""
     devices = status.get("devices") or []
-    return devices[device] if device < len(devices) else {}
+    number = 0 if device is None else device
+    return devices[number] if 0 <= number < len(devices) else {}
 
 
 def carried_out(status: dict[str, Any], before: Any, mib: int) -> str:

@@ -63,8 +63,7 @@ class _Worker:
         self.port = SimpleNamespace(kv_bytes=lambda stage: KvBytes(), budget=lambda stage: None)
         self.loaded = True
         self.resize_epoch = 0
-        self.on_resized: Callable[[Any, str], None] | None = None
-        self.on_stage_resized: dict[int, Callable[[Any, str], None]] = {}
+        self.on_resized: dict[int, Callable[[Any, str], None]] = {}
         self.asked: list[tuple[int, int]] = []  # (stage, slots)
 
     def stage_cache(self, stage: int) -> _Cache:
@@ -73,7 +72,7 @@ class _Worker:
     def request_resize(self, n_slots: int, max_shrink: Any, reason: str, stage: int = 0) -> None:
         self.asked.append((stage, n_slots))
         result = self.caches[stage].resize(n_slots)
-        listener = self.on_resized if stage == 0 else self.on_stage_resized.get(stage)
+        listener = self.on_resized.get(stage)
         if listener is not None:
             listener(result, reason)
 

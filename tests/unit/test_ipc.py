@@ -176,7 +176,9 @@ def test_the_status_table_lists_each_device_and_every_lease() -> None:
 def test_a_reserve_line_speaks_of_its_device() -> None:
     from strata.ipc.ctl import _device_status, carried_out
 
-    assert _device_status(SPLIT, None) is SPLIT and _device_status(SPLIT, 0) is SPLIT
+    # no device named: the first in the list, as device 0 named; one it lacks: nothing
+    assert _device_status(SPLIT, None) is FIRST and _device_status(SPLIT, 0) is FIRST
+    assert _device_status(SPLIT, 2) == {} and _device_status(SPLIT, -1) == {}
     assert carried_out(_device_status(SPLIT, 1), 48, 100) == (
         "700 MiB free on simulated (cache 48 -> 30 MiB)"
     )

@@ -123,7 +123,7 @@ def test_a_growth_comes_in_pieces_and_a_request_does_not_wait_for_all_of_them() 
     piece = GROW_PIECE_BYTES // cache.slot_bytes
     assert piece == 4
     resized: list[tuple[int, int]] = []
-    worker.on_resized = lambda r, why: resized.append((r.from_slots, r.to_slots))
+    worker.on_resized[0] = lambda r, why: resized.append((r.from_slots, r.to_slots))
     job = GenerationJob([1], SamplingParams(max_tokens=1))
     with worker._cv:  # both at once, before the engine thread looks
         worker._jobs.append(job)
@@ -147,7 +147,7 @@ def test_the_room_a_request_gave_back_refills_the_cache_in_pieces_after_it() -> 
     engine = _budget_port(cache, 4 + 3 * piece)
     worker = EngineWorker(lambda: engine)  # type: ignore[arg-type, return-value]
     resized: list[tuple[int, int, str]] = []
-    worker.on_resized = lambda r, why: resized.append((r.from_slots, r.to_slots, why))
+    worker.on_resized[0] = lambda r, why: resized.append((r.from_slots, r.to_slots, why))
     worker.start()
     worker.ready.result(30)
     assert set(engine.listeners) == {0}, "the worker hears of the engine's own resizes"
@@ -213,8 +213,8 @@ def test_each_stage_has_its_own_pending_resize_and_cache() -> None:
     newer = worker.request_resize(8, None, "lease (request)", stage=1)
     assert worker._resizes[1].n_slots == 8 and worker._resizes[0].n_slots == 30
     seen: list[tuple[str, int, int]] = []
-    worker.on_resized = lambda r, why: seen.append(("stage 0", r.from_slots, r.to_slots))
-    worker.on_stage_resized[1] = lambda r, why: seen.append(("stage 1", r.from_slots, r.to_slots))
+    worker.on_resized[0] = lambda r, why: seen.append(("stage 0", r.from_slots, r.to_slots))
+    worker.on_resized[1] = lambda r, why: seen.append(("stage 1", r.from_slots, r.to_slots))
     worker._apply_resizes()
     assert first.calls == [30] and second.calls == [8]
     assert one.result(0).to_slots == newer.result(0).to_slots == 8  # the newer size answers both
@@ -236,8 +236,8 @@ def test_a_stage_budget_goes_to_that_stage() -> None:
     assert first.calls == [] and second.calls == [6], "stage 0's cache is left alone"
     # a resize the K/V's growth makes in stage 1 reaches stage 1's listener, not stage 0's
     heard: list[tuple[str, str]] = []
-    worker.on_resized = lambda r, why: heard.append(("stage 0", why))
-    worker.on_stage_resized[1] = lambda r, why: heard.append(("stage 1", why))
+    worker.on_resized[0] = lambda r, why: heard.append(("stage 0", why))
+    worker.on_resized[1] = lambda r, why: heard.append(("stage 1", why))
     engine.listeners[1](second.resize(5), "K/V growth")
     assert heard == [("stage 1", "K/V growth")]
 
