@@ -14,12 +14,13 @@ reference's top-2 margin exceeds twice that.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from fastpath import forced_logits, worst
-from gpt_oss_files import GptOssFiles
+from gpt_oss_files import SPEC, GptOssFiles
 
 from strata.engine.generate import Engine
 from strata.engine.gpu.runner import GpuRunner
@@ -47,8 +48,16 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> GptOssFiles:
     return GptOssFiles(tmp_path_factory.mktemp("gpt-oss-gpu"))
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MXFP4_MOE file whose experts fill 20 MiB of slots (the tiny file's fit in less than
+    one MiB: no cache size in whole MiB holds half of them), top-4 of 16."""
+    spec = replace(SPEC, n_ff_exp=1024, n_expert=16, n_expert_used=4)
+    return GptOssFiles(tmp_path_factory.mktemp("gpt-oss-wide"), spec).path("MXFP4_MOE")
+
+
 def load(path: Path, cuda: str, **kw) -> Engine:
-    options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=2,
+    options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=1,
                    cache_mib=1 << 20, cpu_share=0.0, prefill_chunk_tokens=32)  # fmt: skip
     options.update(kw)
     return Engine.load(path, EngineOptions(**options))  # type: ignore[arg-type]
@@ -107,14 +116,19 @@ def test_prompt_logits_at_every_position_stay_within_tolerance(files, cuda, kind
         ref.close()
 
 
-def test_numbers_are_the_same_at_cache_all_half_and_none(files, cuda) -> None:
-    path = files.path("MXFP4_MOE")
+def test_numbers_are_the_same_at_cache_all_half_and_none(wide, cuda) -> None:
+    path = wide
     full = all_mib(path, cuda)
     runs = {}
     for label, mib in (("all", full), ("half", full // 2), ("none", 0)):
         for host in (0, 256):  # misses staged from the file; read from host homes over PCIe
             e = load(path, cuda, cache_mib=mib, host_budget_mib=host)
             try:
+                assert e.sequences.gpu is not None
+                c = e.cache  # (none without a host tier: every expert staged from the file)
+                held = 0.0 if c is None else c.n_slots / c.max_slots
+                assert {"all": held == 1, "half": 0.3 < held < 0.7, "none": held == 0}[label]
+                assert e.sequences.gpu.plan.complete == (host > 0 or label == "all")
                 prompt = e.sequences.logits_all(PROMPT, [40, 30])
                 runs[label, host] = (generate(e), forced_logits(e, PROMPT[:20], 24), prompt)
             finally:
@@ -127,8 +141,8 @@ def test_numbers_are_the_same_at_cache_all_half_and_none(files, cuda) -> None:
             assert torch.equal(a, b), key
 
 
-def test_a_shrink_and_a_grow_mid_generation_change_no_token(files, cuda) -> None:
-    path = files.path("MXFP4_MOE")
+def test_a_shrink_and_a_grow_mid_generation_change_no_token(wide, cuda) -> None:
+    path = wide
     e = load(path, cuda, cache_mib=all_mib(path, cuda), host_budget_mib=0)  # misses staged
     try:
         steady = generate(e)
@@ -152,8 +166,8 @@ def test_a_shrink_and_a_grow_mid_generation_change_no_token(files, cuda) -> None
         e.close()
 
 
-def test_the_cpus_share_keeps_the_decode_tolerance(files, cuda) -> None:
-    path = files.path("MXFP4_MOE")
+def test_the_cpus_share_keeps_the_decode_tolerance(wide, cuda) -> None:
+    path = wide
     half = all_mib(path, cuda) // 2
     plain = load(path, cuda, cache_mib=half, host_budget_mib=256, fast_prefill=False)
     shared = load(path, cuda, cache_mib=half, host_budget_mib=256, fast_prefill=False,
