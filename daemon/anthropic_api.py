@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from strata.daemon.api_errors import invalid, unsupported, wrong_type
 from strata.daemon.api_shapes import error_json
+from strata.daemon.json_types import JSONObject
 from strata.daemon.openai_api import Parsed, chat_from, chat_prompt_text, json_object
 from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.daemon.serving import Serving, Started
@@ -63,7 +64,7 @@ def check_version(request: Request) -> None:
                       f"(a date like {FIRST_VERSION} or later)", "anthropic-version")  # fmt: skip
 
 
-def to_openai(raw: dict[str, Any], counting: bool = False) -> dict[str, Any]:
+def to_openai(raw: JSONObject, counting: bool = False) -> JSONObject:
     """The OpenAI chat request an Anthropic one means. ``counting``: a ``count_tokens`` body
     (no ``max_tokens``, nothing generated)."""
     for name, why in _REFUSED.items():
@@ -336,7 +337,7 @@ def _head(s: Started, msg_id: str) -> dict[str, Any]:
     return {"id": msg_id, "type": "message", "role": "assistant", "model": s.reply.model}
 
 
-def message_json(s: Started, body: dict[str, Any], stop: str | None) -> dict[str, Any]:
+def message_json(s: Started, body: JSONObject, stop: str | None) -> JSONObject:
     """The Messages reply from the OpenAI one."""
     choice = body["choices"][0]
     msg = choice["message"]
@@ -363,7 +364,7 @@ def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}  # fmt: skip
 
 
-def event(kind: str, data: dict[str, Any]) -> bytes:
+def event(kind: str, data: JSONObject) -> bytes:
     text = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
     return f"event: {kind}\ndata: {text}\n\n".encode()
 
@@ -402,7 +403,7 @@ class MessageEvents:
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return event("content_block_delta", {"index": self.index, "delta": delta})
 
-    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+    def chunk(self, chunk: JSONObject) -> list[bytes]:
         out: list[bytes] = []
         for choice in chunk.get("choices", ()):
             d = choice["delta"]

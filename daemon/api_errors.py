@@ -4,7 +4,7 @@ and the HTTP edge, which maps every exception to one of these once."""
 
 from __future__ import annotations
 
-from typing import Any
+from strata.daemon.json_types import JSON, JSONObject
 
 __all__ = ["ApiError", "error_body", "invalid", "json_type", "unsupported", "wrong_type"]
 
@@ -29,7 +29,7 @@ class ApiError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         return error_body(self.message, self.kind, self.param, self.code)
 
 
@@ -46,11 +46,11 @@ def unsupported(param: str, why: str) -> ApiError:
     return ApiError(400, f"{param}: {why}", "invalid_request_error", param, "unsupported_parameter")
 
 
-def wrong_type(param: str, expected: str, value: Any) -> ApiError:
+def wrong_type(param: str, expected: str, value: JSON) -> ApiError:
     return invalid(f"{param}: expected {expected}, got {json_type(value)}", param, "invalid_type")
 
 
-def json_type(v: Any) -> str:
+def json_type(v: JSON) -> str:
     if v is None:
         return "null"
     return {bool: "a boolean", int: "a number", float: "a number", str: "a string",

@@ -9,9 +9,10 @@ llama-server's extras included: llama-server answers errors in OpenAI's shape to
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from strata.daemon.api_errors import ApiError
+from strata.daemon.json_types import JSONObject
 
 Api = Literal["openai", "anthropic", "ollama"]
 
@@ -40,7 +41,7 @@ def api_of(path: str) -> Api:
     return "openai"
 
 
-def error_json(err: ApiError, api: Api) -> dict[str, Any]:
+def error_json(err: ApiError, api: Api) -> JSONObject:
     if api == "anthropic":
         kind = _ANTHROPIC_TYPES.get(err.status)
         if kind is None:

@@ -23,6 +23,7 @@ from strata.bench import settings as bs
 from strata.daemon.config import BENCH_OPTIONS, LoadedConfig, Origin, add_option_flags
 from strata.daemon.engine_setup import engine_options
 from strata.daemon.generate_cmd import ProgressBar
+from strata.daemon.json_types import JSONObject
 from strata.engine.errors import EngineError, ModelLoadError
 
 if TYPE_CHECKING:
@@ -204,7 +205,7 @@ def _check_card(gib: float, options: EngineOptions) -> None:
         )
 
 
-def merged_result(args: argparse.Namespace) -> dict[str, Any]:
+def merged_result(args: argparse.Namespace) -> JSONObject:
     """``--merge``: the files read and combined; raises ``BenchError`` naming a measuring flag
     given with it, a file that cannot be read or parsed, or what keeps the results apart."""
     for dest, flag in MEASURING_FLAGS.items():

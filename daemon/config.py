@@ -44,7 +44,7 @@ class Origin(StrEnum):
 class Setting:
     """A raw value and where it came from: ``spelling`` is the name the user wrote."""
 
-    value: Any
+    value: object
     origin: Origin
     spelling: str
 

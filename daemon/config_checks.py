@@ -4,7 +4,8 @@ TOML array or comma-separated text), a list as text, and whether a host stays on
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+
+from strata.daemon.json_types import JSON
 
 
 def device_name(value: str) -> str | None:
@@ -16,7 +17,7 @@ def device_name(value: str) -> str | None:
     return None
 
 
-def as_list(value: Any) -> list[Any] | None:
+def as_list(value: JSON) -> list[JSON] | None:
     """A list option's value as given: a TOML array, or a comma-separated string (a flag, an
     environment variable). None: not a list (pydantic then says what it expected)."""
     if isinstance(value, str):
@@ -26,7 +27,7 @@ def as_list(value: Any) -> list[Any] | None:
     return None
 
 
-def list_text(values: list[Any]) -> str:
+def list_text(values: list[JSON]) -> str:
     return ",".join(str(v) for v in values)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from strata.daemon.engine_port import CachePort, KvBytes
+from strata.daemon.json_types import JSONObject
 from strata.daemon.leases import (
     Lease,
     LeaseBook,
@@ -38,7 +39,7 @@ log = logging.getLogger("strata.daemon.control")  # the name its log lines alway
 MiB = 2**20
 
 # Events for the edges (D-Bus signals, metrics): (name, fields)
-Listener = Callable[[str, dict[str, Any]], None]
+Listener = Callable[[str, JSONObject], None]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,8 @@ from strata.engine.grammar import Constraint
 from strata.engine.params import SamplingParams
 
 if TYPE_CHECKING:
+    from starlette.types import Receive
+
     from strata.daemon.control import ControlGroup, VramController
 
 log = logging.getLogger(__name__)
@@ -137,7 +139,7 @@ class Generation:
         if not self.closed:
             self._queue.put_nowait(item)
 
-    async def _watch_disconnect(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    async def _watch_disconnect(self, receive: Receive) -> None:
         # Once the body is read, the server's receive() answers only when the client goes away
         # (or the response is complete, when cancelling is a no-op).
         while True:
@@ -173,7 +175,7 @@ class Generations:
         params: SamplingParams,
         received: float,
         stream: bool = False,
-        receive: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        receive: Receive | None = None,
         constraint: Constraint | None = None,
         show_special: frozenset[int] = frozenset(),
     ) -> Generation:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 
 from strata.daemon.api_errors import invalid, wrong_type
+from strata.daemon.json_types import JSONObject
 from strata.daemon.openai_api import chat_from, chat_prompt_text, json_object
 from strata.daemon.openai_messages import check_text
 from strata.daemon.serving import Serving
@@ -37,7 +38,7 @@ def _flag(raw: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def tokenize(raw: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+def tokenize(raw: JSONObject, tokenizer: Tokenizer) -> JSONObject:
     content = raw.get("content")
     if content is None:
         raise invalid("content: missing required field", "content")
@@ -66,7 +67,7 @@ def _piece(data: bytes) -> str | list[int]:
         return list(data)
 
 
-def detokenize(raw: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+def detokenize(raw: JSONObject, tokenizer: Tokenizer) -> JSONObject:
     tokens = raw.get("tokens")
     if tokens is None:
         raise invalid("tokens: missing required field", "tokens")
@@ -84,7 +85,7 @@ def detokenize(raw: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
     return {"content": tokenizer.decode(tokens)}
 
 
-def props(serving: Serving, engine: Engine) -> dict[str, Any]:
+def props(serving: Serving, engine: Engine) -> JSONObject:
     d = SamplingParams()
     template = engine.template
     path = serving.daemon.model_path

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from strata.daemon import ollama_pull
 from strata.daemon.api_errors import invalid, unsupported, wrong_type
+from strata.daemon.json_types import JSON, JSONObject
 from strata.daemon.ollama_models import add_model_routes
 from strata.daemon.openai_api import Parsed, chat_from, completion_from, json_object
 from strata.daemon.openai_stream import ReplyStream, reply_body
@@ -95,7 +96,7 @@ def _options(options: Any, out: dict[str, Any], n_ctx: int) -> None:
                               f"num_ctx and {', '.join(_OPTIONS)})")  # fmt: skip
 
 
-def keep_alive_s(value: Any) -> float:
+def keep_alive_s(value: JSON) -> float:
     """``keep_alive`` in seconds (negative: forever), from a number or a duration string."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
@@ -113,7 +114,7 @@ def keep_alive_s(value: Any) -> float:
     return sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
-def check_keep_alive(value: Any, idle_release_s: int) -> None:
+def check_keep_alive(value: JSON, idle_release_s: int) -> None:
     """``keep_alive`` must say what the daemon does: release the cache after
     ``idle_release_s`` without a request (0: never, which a negative keep_alive says)."""
     if value is None:
@@ -159,7 +160,7 @@ def _common(raw: dict[str, Any], out: dict[str, Any], serving: Serving, n_ctx: i
     check_keep_alive(raw.get("keep_alive"), serving.config.idle_release_s)
 
 
-def chat_request(raw: dict[str, Any], serving: Serving, n_ctx: int) -> dict[str, Any]:
+def chat_request(raw: JSONObject, serving: Serving, n_ctx: int) -> JSONObject:
     out: dict[str, Any] = {}
     _common(raw, out, serving, n_ctx)
     messages = raw.get("messages")
@@ -227,7 +228,7 @@ def _calls(raw: Any, where: str, first: int) -> list[dict[str, Any]]:
     return out
 
 
-def generate_request(raw: dict[str, Any], serving: Serving, n_ctx: int) -> dict[str, Any] | None:
+def generate_request(raw: JSONObject, serving: Serving, n_ctx: int) -> JSONObject | None:
     """The OpenAI request of a ``/api/generate``; None: no prompt (Ollama's way to load)."""
     for name in ("suffix", "template", "context", "images"):
         if raw.get(name) not in (None, "", []):
@@ -279,8 +280,8 @@ def _done_reason(finish: str) -> str:
     return "length" if finish == "length" else "stop"
 
 
-def reply_json(kind: str, model: str, body: dict[str, Any], r: GenerationResult,
-               received: float) -> dict[str, Any]:  # fmt: skip
+def reply_json(kind: str, model: str, body: JSONObject, r: GenerationResult,
+               received: float) -> JSONObject:  # fmt: skip
     choice = body["choices"][0]
     out: dict[str, Any] = {"model": model, "created_at": _now()}
     if kind == "chat":
@@ -301,7 +302,7 @@ def reply_json(kind: str, model: str, body: dict[str, Any], r: GenerationResult,
             **_counts(r, received)}  # fmt: skip
 
 
-def line(obj: dict[str, Any]) -> bytes:
+def line(obj: JSONObject) -> bytes:
     return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 
 
@@ -319,7 +320,7 @@ class NdjsonLines:
     def _head(self) -> dict[str, Any]:
         return {"model": self.model, "created_at": _now()}
 
-    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+    def chunk(self, chunk: JSONObject) -> list[bytes]:
         out = []
         for choice in chunk.get("choices", ()):
             self.finish = choice.get("finish_reason") or self.finish

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from strata.daemon import library
 from strata.daemon.api_errors import invalid, wrong_type
 from strata.daemon.engine_setup import models_dir
+from strata.daemon.json_types import JSONObject
 from strata.daemon.openai_api import json_object
 from strata.daemon.serving import Serving
 from strata.engine.reasoning import family_for
@@ -58,7 +59,7 @@ def _entry(serving: Serving, engine: Any, name: str) -> dict[str, Any]:
             "details": _details(engine)}  # fmt: skip
 
 
-def show(serving: Serving, engine: Engine, name: str) -> dict[str, Any]:
+def show(serving: Serving, engine: Engine, name: str) -> JSONObject:
     index = engine.index
     template = engine.template.source if engine.template is not None else ""
     caps = ["completion"]

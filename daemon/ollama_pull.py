@@ -19,15 +19,19 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from strata.daemon.api_errors import ApiError, invalid, unsupported, wrong_type
 from strata.daemon.engine_setup import models_dir
+from strata.daemon.json_types import JSONObject
 from strata.daemon.openai_api import json_object
 from strata.daemon.serving import Serving
+
+if TYPE_CHECKING:
+    from strata.daemon.hf_pull import RemoteFile
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +40,14 @@ NDJSON = "application/x-ndjson"
 STEPS = 100  # progress events per file, at most (one a percent)
 _END = object()
 
-Event = dict[str, Any]
+Event = JSONObject
 
 
 class PullCancelled(Exception):
     """The client left: the download stops at its next chunk (its .part file stays)."""
 
 
-def spec_of(raw: dict[str, Any]) -> tuple[str, bool]:
+def spec_of(raw: JSONObject) -> tuple[str, bool]:
     """The ``REPO[:QUANT]`` to pull and whether to stream; errors name the field."""
     model = raw.get("model", raw.get("name"))
     if model is None:
@@ -61,7 +65,7 @@ def spec_of(raw: dict[str, Any]) -> tuple[str, bool]:
 class FileProgress:
     """Bytes landing across a plan's files, in order, as Ollama's per-file events."""
 
-    def __init__(self, files: list[Any], emit: Callable[[Event], None],
+    def __init__(self, files: list[RemoteFile], emit: Callable[[Event], None],
                  stop: threading.Event) -> None:  # fmt: skip
         self.files = files
         self.emit = emit

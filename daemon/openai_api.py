@@ -27,6 +27,7 @@ from strata.daemon.api_errors import (  # ApiError and error_body: imported from
     unsupported,
     wrong_type,
 )
+from strata.daemon.json_types import JSONObject
 from strata.daemon.openai_messages import check_text as _check_text
 from strata.daemon.openai_messages import parse_messages as _messages
 from strata.daemon.openai_models import model_not_found  # noqa: F401 (imported from here too)
@@ -140,12 +141,12 @@ class Parsed:
     model: str
     stream: bool
     include_usage: bool
-    messages: list[dict[str, Any]] = field(default_factory=list)  # chat
+    messages: list[JSONObject] = field(default_factory=list)  # chat
     text: str | None = None  # a completion prompt as text
     token_ids: list[int] | None = None  # a completion prompt as token ids
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"
-    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields the client set
+    sampling: JSONObject = field(default_factory=dict)  # SamplingParams fields the client set
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: ToolChoice = NO_TOOLS
     parallel_tool_calls: bool = True
@@ -160,7 +161,7 @@ def parse_chat(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
     return chat_from(json_object(body), max_stop)
 
 
-def chat_from(raw: dict[str, Any], max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
+def chat_from(raw: JSONObject, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
     """A chat request from its JSON object (the other APIs build one and come through here)."""
     refuse_unsupported(raw, CHAT_RULES)
     req = _validate(ChatRequest, raw)
@@ -200,7 +201,7 @@ def parse_completion(body: bytes, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
     return completion_from(json_object(body), max_stop)
 
 
-def completion_from(raw: dict[str, Any], max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
+def completion_from(raw: JSONObject, max_stop: int = DEFAULT_MAX_STOP) -> Parsed:
     """A completion request from its JSON object."""
     refuse_unsupported(raw, COMPLETION_RULES)
     req = _validate(CompletionRequest, raw)
@@ -231,7 +232,7 @@ def completion_from(raw: dict[str, Any], max_stop: int = DEFAULT_MAX_STOP) -> Pa
     )
 
 
-def json_object(body: bytes) -> dict[str, Any]:
+def json_object(body: bytes) -> JSONObject:
     """A request body that must be a JSON object (every API's), or a 400 saying why not."""
     try:
         text = body.decode("utf-8")

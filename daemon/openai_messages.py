@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from strata.daemon.api_errors import invalid, unsupported, wrong_type
+from strata.daemon.json_types import JSON, JSONObject
 from strata.daemon.openai_tools import assistant_tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -18,7 +19,7 @@ def _empty(v: Any) -> bool:
     return v is None or v == [] or v == {}
 
 
-def parse_messages(items: list[Any]) -> list[dict[str, Any]]:
+def parse_messages(items: list[JSON]) -> list[JSONObject]:
     if not items:
         raise invalid("messages: at least one message is needed", "messages")
     out = [_message(m, f"messages[{i}]") for i, m in enumerate(items)]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from strata.daemon.api_errors import ApiError
+from strata.daemon.json_types import JSONObject
 
 MAX_NAME_CHARS = 256  # a longer model name, or one with control characters, is a 400
 
@@ -85,20 +85,20 @@ class ModelNames:
                 )
             raise model_not_found(name, served)
 
-    def listing(self, created: int, library: Sequence[tuple[str, int]] = ()) -> dict[str, Any]:
+    def listing(self, created: int, library: Sequence[tuple[str, int]] = ()) -> JSONObject:
         """The served names, then the library's other models (``library``: name, created)."""
         names = (self.id, *self.aliases)
         data = [model_entry(n, created) for n in names]
         data += [model_entry(n, t, loaded=False) for n, t in library if n not in names]
         return {"object": "list", "data": data}
 
-    def entry(self, name: str, created: int) -> dict[str, Any]:
+    def entry(self, name: str, created: int) -> JSONObject:
         """``GET /v1/models/{name}``: a name the model answers to (any, with serve_any: a
         client checks its configured model before using it)."""
         self.check(name)
         return model_entry(name if self.selects(name) else self.id, created)
 
 
-def model_entry(model_id: str, created: int, loaded: bool = True) -> dict[str, Any]:
+def model_entry(model_id: str, created: int, loaded: bool = True) -> JSONObject:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "strata",
             "status": {"value": "loaded" if loaded else "unloaded"}}  # fmt: skip

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata.daemon.api_errors import invalid, unsupported, wrong_type
+from strata.daemon.json_types import JSONObject
 from strata.engine.reasoning import (
     EFFORTS,
     REASONING_FORMATS,
@@ -31,6 +32,9 @@ from strata.engine.reasoning import (
     ReasoningFormat,
     ReasoningSplitter,
 )
+
+if TYPE_CHECKING:
+    from strata.daemon.openai_api import ChatRequest
 
 # variables the daemon itself gives the template: a request cannot replace them
 _RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
@@ -41,7 +45,7 @@ MAX_KWARGS_CHARS = 16_384  # of chat_template_kwargs as JSON: a template's switc
 class ReasoningAsk:
     """What one request asked for (None: the field was absent)."""
 
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    template_kwargs: JSONObject = field(default_factory=dict)
     format: ReasoningFormat | None = None
     effort: str | None = None
     think: bool | None = None
@@ -68,7 +72,7 @@ class ReasoningPlan:
         return self.family.splitter(self.opened, self.format)  # harmony: HarmonySplitter
 
 
-def parse_reasoning(req: Any) -> ReasoningAsk:
+def parse_reasoning(req: ChatRequest) -> ReasoningAsk:
     """The reasoning fields of a chat request (``req``: its validated model)."""
     kwargs = req.chat_template_kwargs
     if kwargs is None:
@@ -132,7 +136,7 @@ def _effort(value: Any, where: str) -> str | None:
 
 def template_variables(
     ask: ReasoningAsk, family: ReasoningFamily | None, defaults: ReasoningDefaults
-) -> dict[str, Any]:
+) -> JSONObject:
     """The template's extra variables for this request; a request the template cannot honour
     is an :class:`ApiError` naming the field."""
     out = dict(ask.template_kwargs)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from strata.daemon.api_errors import unsupported
+from strata.daemon.json_types import JSON, JSONObject
 
 
 def _absent(v: Any) -> bool:
@@ -32,7 +33,7 @@ def _falsy(v: Any) -> bool:
 
 
 # field -> (does this value ask for nothing the engine lacks?, why it is refused otherwise)
-Rule = tuple[Callable[[Any], bool], str]
+Rule = tuple[Callable[[JSON], bool], str]
 _COMMON_RULES: dict[str, Rule] = {
     "n": (_one, "only n = 1 is supported (one choice per request)"),
     "logit_bias": (_empty, "logit_bias is not supported"),
@@ -75,7 +76,7 @@ COMPLETION_RULES: dict[str, Rule] = {
 }
 
 
-def refuse_unsupported(raw: dict[str, Any], rules: dict[str, Rule]) -> None:
+def refuse_unsupported(raw: JSONObject, rules: dict[str, Rule]) -> None:
     for name, (harmless, why) in rules.items():
         if name in raw and not harmless(raw[name]):
             raise unsupported(name, f"{why} (got {json.dumps(raw[name])[:80]})")

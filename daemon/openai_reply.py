@@ -15,6 +15,7 @@ from strata.daemon.api_errors import (  # ApiError and error_body: imported from
     ApiError,  # noqa: F401
     error_body,  # noqa: F401
 )
+from strata.daemon.json_types import JSONObject
 from strata.daemon.openai_models import model_not_found  # noqa: F401 (imported from here too)
 from strata.daemon.openai_tools import (
     chat_logprobs,
@@ -26,6 +27,7 @@ from strata.engine.tool_calls import ToolCall
 if TYPE_CHECKING:
     from strata.daemon.openai_api import Parsed
     from strata.engine.generation import TokenLogprob
+    from strata.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,10 @@ class Reply:
         prompt_tokens: int,
         completion_tokens: int,
         calls: list[ToolCall] | None = None,
-        logprobs: dict[str, Any] | None = None,
+        logprobs: JSONObject | None = None,
         cached_tokens: int = 0,
         reasoning: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> JSONObject:
         """The whole reply; chat ``calls`` become ``message.tool_calls`` (``text`` None: no
         content beside them); ``logprobs``: the choice's, in the endpoint's shape;
         ``cached_tokens``: prompt tokens whose K/V an earlier request left; ``reasoning``: the
@@ -87,10 +89,10 @@ class Reply:
         text: str | None,
         finish_reason: str | None = None,
         first: bool = False,
-        tool_calls: list[dict[str, Any]] | None = None,
-        logprobs: dict[str, Any] | None = None,
+        tool_calls: list[JSONObject] | None = None,
+        logprobs: JSONObject | None = None,
         reasoning: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> JSONObject:
         """One streamed chunk: ``text`` None with a ``finish_reason`` is the closing chunk;
         ``tool_calls``: ``delta.tool_calls`` entries (id and name first, then arguments);
         ``reasoning``: a piece of the thought (``delta.reasoning_content``)."""
@@ -118,13 +120,13 @@ class Reply:
 
     def usage_chunk(
         self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-    ) -> dict[str, Any]:
+    ) -> JSONObject:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [],
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}  # fmt: skip
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> JSONObject:
     """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens whose
     K/V a kept conversation had (not computed again)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -132,7 +134,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
 
 
-def sse(obj: dict[str, Any] | str) -> bytes:
+def sse(obj: JSONObject | str) -> bytes:
     data = (
         obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     )
@@ -152,9 +154,9 @@ def retry_after_s(mean_generation_s: float | None) -> int:
 def logprobs_json(
     kind: Literal["chat", "completion"],
     entries: Sequence[TokenLogprob] | None,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     offset: int = 0,
-) -> dict[str, Any] | None:
+) -> JSONObject | None:
     """A choice's ``logprobs`` in the endpoint's shape (None when none were asked for)."""
     if entries is None:
         return None

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from strata.daemon.json_types import JSONObject
 from strata.daemon.openai_api import Prepared, Reply, logprobs_json
 from strata.daemon.openai_tools import token_chars
 from strata.engine.reasoning import Part, split
@@ -25,12 +26,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Chunk = dict[str, Any]
+Chunk = JSONObject
 
 
 def reply_body(
     reply: Reply, r: GenerationResult, ready: Prepared, tokenizer: Tokenizer
-) -> dict[str, Any]:
+) -> JSONObject:
     """The whole (non-streamed) reply."""
     text: str | None = r.text
     thought: str | None = None

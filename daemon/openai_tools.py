@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from strata.daemon.api_errors import invalid, unsupported, wrong_type
+from strata.daemon.json_types import JSON, JSONObject
 from strata.engine.grammar import GrammarError, GrammarSpec, lark_string
 from strata.engine.params import MAX_TOP_LOGPROBS
 from strata.engine.tool_calls import ToolCall, ToolFormat, ToolSpec, format_for, generic_messages
@@ -42,7 +43,7 @@ class ToolChoice:
     name: str | None = None
 
 
-def parse_tools(raw: Any) -> tuple[ToolSpec, ...]:
+def parse_tools(raw: JSON) -> tuple[ToolSpec, ...]:
     """``tools``: a list of ``{"type": "function", "function": {"name", "description",
     "parameters", "strict"}}``."""
     if raw is None:
@@ -113,7 +114,7 @@ def _function(fn: dict[str, Any], where: str) -> ToolSpec:
     return ToolSpec(name, parameters, description, strict)
 
 
-def parse_tool_choice(raw: Any, tools: Sequence[ToolSpec]) -> ToolChoice:
+def parse_tool_choice(raw: JSON, tools: Sequence[ToolSpec]) -> ToolChoice:
     """``tool_choice``: "auto" (the default with tools), "none", "required", or
     ``{"type": "function", "function": {"name": ...}}``."""
     if raw is None:
@@ -149,7 +150,7 @@ def parse_tool_choice(raw: Any, tools: Sequence[ToolSpec]) -> ToolChoice:
     return ToolChoice("function", name)
 
 
-def assistant_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+def assistant_tool_calls(raw: JSON, where: str) -> list[JSONObject]:
     """An assistant message's ``tool_calls`` as the templates take them: the arguments parsed
     into an object (as llama.cpp passes them; templates that want the text get it back with
     ``tojson``)."""
@@ -192,12 +193,12 @@ def assistant_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
 @dataclass(frozen=True)
 class ResponseFormat:
     kind: Literal["json_object", "json_schema"]
-    schema: dict[str, Any] | None = None
+    schema: JSONObject | None = None
     name: str | None = None
     strict: bool = False
 
 
-def parse_response_format(raw: Any) -> ResponseFormat | None:
+def parse_response_format(raw: JSON) -> ResponseFormat | None:
     """``{"type": "text"}`` (None), ``{"type": "json_object"}`` or ``{"type": "json_schema",
     "json_schema": {"name", "schema", "strict"}}``."""
     if raw is None:
@@ -239,7 +240,7 @@ def parse_response_format(raw: Any) -> ResponseFormat | None:
 # -- log-probabilities -----------------------------------------------------------------------------
 
 
-def parse_chat_logprobs(logprobs: Any, top: Any) -> int | None:
+def parse_chat_logprobs(logprobs: JSON, top: JSON) -> int | None:
     """Chat: ``logprobs`` (a boolean) and ``top_logprobs`` (0-20, needs ``logprobs``)."""
     if logprobs is not None and not isinstance(logprobs, bool):
         raise wrong_type("logprobs", "a boolean", logprobs)
@@ -258,7 +259,7 @@ def parse_chat_logprobs(logprobs: Any, top: Any) -> int | None:
     return (top or 0) if logprobs else None
 
 
-def parse_completion_logprobs(value: Any) -> int | None:
+def parse_completion_logprobs(value: JSON) -> int | None:
     """Completions: ``logprobs`` is the number of alternatives (0-20; OpenAI stops at 5)."""
     if value is None or value is False:
         return None
@@ -283,7 +284,7 @@ def _token_text(tokenizer: Tokenizer, tid: int) -> tuple[str, list[int]]:
     return raw.decode("utf-8", "replace"), list(raw)
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer) -> JSONObject:
     """``choices[].logprobs`` of a chat completion (or of one chunk)."""
     content = []
     for e in entries:
@@ -298,7 +299,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob], tokenizer: Tokenizer) -> dict
 
 def completion_logprobs(
     entries: Sequence[TokenLogprob], tokenizer: Tokenizer, offset: int = 0
-) -> dict[str, Any]:
+) -> JSONObject:
     """``choices[].logprobs`` of a (legacy) completion; ``offset``: the characters of the tokens
     before these (``text_offset`` counts each token's text from the completion's start)."""
     tokens, lps, tops, offsets = [], [], [], []
@@ -313,7 +314,7 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def tool_calls_json(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+def tool_calls_json(calls: Sequence[ToolCall]) -> list[JSONObject]:
     return [{"id": c.id, "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]  # fmt: skip
 
@@ -334,8 +335,8 @@ class ToolContext:
 
 @dataclass(frozen=True)
 class OutputPlan:
-    messages: list[dict[str, Any]]  # what the template gets
-    template_tools: list[dict[str, Any]] | None  # the tools it gets (None: none)
+    messages: list[JSONObject]  # what the template gets
+    template_tools: list[JSONObject] | None  # the tools it gets (None: none)
     constraint: Constraint | None  # set by compile_output
     tools: ToolContext | None  # None: no calls are parsed
     show_special: frozenset[int]
@@ -360,7 +361,7 @@ def compile_output(grammars: Grammars, plan: OutputPlan, after: str | None = Non
 
 def plan_output(
     engine: Engine,
-    messages: list[dict[str, Any]],
+    messages: list[JSONObject],
     tools: tuple[ToolSpec, ...],
     choice: ToolChoice,
     parallel: bool,

@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from strata.daemon.api_errors import ApiError, invalid, unsupported, wrong_type
+from strata.daemon.json_types import JSON, JSONObject
 from strata.daemon.openai_api import chat_from, json_object
 from strata.daemon.openai_stream import ReplyStream, reply_body
 from strata.daemon.responses_items import (
@@ -58,7 +59,7 @@ _REFUSED = {
 _INCLUDE = ("reasoning.encrypted_content",)  # answered without: the thought travels as text
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
-Messages = list[dict[str, Any]]
+Messages = list[JSONObject]
 
 
 class ResponseStore:
@@ -88,7 +89,7 @@ class ResponseStore:
 # -- the request --------------------------------------------------------------------------------
 
 
-def to_chat(raw: dict[str, Any], store: ResponseStore) -> tuple[dict[str, Any], Messages]:
+def to_chat(raw: JSONObject, store: ResponseStore) -> tuple[JSONObject, Messages]:
     """The chat request a Responses request means, and the conversation it continues with
     (without the instructions, which a later response does not inherit)."""
     for name, why in _REFUSED.items():
@@ -298,7 +299,7 @@ class ResponseEvents:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
 
-    def event(self, kind: str, **data: Any) -> bytes:
+    def event(self, kind: str, **data: JSON) -> bytes:
         obj = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
         text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
@@ -351,7 +352,7 @@ class ResponseEvents:
                               item=item))  # fmt: skip
         return out
 
-    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+    def chunk(self, chunk: JSONObject) -> list[bytes]:
         out: list[bytes] = []
         for choice in chunk.get("choices", ()):
             d = choice["delta"]
@@ -380,7 +381,7 @@ class ResponseEvents:
                                           **self._where(), delta=fn["arguments"]))  # fmt: skip
         return out
 
-    def end(self, finish: str, usage: dict[str, Any]) -> list[bytes]:
+    def end(self, finish: str, usage: JSONObject) -> list[bytes]:
         out = self._close()
         status = "incomplete" if finish == "length" else "completed"
         body = self.shape.body(self.items, status, usage)

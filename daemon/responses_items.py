@@ -8,33 +8,34 @@ import time
 import uuid
 from typing import Any
 
+from strata.daemon.json_types import JSONObject
 from strata.daemon.serving import Started
 
-Messages = list[dict[str, Any]]
+Messages = list[JSONObject]
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> JSONObject:
     return {"id": item_id, "type": "reasoning", "summary": [],
             "content": [{"type": "reasoning_text", "text": text}], "status": status}  # fmt: skip
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str = "completed") -> JSONObject:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
             "content": [part]}  # fmt: skip
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str,
-              status: str = "completed") -> dict[str, Any]:  # fmt: skip
+              status: str = "completed") -> JSONObject:  # fmt: skip
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}  # fmt: skip
 
 
-def output_as_messages(items: list[dict[str, Any]]) -> Messages:
+def output_as_messages(items: list[JSONObject]) -> Messages:
     """The output as the assistant turn a later response's conversation holds."""
     msg: dict[str, Any] = {"role": "assistant", "content": ""}
     for item in items:
@@ -52,7 +53,7 @@ def output_as_messages(items: list[dict[str, Any]]) -> Messages:
 class Shape:
     """What every body and event of one response shares: the request's settings echoed."""
 
-    def __init__(self, s: Started, raw: dict[str, Any], response_id: str) -> None:
+    def __init__(self, s: Started, raw: JSONObject, response_id: str) -> None:
         self.s = s
         self.id = response_id
         self.created = time.time()
@@ -66,8 +67,8 @@ class Shape:
                      "reasoning": raw.get("reasoning"), "store": raw.get("store", True),
                      "truncation": "disabled"}  # fmt: skip
 
-    def body(self, items: list[dict[str, Any]], status: str,
-             usage: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    def body(self, items: list[JSONObject], status: str,
+             usage: JSONObject | None = None) -> JSONObject:  # fmt: skip
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created,
                 "status": status, "error": None, "incomplete_details": incomplete,
@@ -85,7 +86,7 @@ class Shape:
                 "total_tokens": prompt + completion}  # fmt: skip
 
 
-def response_json(shape: Shape, body: dict[str, Any]) -> tuple[dict[str, Any], list[dict]]:
+def response_json(shape: Shape, body: JSONObject) -> tuple[JSONObject, list[dict]]:
     """The Responses body from the chat one, and its output items."""
     choice = body["choices"][0]
     msg = choice["message"]

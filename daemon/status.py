@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
+from strata.daemon.json_types import JSON, JSONObject
 from strata.engine.status import CacheStatus, EngineStatus, StageStatus, drive_read_bytes
 
 if TYPE_CHECKING:
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
 
 MiB = 2**20
 
-JsonValue: TypeAlias = str | int | float | bool | list["JsonValue"] | dict[str, "JsonValue"] | None
-StatusJson: TypeAlias = dict[str, JsonValue]
+JsonValue: TypeAlias = JSON
+StatusJson: TypeAlias = JSONObject  # the status as JSON values
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,19 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from dbus_fast import BusType, DBusError, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
+
+from strata.daemon.json_types import JSON, JSONObject
+
+# A D-Bus value as dbus-fast reads and writes it: basic types, variants, arrays (lists),
+# structs (lists or tuples) and dicts
+DBusValue: TypeAlias = (
+    Variant | str | int | float | bool | bytes
+    | list["DBusValue"] | tuple["DBusValue", ...] | dict[str, "DBusValue"]
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +76,12 @@ async def bus_call(
     bus: MessageBus,
     member: str,
     signature: str = "",
-    body: list[Any] | None = None,
+    body: list[DBusValue] | None = None,
     *,
     destination: str = DBUS_NAME,
     path: str = DBUS_PATH,
     interface: str = DBUS_NAME,
-) -> list[Any]:
+) -> list[DBusValue]:
     """Call a method and return the reply's body; a D-Bus error reply raises ``DBusError``, a
     bus no longer connected ``ConnectionError`` (dbus-fast would wait for its reply forever)."""
     if not bus.connected:
@@ -164,7 +173,7 @@ def guard_writes(bus: MessageBus) -> None:
 # -- values on the wire -------------------------------------------------------------------------
 
 
-def to_variant(value: Any) -> Variant:
+def to_variant(value: JSON) -> Variant:
     """A status value as a variant: ints are int64 ('x'), dicts a{sv}, lists of dicts aa{sv}."""
     if isinstance(value, bool):
         return Variant("b", value)
@@ -185,12 +194,12 @@ def to_variant(value: Any) -> Variant:
     raise TypeError(f"no D-Bus type for {value!r}")
 
 
-def to_vardict(values: dict[str, Any]) -> dict[str, Variant]:
+def to_vardict(values: JSONObject) -> dict[str, Variant]:
     """A dict as a{sv}; None (unknown) values are left out: D-Bus has no null."""
     return {str(k): to_variant(v) for k, v in values.items() if v is not None}
 
 
-def from_variant(value: Any) -> Any:
+def from_variant(value: DBusValue) -> JSON:
     """Variants (nested) back to plain Python values."""
     if isinstance(value, Variant):
         return from_variant(value.value)

@@ -36,7 +36,9 @@ from dbus_fast import DBusError, Message, MessageType
 from dbus_fast.aio import MessageBus
 
 from strata import __version__
+from strata.daemon.json_types import JSONObject
 from strata.ipc.bus import (
+    DBusValue,
     NoSessionBus,
     bus_call,
     connect_session_bus,
@@ -205,7 +207,9 @@ class Client:
         except NoSessionBus as e:
             raise CtlError(f"Strata is not reachable: {e}") from None
 
-    async def call(self, member: str, signature: str = "", body: list[Any] | None = None) -> Any:
+    async def call(
+        self, member: str, signature: str = "", body: list[DBusValue] | None = None
+    ) -> list[DBusValue]:
         """One method of org.strata.Vram1; D-Bus errors become a :class:`CtlError`."""
         try:
             reply = await asyncio.wait_for(
@@ -228,7 +232,7 @@ class Client:
             raise CtlError(f"{e.text} ({e.type})") from None
         return from_variant(reply[0]) if reply else None
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> JSONObject:
         return await self.call("GetStatus")
 
     def close(self) -> None:

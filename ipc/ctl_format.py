@@ -7,6 +7,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from strata.daemon.json_types import JSON, JSONObject
+
 
 def _all_leases(status: dict[str, Any]) -> list[dict[str, Any]]:
     """Every device's leases, in cookie order (the top-level list is device 0's)."""
@@ -25,7 +27,7 @@ def _device_status(status: dict[str, Any], device: int | None) -> dict[str, Any]
     return devices[number] if 0 <= number < len(devices) else {}
 
 
-def carried_out(status: dict[str, Any], before: Any, mib: int) -> str:
+def carried_out(status: JSONObject, before: JSON, mib: int) -> str:
     """How a request was carried out, from the status after it (``vram_requests``)."""
     after = status.get("cache_mib")
     cache = f"cache {before} -> {after} MiB" if before != after else f"cache {_size(after)}"
@@ -56,7 +58,7 @@ _REQUESTS = {
 }
 
 
-def format_status(s: dict[str, Any]) -> str:
+def format_status(s: JSONObject) -> str:
     """The status as a table people read; an absent (unknown) value says "unknown"."""
     monitor = s.get("monitor", {})
     health = "" if monitor.get("healthy", True) else f" (failing: {monitor.get('problem')})"
@@ -138,7 +140,7 @@ def _device_line(d: dict[str, Any]) -> str:
     )
 
 
-def format_leases(leases: list[dict[str, Any]], split: bool = False) -> str:
+def format_leases(leases: list[JSONObject], split: bool = False) -> str:
     """The leases as a table; ``split`` (several devices) adds each lease's device."""
     header = ("COOKIE", "MIB", "APP ID", "REASON", "PID", "SINCE", "OWNER")
     rows = [header] + [

@@ -44,6 +44,7 @@ from dbus_fast import (
 from dbus_fast.aio import MessageBus
 
 from strata.daemon.bounded import Bounded
+from strata.daemon.json_types import JSON
 from strata.daemon.leases import LeaseError
 from strata.ipc.bus import (
     DBUS_NAME,
@@ -342,7 +343,7 @@ class DbusEdge:
         except Exception as e:
             raise _dbus_error(e) from None
 
-    def value(self, name: str) -> Any:
+    def value(self, name: str) -> JSON:
         return property_values(self.daemon.status())[name]
 
     # -- callers coming and going ---------------------------------------------------------------

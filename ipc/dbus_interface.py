@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from dbus_fast import (
     DBusError,
@@ -16,9 +16,11 @@ from dbus_fast.annotations import DBusDict, DBusSignature, DBusStr, DBusUInt32, 
 from dbus_fast.constants import PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_method, dbus_property, dbus_signal
 
+from strata.daemon.json_types import JSONObject
 from strata.daemon.leases import LeaseError
 from strata.daemon.status import StatusJson
 from strata.ipc.bus import (
+    DBusValue,
     to_vardict,
 )
 
@@ -37,17 +39,17 @@ ERROR_INVALID_ARGUMENT = "org.strata.Error.InvalidArgument"
 ERROR_FAILED = "org.strata.Error.Failed"
 
 
-DBusLeases = Annotated[list[list[Any]], DBusSignature("a(usstt)")]
+DBusLeases = Annotated[list[list[DBusValue]], DBusSignature("a(usstt)")]
 DBusCacheResized = Annotated[list[int], DBusSignature("tt")]
 DBusCacheResizedOn = Annotated[list[int], DBusSignature("utt")]
 DBusDevices = Annotated[list[str], DBusSignature("as")]
-DBusLeaseReturned = Annotated[list[Any], DBusSignature("us")]
+DBusLeaseReturned = Annotated[list[DBusValue], DBusSignature("us")]
 
 # The unique bus name of the connection whose method call is being handled (see the module doc).
 _caller: ContextVar[str | None] = ContextVar("strata_dbus_caller", default=None)
 
 
-def property_values(status: StatusJson) -> dict[str, Any]:
+def property_values(status: StatusJson) -> JSONObject:
     """The interface's properties, from the daemon's status schema (as JSON: what GetStatus
     sends)."""
     return {
