@@ -336,8 +336,11 @@ class GGUFIndex:
             parts = t.name.split(".")
             # blk.{l}.ffn_{kind}_exps.weight
             # (gpt-oss's expert biases, blk.{l}.ffn_{kind}_exps.bias, are vectors of the model)
-            if len(parts) == 4 and parts[0] == "blk" and parts[2].endswith("_exps") and (
-                parts[3] == "weight"
+            if (
+                len(parts) == 4
+                and parts[0] == "blk"
+                and parts[2].endswith("_exps")
+                and (parts[3] == "weight")
             ):
                 kind = parts[2].removeprefix("ffn_").removesuffix("_exps")
                 if kind in EXPERT_KINDS:

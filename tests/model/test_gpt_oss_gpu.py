@@ -57,7 +57,7 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def load(path: Path, cuda: str, **kw) -> Engine:
-    options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=1,
+    options = dict(device=cuda, kv_cache_type="f32", context_length=256, arena_chunk_mib=2,
                    cache_mib=1 << 20, cpu_share=0.0, prefill_chunk_tokens=32)  # fmt: skip
     options.update(kw)
     return Engine.load(path, EngineOptions(**options))  # type: ignore[arg-type]
