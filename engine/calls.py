@@ -68,6 +68,31 @@ def merged(events: list[Event]) -> list[Event]:
     return out
 
 
+class JsonWalk:
+    """A walk through JSON text, character by character, that knows whether it is inside a
+    string (and just after a backslash in one): where a bracket, comma or quote is the text's
+    own structure and where it is a string's content."""
+
+    def __init__(self, in_string: bool = False, escape: bool = False) -> None:
+        self.in_string, self.escape = in_string, escape
+
+    def step(self, c: str) -> bool:
+        """Take ``c``; True where it stands outside every string (a quote that opens or closes
+        one is a string's)."""
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif c == "\\":
+                self.escape = True
+            elif c == '"':
+                self.in_string = False
+            return False
+        if c == '"':
+            self.in_string = True
+            return False
+        return True
+
+
 def partial_object(text: str) -> dict[str, Any]:
     """A call's arguments as far as they were written, as an object: the JSON text of a call cut
     off mid-object (``max_tokens`` hit) with its open strings and containers closed and a member
@@ -81,19 +106,11 @@ def partial_object(text: str) -> dict[str, Any]:
         whole = None
     if isinstance(whole, dict):
         return whole
-    cuts, stack, in_str, escaped = [], [], False, False
+    cuts, stack, walk = [], [], JsonWalk()
     for i, ch in enumerate(text):
-        if in_str:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_str = False
+        if not walk.step(ch):
             continue
-        if ch == '"':
-            in_str = True
-        elif ch in "{[":
+        if ch in "{[":
             stack.append("}" if ch == "{" else "]")
             cuts.append((i + 1, tuple(stack)))  # after an opening: an empty container
         elif ch in "}]" and stack:
@@ -101,9 +118,9 @@ def partial_object(text: str) -> dict[str, Any]:
             cuts.append((i + 1, tuple(stack)))  # after a closed container
         elif ch == ",":
             cuts.append((i, tuple(stack)))  # before a comma: the members before it
-    if escaped:  # a dangling backslash: the escape it began is not written
+    if walk.escape:  # a dangling backslash: the escape it began is not written
         text = text[:-1]
-    tail = ('"' if in_str else "") + "".join(reversed(stack))
+    tail = ('"' if walk.in_string else "") + "".join(reversed(stack))
     for prefix, closers in [(text + tail, "")] + [(text[:i], "".join(reversed(s))) for i, s in
                                                   reversed(cuts)]:  # fmt: skip
         try:

@@ -41,7 +41,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from strata.engine.calls import ArgumentsDelta, CallStart, Event, ToolCall, ToolSpec, merged
+from strata.engine.calls import (
+    ArgumentsDelta,
+    CallStart,
+    Event,
+    JsonWalk,
+    ToolCall,
+    ToolSpec,
+    merged,
+)
 from strata.engine.grammar import AnswerFrame, GrammarSpec, json_schema_lark, lark_string
 
 log = logging.getLogger(__name__)
@@ -245,17 +253,10 @@ class HarmonyReader:
 def _json_state(text: str, in_string: bool, escape: bool) -> tuple[bool, bool]:
     """(inside a string, after its backslash) at the end of ``text``, a piece of JSON that
     started in the state given."""
+    walk = JsonWalk(in_string, escape)
     for c in text:
-        if in_string:
-            if escape:
-                escape = False
-            elif c == "\\":
-                escape = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-    return in_string, escape
+        walk.step(c)
+    return walk.in_string, walk.escape
 
 
 def _overlap(text: str, mark: str) -> int:
@@ -498,18 +499,11 @@ def _object_prefix(text: str) -> bool:
         return True
     if not text.startswith("{"):
         return False
-    depth, in_string, escape = 0, False, False
+    depth, walk = 0, JsonWalk()
     for c in text:
-        if in_string:
-            if escape:
-                escape = False
-            elif c == "\\":
-                escape = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
+        if not walk.step(c):
+            continue
+        if c in "{[":
             depth += 1
         elif c in "}]":
             depth -= 1
