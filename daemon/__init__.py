@@ -1,1 +1,3 @@
-"""The daemon: configuration, policy, lease book, service, HTTP."""
+"""The daemon: its core here (the service, the worker and its engine port, the status, the
+configuration, the model library), the VRAM control plane (``control/``), the HTTP edge
+(``api/``) and the ``strata`` subcommands (``commands/``)."""

@@ -21,9 +21,16 @@ from typing import TYPE_CHECKING, Any
 from strata import paths
 from strata.daemon.bounded import Bounded
 from strata.daemon.config import StrataConfig
-from strata.daemon.control import ControlConfig, ControlGroup, Outcome, VramController
-from strata.daemon.leases import MAX_LEASES, Cookies, InvalidArgument, Lease, LeaseBook, is_int
-from strata.daemon.policy import PolicyConfig
+from strata.daemon.control.control import ControlConfig, ControlGroup, Outcome, VramController
+from strata.daemon.control.leases import (
+    MAX_LEASES,
+    Cookies,
+    InvalidArgument,
+    Lease,
+    LeaseBook,
+    is_int,
+)
+from strata.daemon.control.policy import PolicyConfig
 from strata.daemon.status import (
     BusStatus,
     DaemonFacts,

@@ -20,7 +20,7 @@ from strata.daemon.json_types import JSON, JSONObject
 from strata.engine.status import CacheStatus, EngineStatus, StageStatus, drive_read_bytes
 
 if TYPE_CHECKING:
-    from strata.daemon.control import VramController
+    from strata.daemon.control.control import VramController
 
 MiB = 2**20
 

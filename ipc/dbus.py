@@ -44,8 +44,8 @@ from dbus_fast import (
 from dbus_fast.aio import MessageBus
 
 from strata.daemon.bounded import Bounded
+from strata.daemon.control.leases import LeaseError
 from strata.daemon.json_types import JSON
-from strata.daemon.leases import LeaseError
 from strata.ipc.bus import (
     DBUS_NAME,
     DBUS_PATH,

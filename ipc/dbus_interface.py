@@ -16,8 +16,8 @@ from dbus_fast.annotations import DBusDict, DBusSignature, DBusStr, DBusUInt32, 
 from dbus_fast.constants import PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_method, dbus_property, dbus_signal
 
+from strata.daemon.control.leases import LeaseError
 from strata.daemon.json_types import JSONObject
-from strata.daemon.leases import LeaseError
 from strata.daemon.status import StatusJson
 from strata.ipc.bus import (
     DBusValue,

@@ -45,14 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    from strata.daemon import generate_cmd
+    from strata.daemon.commands import generate_cmd
 
     gen = sub.add_parser("generate", help="generate text from a prompt (no daemon)")
     generate_cmd.add_arguments(gen)
     add_option_flags(gen, ENGINE_OPTIONS)
     gen.set_defaults(run=generate_cmd.run)
 
-    from strata.daemon import bench_cmd
+    from strata.daemon.commands import bench_cmd
 
     bench = sub.add_parser("bench", help="measure speed and memory, optionally against llama.cpp")
     bench_cmd.add_arguments(bench)
@@ -61,18 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_option_flags(srv)
     srv.set_defaults(run=_serve)
 
-    from strata.daemon import models_cmd
+    from strata.daemon.commands import models_cmd
 
     models = sub.add_parser("models", help="list the model library's models, or remove one")
     models_cmd.add_arguments(models, _Parser, lambda p: add_option_flags(p, LIBRARY_OPTIONS))
 
-    from strata.daemon import pull_cmd
+    from strata.daemon.commands import pull_cmd
 
     pull = sub.add_parser("pull", help="download a GGUF model from Hugging Face into the library")
     pull_cmd.add_arguments(pull)
     add_option_flags(pull, frozenset({"models_dir", "log_level"}))
 
-    from strata.daemon import install_cmd
+    from strata.daemon.commands import install_cmd
 
     svc = sub.add_parser("service", help="install the systemd user unit and D-Bus activation")
     install_cmd.add_arguments(svc, _Parser)

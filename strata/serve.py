@@ -178,7 +178,7 @@ async def serve_async(config: StrataConfig, started: Started | None = None) -> i
     through it)."""
     import uvicorn
 
-    from strata.daemon.http import create_app
+    from strata.daemon.api.http import create_app
 
     notifier = Notifier.from_env()
     wired = await _wire(config, notifier)

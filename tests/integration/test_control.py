@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from strata.daemon.config import StrataConfig
-from strata.daemon.leases import NotEnoughVram
+from strata.daemon.control.leases import NotEnoughVram
 from strata.daemon.service import Daemon
 from strata.daemon.worker import GenerationJob
 from strata.engine import synth

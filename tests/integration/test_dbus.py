@@ -30,7 +30,7 @@ import pytest
 from dbus_fast import MessageType
 from dbus_fast import introspection as intr
 
-from strata.daemon import leases
+from strata.daemon.control import leases
 from strata.ipc.dbus import BUS_NAME, CONTRACT, INTERFACE, OBJECT_PATH
 from tests.helpers import require_tool
 from tests.integration.harness import (

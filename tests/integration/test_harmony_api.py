@@ -27,10 +27,10 @@ import jsonschema
 import openai
 import pytest
 
-from strata.daemon import anthropic_api, ollama_api
-from strata.daemon.generation import Piece
-from strata.daemon.openai_api import Reply, parse_chat, prepare
-from strata.daemon.openai_stream import ReplyStream, reply_body
+from strata.daemon.api import anthropic_api, ollama_api
+from strata.daemon.api.generation import Piece
+from strata.daemon.api.openai_api import Reply, parse_chat, prepare
+from strata.daemon.api.openai_stream import ReplyStream, reply_body
 from strata.engine import synth
 from strata.engine.calls import partial_object
 from strata.engine.chat_template import ChatTemplate

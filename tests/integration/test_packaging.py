@@ -195,7 +195,7 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path: Path) -> None
 
 def test_a_wheel_carries_the_page(tmp_path: Path) -> None:
     """An installed wheel serves the page at / too: its static files are package data."""
-    from strata.daemon import page
+    from strata.daemon.api import page
 
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
@@ -215,4 +215,4 @@ def test_a_wheel_carries_the_page(tmp_path: Path) -> None:
     (wheel,) = (tmp_path / "dist").glob("strata-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for name, _ in page.FILES.values():
-        assert f"strata/daemon/static/{name}" in names, sorted(names)
+        assert f"strata/daemon/api/static/{name}" in names, sorted(names)

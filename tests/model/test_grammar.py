@@ -293,9 +293,9 @@ def test_the_mask_applies_on_the_fast_decode_path(tiny_models) -> None:
 
 
 def test_the_output_plan_for_each_tool_choice(engine: Engine, tiny_models) -> None:
-    from strata.daemon.api_errors import ApiError
-    from strata.daemon.openai_tools import ResponseFormat, ToolChoice, compile_output
-    from strata.daemon.openai_tools import plan_output as plan_only
+    from strata.daemon.api.api_errors import ApiError
+    from strata.daemon.api.openai_tools import ResponseFormat, ToolChoice, compile_output
+    from strata.daemon.api.openai_tools import plan_output as plan_only
 
     def plan_output(eng: Engine, *args: Any) -> Any:  # the plan with its grammar compiled
         return compile_output(eng.grammars, plan_only(eng, *args))

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from strata.daemon import anthropic_api, ollama_api, ollama_pull, responses_api
-from strata.daemon.api_errors import ApiError, invalid
-from strata.daemon.api_shapes import api_of, error_json
-from strata.daemon.openai_api import chat_from
+from strata.daemon.api import anthropic_api, ollama_api, ollama_pull, responses_api
+from strata.daemon.api.api_errors import ApiError, invalid
+from strata.daemon.api.api_shapes import api_of, error_json
+from strata.daemon.api.openai_api import chat_from
 
 HI = [{"role": "user", "content": "hi"}]
 

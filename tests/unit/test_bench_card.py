@@ -11,7 +11,7 @@ import pytest
 
 from strata.bench import card, report
 from strata.bench.settings import BenchError, BenchSettings, parse_card_gib
-from strata.daemon import bench_cmd
+from strata.daemon.commands import bench_cmd
 from strata.daemon.config import load_config
 
 GiB, MiB = 2**30, 2**20

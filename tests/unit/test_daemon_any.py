@@ -21,16 +21,16 @@ _REQUEST_MODEL = (
     "pydantic validate the union first and change those errors)"
 )
 ALLOWED = {
-    "daemon/openai_api.py:ChatRequest.messages": _REQUEST_MODEL,
-    "daemon/openai_api.py:ChatRequest.tools": _REQUEST_MODEL,
-    "daemon/openai_api.py:ChatRequest.tool_choice": _REQUEST_MODEL,
-    "daemon/openai_api.py:ChatRequest.logprobs": _REQUEST_MODEL,
-    "daemon/openai_api.py:ChatRequest.top_logprobs": _REQUEST_MODEL,
-    "daemon/openai_api.py:ChatRequest.chat_template_kwargs": _REQUEST_MODEL,
-    "daemon/openai_api.py:ChatRequest.reasoning_format": _REQUEST_MODEL,
-    "daemon/openai_api.py:ChatRequest.reasoning_effort": _REQUEST_MODEL,
-    "daemon/openai_api.py:ChatRequest.think": _REQUEST_MODEL,
-    "daemon/openai_api.py:CompletionRequest.logprobs": _REQUEST_MODEL,
+    "daemon/api/openai_api.py:ChatRequest.messages": _REQUEST_MODEL,
+    "daemon/api/openai_api.py:ChatRequest.tools": _REQUEST_MODEL,
+    "daemon/api/openai_api.py:ChatRequest.tool_choice": _REQUEST_MODEL,
+    "daemon/api/openai_api.py:ChatRequest.logprobs": _REQUEST_MODEL,
+    "daemon/api/openai_api.py:ChatRequest.top_logprobs": _REQUEST_MODEL,
+    "daemon/api/openai_api.py:ChatRequest.chat_template_kwargs": _REQUEST_MODEL,
+    "daemon/api/openai_api.py:ChatRequest.reasoning_format": _REQUEST_MODEL,
+    "daemon/api/openai_api.py:ChatRequest.reasoning_effort": _REQUEST_MODEL,
+    "daemon/api/openai_api.py:ChatRequest.think": _REQUEST_MODEL,
+    "daemon/api/openai_api.py:CompletionRequest.logprobs": _REQUEST_MODEL,
 }
 
 

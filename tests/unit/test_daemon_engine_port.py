@@ -12,7 +12,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # the modules that drive the engine (the engine thread, the control plane, the status, metrics)
-CALLERS = ("worker.py", "control.py", "control_loop.py", "service.py", "describe.py", "metrics.py")
+CALLERS = (
+    "worker.py",
+    "control/control.py",
+    "control/control_loop.py",
+    "service.py",
+    "describe.py",
+    "api/metrics.py",
+)
 # the engine and its parts: reading past one of these (``x.arena.mapped_bytes``,
 # ``engine.stages[0].cache``, ``worker.engine.status()``) is reaching past the port; the typed
 # status the port returns (``EngineStatus``) is plain data and may be read

@@ -5,6 +5,13 @@ and its edges raise) sit below them all. Every import counts, those inside funct
 lazy import that runs back up is still a dependency that does); the engine's own circles are
 tests/unit/test_engine_shape.py's.
 
+Inside ``daemon/`` the groups keep an order too: the core (``daemon/*.py``: the service, the
+worker, the engine port, the status, the configuration, the model library) and the control plane
+(``daemon/control/``) import neither the HTTP edge (``daemon/api/``) nor the commands
+(``daemon/commands/``), and those two import each other in no direction. The core and the control
+plane may import each other (the service holds the controllers; the control loop drives the
+worker).
+
 The one exception is a re-export shim kept for importers of an old path outside the daemon's
 files (``strata.daemon.cli``); a shim may hold nothing but its re-export."""
 
@@ -21,6 +28,16 @@ BASE = {"strata", "strata.paths", "strata.hints", "strata.errors"}
 RANK = {"vmm": 1, "engine": 2, "bench": 3, "daemon": 4, "ipc": 5}
 ROOT_RANK = 6
 SHIMS = {"strata.daemon.cli": "strata.cli"}
+# the daemon's groups (a module of ``daemon/`` outside these sub-packages is the core) and the
+# groups each may not import
+GROUPS = ("api", "commands", "control")
+CORE = "core"
+NOT_IMPORTED_BY = {
+    CORE: {"api", "commands"},
+    "control": {"api", "commands"},
+    "api": {"commands"},
+    "commands": {"api"},
+}
 
 
 def _module(path: Path) -> str:
@@ -78,6 +95,27 @@ def _upward() -> list[str]:
     return bad
 
 
+def _group(module: str) -> str | None:
+    """The daemon group ``module`` belongs to, or None outside ``strata.daemon``."""
+    parts = module.split(".")
+    if parts[:2] != ["strata", "daemon"]:
+        return None
+    return parts[2] if len(parts) >= 3 and parts[2] in GROUPS else CORE
+
+
+def _across_groups() -> list[str]:
+    modules = _modules()
+    bad = []
+    for module, path in modules.items():
+        group = _group(module)
+        if group is None or module in SHIMS:
+            continue
+        for line, target in _imports(module, path, set(modules)):
+            if _group(target) in NOT_IMPORTED_BY[group]:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {module} imports {target}")
+    return bad
+
+
 def test_no_import_runs_back_up_the_layers() -> None:
     assert _upward() == []
 
@@ -112,3 +150,23 @@ def test_a_shim_holds_only_its_re_export(shim: str) -> None:
     others = [n for n in body if not isinstance(n, ast.ImportFrom)]
     assert [n.module for n in imports] == [SHIMS[shim]], ast.dump(tree)
     assert all(isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "__all__" for n in others)
+
+
+def test_the_daemons_groups_keep_their_order() -> None:
+    assert _across_groups() == []
+
+
+def test_every_daemon_module_has_a_group() -> None:
+    """A sub-package of ``daemon/`` the check does not know would escape it."""
+    folders = {p.name for p in (ROOT / "daemon").iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(GROUPS)
+
+
+def test_the_group_check_sees_the_control_plane_import_the_edge() -> None:
+    assert _group("strata.daemon.control.policy") == "control"
+    assert _group("strata.daemon.service") == CORE
+    assert _group("strata.daemon.api") == "api"  # ``from strata.daemon import api`` counts too
+    assert _group("strata.ipc.dbus") is None
+    assert _group("strata.daemon.api.http") in NOT_IMPORTED_BY["control"]
+    assert _group("strata.daemon.api.http") in NOT_IMPORTED_BY[CORE]
+    assert _group("strata.daemon.control.leases") not in NOT_IMPORTED_BY["api"]

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from strata.daemon.config import StrataConfig
-from strata.daemon.control import ControlConfig, VramController
+from strata.daemon.control.control import ControlConfig, VramController
+from strata.daemon.control.leases import Cookies, InvalidArgument, LeaseBook, LeaseNotFound
+from strata.daemon.control.policy import PolicyConfig
 from strata.daemon.engine_port import KvBytes
-from strata.daemon.leases import Cookies, InvalidArgument, LeaseBook, LeaseNotFound
-from strata.daemon.policy import PolicyConfig
 from strata.daemon.service import Daemon
 from strata.vmm.simulated import SimulatedMonitor
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from strata.daemon import install_cmd
-from strata.daemon.install_cmd import FileState, Target
+from strata.daemon.commands import install_cmd
+from strata.daemon.commands.install_cmd import FileState, Target
 
 COMMAND = ["/opt/strata env/bin/strata"]
 

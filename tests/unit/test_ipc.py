@@ -195,7 +195,7 @@ def test_the_devices_property_and_the_split_status_over_the_wire() -> None:
 def test_metrics_label_each_device_and_keep_the_old_series_for_device_0() -> None:
     from types import SimpleNamespace
 
-    from strata.daemon.metrics import Metrics
+    from strata.daemon.api.metrics import Metrics
 
     daemon = SimpleNamespace(status=lambda: SPLIT, worker=SimpleNamespace(steps=0))
     text = Metrics(daemon).render().decode()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from strata.daemon.leases import (
+from strata.daemon.control.leases import (
     COOKIE_MAX,
     MAX_LEASES,
     MAX_LEASES_PER_OWNER,
@@ -236,7 +236,7 @@ def test_cookie_space_is_never_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_book_and_the_policy_import_no_torch() -> None:
     code = (
-        "import sys, strata.daemon.leases, strata.daemon.policy; "
+        "import sys, strata.daemon.control.leases, strata.daemon.control.policy; "
         "bad = {'torch', 'asyncio', 'pynvml'} & set(sys.modules); "
         "assert not bad, bad"
     )
@@ -247,7 +247,7 @@ def test_the_book_and_the_policy_import_no_torch() -> None:
 
 
 def test_books_of_several_devices_share_cookies_and_limits() -> None:
-    from strata.daemon.leases import Cookies
+    from strata.daemon.control.leases import Cookies
 
     cookies = Cookies()
     first, second = LeaseBook(cookies), LeaseBook(cookies)

@@ -14,10 +14,10 @@ import gguf
 import pytest
 
 from strata.daemon import library
+from strata.daemon.api.openai_models import ModelNames
 from strata.daemon.cli import main
 from strata.daemon.config import StrataConfig
 from strata.daemon.engine_setup import model_path
-from strata.daemon.openai_models import ModelNames
 from strata.engine import gguf_split, synth
 
 Q = gguf.GGMLQuantizationType
@@ -133,7 +133,7 @@ def test_the_endpoint_lists_the_library(shelf: Path) -> None:
 
     from fastapi.testclient import TestClient
 
-    from strata.daemon.http import create_app
+    from strata.daemon.api.http import create_app
 
     daemon = SimpleNamespace(
         config=StrataConfig(models_dir=str(shelf)), state="ready", model_id="loose",

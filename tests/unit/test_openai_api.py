@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from strata.daemon.config import StrataConfig
-from strata.daemon.http import create_app
-from strata.daemon.openai_api import (
+from strata.daemon.api.http import create_app
+from strata.daemon.api.openai_api import (
     ApiError,
     Reply,
     model_not_found,
@@ -20,6 +19,7 @@ from strata.daemon.openai_api import (
     parse_completion,
     prepare,
 )
+from strata.daemon.config import StrataConfig
 
 
 def body(**fields: Any) -> bytes:
@@ -140,7 +140,7 @@ def test_a_prompt_beyond_the_vram_budget_is_refused_without_max_tokens_too() -> 
 
 
 def test_a_context_overflow_from_the_engine_is_a_400() -> None:
-    from strata.daemon.http import as_api_error
+    from strata.daemon.api.http import as_api_error
     from strata.engine.errors import ContextOverflow
 
     err = as_api_error(ContextOverflow("prompt of 9 tokens needs 12 MiB of K/V"))
@@ -210,9 +210,9 @@ class ByteTokenizer:
 
 
 def test_reply_stream_sends_call_deltas_and_logprobs_with_their_text() -> None:
-    from strata.daemon.generation import Piece
-    from strata.daemon.openai_stream import ReplyStream
-    from strata.daemon.openai_tools import ToolContext
+    from strata.daemon.api.generation import Piece
+    from strata.daemon.api.openai_stream import ReplyStream
+    from strata.daemon.api.openai_tools import ToolContext
     from strata.engine.generation import GenerationResult, TokenLogprob
     from strata.engine.params import SamplingParams
     from strata.engine.tool_calls import HermesFormat, ToolSpec

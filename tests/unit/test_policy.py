@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from strata.daemon.leases import BookView, Lease, LeaseBook
-from strata.daemon.policy import (
+from strata.daemon.control.leases import BookView, Lease, LeaseBook
+from strata.daemon.control.policy import (
     CacheView,
     Decision,
     DeviceView,

@@ -19,7 +19,7 @@ import pytest
 
 from strata.daemon import hf_pull, library
 from strata.daemon.cli import main
-from strata.daemon.pull_cmd import ProgressBar, progress_line
+from strata.daemon.commands.pull_cmd import ProgressBar, progress_line
 from strata.engine import gguf_split, synth
 from strata.engine.gguf_index import GGUFIndex
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from strata.daemon.api_errors import ApiError
-from strata.daemon.openai_models import ModelNames
-from strata.daemon.openai_reasoning import (
+from strata.daemon.api.api_errors import ApiError
+from strata.daemon.api.openai_models import ModelNames
+from strata.daemon.api.openai_reasoning import (
     ReasoningDefaults,
     parse_reasoning,
     template_variables,
@@ -184,8 +184,8 @@ def test_model_names() -> None:
 
 
 def test_a_name_no_model_can_have_is_a_400_even_when_any_name_is_served() -> None:
-    from strata.daemon.api_errors import ApiError
-    from strata.daemon.openai_models import ModelNames
+    from strata.daemon.api.api_errors import ApiError
+    from strata.daemon.api.openai_models import ModelNames
 
     names = ModelNames.of("m", "m.gguf", None, serve_any=True)
     names.check("gpt-4o")  # any name is served
@@ -196,8 +196,8 @@ def test_a_name_no_model_can_have_is_a_400_even_when_any_name_is_served() -> Non
 
 
 def test_a_library_model_not_loaded_is_named_as_such_when_only_served_names_are_served() -> None:
-    from strata.daemon.api_errors import ApiError
-    from strata.daemon.openai_models import ModelNames
+    from strata.daemon.api.api_errors import ApiError
+    from strata.daemon.api.openai_models import ModelNames
 
     shelf = {"qwen3.6-35b-a3b:ud-q4_k_m"}
     names = ModelNames.of("m", "m.gguf", None, serve_any=False, in_library=shelf.__contains__)

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from strata.daemon.control import (
+from strata.daemon.control.control import (
     BadVramRequest,
     ControlConfig,
     VramController,
     parse_vram_request,
 )
-from strata.daemon.leases import NotEnoughVram
-from strata.daemon.policy import PolicyConfig
+from strata.daemon.control.leases import NotEnoughVram
+from strata.daemon.control.policy import PolicyConfig
 from strata.vmm.simulated import SimulatedMonitor
 from tests.unit.test_device_control import _Cache, _device_file, _Worker
 
@@ -121,7 +121,7 @@ def test_a_good_reserve_body() -> None:
 
 
 def test_a_body_nested_too_deeply_is_a_clear_refusal_not_an_error() -> None:
-    from strata.daemon.control import BadVramRequest, parse_vram_request
+    from strata.daemon.control.control import BadVramRequest, parse_vram_request
 
     with pytest.raises(BadVramRequest, match="nested too deeply"):
         parse_vram_request(b"[" * 100_000)

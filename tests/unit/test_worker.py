@@ -248,7 +248,7 @@ def test_a_waiting_job_whose_client_left_leaves_the_queue_at_once() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from strata.daemon.generation import Generations
+    from strata.daemon.api.generation import Generations
 
     async def check_nothing(why: str = "") -> None:
         return None
