@@ -49,7 +49,8 @@ class Setting:
     spelling: str
 
 
-# The options the engine takes by another name here (the rest have the engine's names).
+# The options the engine takes by another name here (the rest have the engine's names); the
+# daemon's reserve_mib is the run-time reserve only
 ENGINE_NAMES = {"elastic_reserve_mib": "reserve_mib"}
 
 

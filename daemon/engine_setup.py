@@ -52,9 +52,10 @@ def engine_options(config: StrataConfig, device: str | None = None) -> EngineOpt
         # with a split, the first stage's (the engine places each stage on its own device)
         device=device
         or resolve_device_name(config.devices[0] if config.devices else config.device),
-        cache_mib=config.cache_mib,
+        cache_mib=config.cache_mib,  # the budget asked for (the status's cache_mib: what is mapped)
         elastic_tail_mib=config.elastic_tail_mib,
         arena_chunk_mib=config.arena_chunk_mib,
+        # the automatic reserve at load; the daemon's reserve_mib is the run-time reserve only
         reserve_mib=config.elastic_reserve_mib,
         fast_decode=config.fast_decode,
         enforce_eager=config.enforce_eager,

@@ -131,7 +131,7 @@ class _Resize:
     copied: int = 0
     # bytes for the cache and the K/V together: n_slots follows from it at each piece (the
     # K/V's share first, as it is then)
-    budget: int | None = None
+    budget_bytes: int | None = None
 
 
 class EngineWorker:
@@ -228,8 +228,10 @@ class EngineWorker:
             self._cv.notify()
         return fut
 
-    def request_budget(self, budget: int, reason: str, stage: int = 0) -> cf.Future[ResizeResult]:
-        """Ask for ``budget`` bytes for ``stage``'s cache and K/V together at the next safe point
+    def request_budget(
+        self, budget_bytes: int, reason: str, stage: int = 0
+    ) -> cf.Future[ResizeResult]:
+        """Ask for ``budget_bytes`` for ``stage``'s cache and K/V together at the next safe point
         (at once when idle): the K/V's kept conversations yield first, the cache gets the rest
         (never below its core)."""
         fut: cf.Future[ResizeResult] = cf.Future()
@@ -238,7 +240,9 @@ class EngineWorker:
             futures = pending.futures if pending else []
             cache = self.stage_cache(stage)
             now = cache.n_slots if cache is not None else 0
-            self._resizes[stage] = _Resize(now, None, reason, [*futures, fut], budget=budget)
+            self._resizes[stage] = _Resize(
+                now, None, reason, [*futures, fut], budget_bytes=budget_bytes
+            )
             self._cv.notify()
         return fut
 
@@ -324,14 +328,14 @@ class EngineWorker:
         if port is None:
             return
         for number in range(port.stage_count()):
-            budget = port.budget(number)
-            if budget is None or port.refill_slots(number) is None:
+            budget_bytes = port.budget(number)
+            if budget_bytes is None or port.refill_slots(number) is None:
                 continue
             with self._cv:
                 cache = self.stage_cache(number)
                 if number not in self._resizes and cache is not None:
                     self._resizes[number] = _Resize(cache.n_slots, None, "room the K/V gave back",
-                                                    [], budget=budget)  # fmt: skip
+                                                    [], budget_bytes=budget_bytes)  # fmt: skip
 
     def _count_token(self) -> None:
         self.tokens += 1  # one writer (this thread); the loop only reads it
@@ -355,11 +359,11 @@ class EngineWorker:
     def _apply_budget(self, stage: int, pending: _Resize) -> None:
         """A resize asked as a budget (cache and K/V together): the K/V's share first, as it
         is now, then the slots that leave."""
-        if pending.budget is None or self.port is None:
+        if pending.budget_bytes is None or self.port is None:
             return
         self.resize_epoch += 1  # the K/V may unmap
         try:
-            pending.n_slots = self.port.set_budget(stage, pending.budget)
+            pending.n_slots = self.port.set_budget(stage, pending.budget_bytes)
         finally:
             self.resize_epoch += 1
 
@@ -395,9 +399,10 @@ class EngineWorker:
             with self._cv:
                 newer = self._resizes.get(stage)
                 if newer is None:
-                    self._resizes[stage] = _Resize(pending.n_slots, pending.max_shrink,
-                                                   pending.reason, pending.futures, began,
-                                                   seconds, copied, pending.budget)  # fmt: skip
+                    self._resizes[stage] = _Resize(
+                        pending.n_slots, pending.max_shrink, pending.reason, pending.futures,
+                        began, seconds, copied, pending.budget_bytes,
+                    )  # fmt: skip
                     self._cv.notify()
                     return
                 # a newer size replaced it: its futures wait for that one

@@ -79,7 +79,7 @@ class Outcome:
 
     how: str
     message: str
-    cache_mib: int
+    mapped_mib: int  # the cache's mapped MiB after the request, as the status's cache_mib
     free_mib: int | None
 
 
@@ -407,7 +407,7 @@ class VramController(ControlLoop):
             target = decision.target_mib if decision is not None else None
             return Timeout(
                 f"{what}: the cache has not reached {target} MiB after {waited} ms "
-                f"({self.cache_mib} MiB now)"
+                f"({self.slots_mib} MiB now)"
             )
         explain = decision.explain if decision is not None else "no expert cache"
         return Timeout(

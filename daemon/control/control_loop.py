@@ -146,7 +146,9 @@ class ControlLoop:
         )
 
     @property
-    def cache_mib(self) -> int:
+    def slots_mib(self) -> int:
+        """The cache's slots in MiB (slots × slot bytes; the arena maps whole chunks around
+        them: :meth:`_mapped_mib`)."""
         cache = self._cache()
         return _mib(cache.size_bytes) if cache is not None else 0
 
@@ -213,8 +215,8 @@ class ControlLoop:
             self.last_sample = sample
         if cache is None or _closed(cache):
             return None
-        budget = self._engine_budget()
-        view = self._cache_view(cache, budget)
+        budget_bytes = self._engine_budget()
+        view = self._cache_view(cache, budget_bytes)
         now_ms = self.clock() * 1000
         idle = None if self._idle_since is None else self._idle_since * 1000
         if sample is None:
@@ -240,18 +242,18 @@ class ControlLoop:
         self.state = decision.state
         self.last_decision = decision
         self._policy_size_mib = decision.target_mib
-        self._ask(decision, cache, budget, why)
+        self._ask(decision, cache, budget_bytes, why)
         return decision
 
-    def _cache_view(self, cache: CachePort, budget: int | None) -> CacheView:
+    def _cache_view(self, cache: CachePort, budget_bytes: int | None) -> CacheView:
         """The cache as the policy sees it. One budget: where the K/V shares it, the policy's
         size is the cache's and the K/V's together, and its core the cache's core plus what the
         K/V cannot give back now."""
         kv = self._kv_bytes()
         kv_mapped, kv_floor, kv_max = kv.mapped, kv.floor, kv.reserved
         size_mib = self._policy_size_mib
-        if budget is not None:
-            if size_mib is None or size_mib * MiB != budget:
+        if budget_bytes is not None:
+            if size_mib is None or size_mib * MiB != budget_bytes:
                 size_mib = -(-(cache.mapped_bytes + kv_mapped) // MiB)
         elif size_mib is None or cache.slots_for_bytes(size_mib * MiB) != cache.n_slots:
             size_mib = -(-cache.mapped_bytes // MiB)
@@ -263,11 +265,13 @@ class ControlLoop:
             fixed_mib=_mib(self.fixed_bytes()),
         )
 
-    def _ask(self, decision: Decision, cache: CachePort, budget: int | None, why: str) -> None:
+    def _ask(
+        self, decision: Decision, cache: CachePort, budget_bytes: int | None, why: str
+    ) -> None:
         """Ask the worker for the decision's size: a budget where the K/V shares one, else a
         number of slots; nothing when the size is already that."""
-        if budget is not None:
-            if decision.target_mib * MiB != budget:
+        if budget_bytes is not None:
+            if decision.target_mib * MiB != budget_bytes:
                 log.debug("budget %d MiB (%s, %s): %s", decision.target_mib, decision.reason,
                           why, decision.explain)  # fmt: skip
                 self.worker.request_budget(

@@ -181,7 +181,7 @@ def test_a_pending_resize_is_not_replaced_by_the_refill_after_a_request() -> Non
     worker._refill_after_request()
     refill = worker._resizes.get(0)
     assert refill is not None and refill.reason == "room the K/V gave back"
-    assert refill.budget == engine.stage_budgets[0] and refill.futures == []
+    assert refill.budget_bytes == engine.stage_budgets[0] and refill.futures == []
     engine.wants[0] = 40  # no room left: nothing to ask
     worker._resizes.clear()
     worker._refill_after_request()
