@@ -1,8 +1,8 @@
-"""The status schema as types: :class:`Status` (the daemon, the model, the requests, and device
-0's numbers at the top level, as tools written for one GPU read them) with one
-:class:`DeviceStatus` per device. ``GET /v1/vram``, D-Bus ``GetStatus`` and its properties, the
-page, ``/metrics`` and ``strata-ctl`` all read this one type; ``to_json()`` is the schema
-docs/status.md documents (a test fails on a field it does not), keys in field order.
+"""The status: :class:`Status` (the daemon, the model, the requests, and device 0's numbers at
+the top level, as tools written for one GPU read them) with one :class:`DeviceStatus` per device,
+defined with each field's meaning in ``status_schema`` (docs/status.md's tables are generated from
+it). ``GET /v1/vram``, D-Bus ``GetStatus`` and its properties, the page, ``/metrics`` and
+``strata-ctl`` all read this one type; ``to_json()`` is the schema, keys in field order.
 
 ``build_status`` makes it from the engine's :class:`~strata.engine.status.EngineStatus` and each
 device's control plane: every device's numbers are worked out once, in ``device_status``, and the
@@ -11,141 +11,26 @@ top level takes device 0's from there.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING
 
-from strata.daemon.json_types import JSON, JSONObject
+from strata.daemon.status_schema import (
+    BusStatus,
+    DeviceStatus,
+    JsonValue,
+    KeptConversation,
+    LeaseStatus,
+    MonitorStatus,
+    Status,
+    StatusJson,
+)
 from strata.engine.status import CacheStatus, EngineStatus, StageStatus, drive_read_bytes
 
 if TYPE_CHECKING:
     from strata.daemon.control.control import VramController
 
 MiB = 2**20
-
-JsonValue: TypeAlias = JSON
-StatusJson: TypeAlias = JSONObject  # the status as JSON values
-
-
-@dataclass(frozen=True)
-class MonitorStatus:
-    kind: str  # nvml, simulated, none
-    healthy: bool
-    problem: str | None
-
-
-@dataclass(frozen=True)
-class BusStatus:
-    state: str  # off, up, down
-    problem: str | None
-    reconnects: int
-
-
-@dataclass(frozen=True)
-class LeaseStatus:
-    cookie: int
-    app_id: str
-    reason: str
-    mib: int
-    since_us: int
-    owner: str
-    pid: int | None
-    device: int
-
-
-@dataclass(frozen=True)
-class KeptConversation:
-    tokens: int
-
-
-@dataclass(frozen=True)
-class DeviceStatus:
-    """One device's part: its stage, its monitor's reading, its reserve and lease book."""
-
-    index: int
-    compute_device: str
-    device: str
-    monitor: MonitorStatus
-    vram_requests: str
-    first_layer: int | None
-    layers: int | None
-    cache_mib: int
-    core_mib: int
-    tail_mib: int
-    max_cache_mib: int
-    cache_experts: int
-    kv_mib: int
-    budget_mib: int | None
-    total_mib: int | None
-    free_mib: int | None
-    ours_mib: int | None
-    tenants_mib: int | None
-    reserve_mib: int
-    reserve_state: str
-    reserve_message: str | None
-    holds: dict[str, int]
-    room_kept_mib: int | None
-    borrowed_mib: int
-    leases: list[LeaseStatus]
-    resizes: int
-
-
-@dataclass(frozen=True)
-class Status:
-    """The status schema (docs/status.md). Sizes in MiB; unknown values are None."""
-
-    state: str
-    model: str
-    model_path: str | None
-    listen: str
-    compute_device: str
-    device: str
-    monitor: MonitorStatus
-    vram_requests: str
-    dbus: BusStatus
-    cache_mib: int
-    core_mib: int
-    tail_mib: int
-    max_cache_mib: int
-    cache_experts: int
-    total_experts: int | None
-    host_tier_mib: int
-    host_experts: int
-    host_room_experts: int
-    file_experts: int | None
-    swaps: int
-    corrupt_copies: int
-    drive_read_mib: int | None
-    kv_mib: int
-    kv_active_tokens: int
-    kv_active_mib: int
-    kv_kept_mib: int
-    kv_kept: list[KeptConversation]
-    budget_mib: int | None
-    kv_fits_tokens: int | None
-    total_mib: int | None
-    free_mib: int | None
-    ours_mib: int | None
-    tenants_mib: int | None
-    reserve_mib: int
-    reserve_state: str
-    reserve_message: str | None
-    elastic_reserve_mib: int
-    holds: dict[str, int]
-    room_kept_mib: int | None
-    borrowed_mib: int
-    leases: list[LeaseStatus]
-    resizes: int
-    hit_rate: float | None
-    busy: bool
-    queued: int
-    generated_tokens: int
-    devices: list[DeviceStatus]
-
-    def to_json(self) -> StatusJson:
-        """The schema as JSON values, keys in field order (nested types as objects)."""
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -311,3 +196,20 @@ def build_status(
         generated_tokens=facts.generated_tokens,
         devices=devices,
     )
+
+
+__all__ = [
+    "BusStatus",
+    "DaemonFacts",
+    "DeviceStatus",
+    "JsonValue",
+    "KeptConversation",
+    "LeaseStatus",
+    "MonitorStatus",
+    "Status",
+    "StatusJson",
+    "build_status",
+    "device_status",
+    "hit_rate",
+    "lease_status",
+]

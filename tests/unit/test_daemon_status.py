@@ -1,12 +1,16 @@
-"""The status type and its documentation: every field of ``Status`` and ``DeviceStatus`` has a
-row in docs/status.md (and every row a field), every field of a nested object is named in its
-row, and ``to_json`` keeps the documented keys in field order."""
+"""The status type and its documentation: docs/status.md's tables are what the type's fields say
+(``python -m strata.daemon.status_schema docs/status.md`` writes them), every field of ``Status``
+and ``DeviceStatus`` has a meaning and a row (and every row a field), every field of a nested
+object is named in its row, and ``to_json`` keeps the documented keys in field order."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from strata.daemon.status import (
     BusStatus,
@@ -16,6 +20,8 @@ from strata.daemon.status import (
     MonitorStatus,
     Status,
 )
+from strata.daemon.status_schema import DOC as MEANING
+from strata.daemon.status_schema import TABLES, json_type, markdown_table, regenerate
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "status.md"
 
@@ -93,3 +99,50 @@ def test_json_keys_follow_the_field_order() -> None:
     assert out["leases"] == [dataclasses.asdict(lease)]
     assert out["kv_kept"] == [{"tokens": 7}]
     assert out["monitor"] == {"kind": "simulated", "healthy": True, "problem": None}
+
+
+def test_the_doc_is_what_the_type_writes() -> None:
+    text = DOC.read_text()
+    assert regenerate(text) == text, (
+        "docs/status.md differs from the status type: run "
+        "`python -m strata.daemon.status_schema docs/status.md`"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_every_field_has_a_meaning(name: str) -> None:
+    undocumented = [f.name for f in dataclasses.fields(TABLES[name]) if not f.metadata.get(MEANING)]
+    assert undocumented == []
+
+
+def test_a_field_without_a_meaning_is_an_error_naming_it() -> None:
+    @dataclass
+    class Thing:
+        told: int = field(metadata={MEANING: "a number"})
+        untold: str | None = None
+
+    with pytest.raises(ValueError, match=r"Thing\.untold has no meaning"):
+        markdown_table(Thing)
+
+
+def test_a_table_without_its_markers_is_an_error() -> None:
+    text = DOC.read_text()
+    cut = text.replace("<!-- generated from DeviceStatus", "<!-- a table from DeviceStatus")
+    with pytest.raises(ValueError, match="0 tables marked"):
+        regenerate(cut)
+
+
+def test_a_changed_meaning_changes_the_table() -> None:
+    """What the test above compares is the type's meaning, not a copy of the file."""
+    stale = DOC.read_text().replace("the run-time reserve (", "the reserve (", 1)
+    assert stale != DOC.read_text()
+    assert regenerate(stale) == DOC.read_text()
+
+
+def test_the_type_column_follows_the_annotation() -> None:
+    assert json_type("int | None") == "int or null"
+    assert json_type("str") == "string"
+    assert json_type("dict[str, int]") == "object"
+    assert json_type("list[LeaseStatus]") == "list"
+    assert json_type("MonitorStatus") == "object"
+    assert json_type("float | None") == "float or null"
