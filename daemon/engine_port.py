@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 ResizeListener = Callable[["ResizeResult", str], None]
 
 
+def first_if_none(number: int | None) -> int:
+    """A device's (a stage's) number where a caller may name none: None is the first entry of
+    the list, as ``strata-ctl``, ``POST /v1/vram`` and D-Bus's methods without a device take it."""
+    return 0 if number is None else number
+
+
 @dataclass(frozen=True)
 class KvBytes:
     """A stage's K/V where it shares the cache's budget (else all zero): what it maps now, what

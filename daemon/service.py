@@ -31,6 +31,7 @@ from strata.daemon.control.leases import (
     is_int,
 )
 from strata.daemon.control.policy import PolicyConfig
+from strata.daemon.engine_port import first_if_none
 from strata.daemon.status import (
     BusStatus,
     DaemonFacts,
@@ -126,9 +127,10 @@ class Daemon:
 
     # -- the VRAM API ---------------------------------------------------------------------------
 
-    def controller_for(self, device: int) -> VramController:
-        """The controller of device number ``device``. An unknown number is
+    def controller_for(self, device: int | None) -> VramController:
+        """The controller of device number ``device`` (None: the first). An unknown number is
         :class:`InvalidArgument` naming it and the devices there are."""
+        device = first_if_none(device)
         if not is_int(device) or not 0 <= device < len(self.controllers):
             there = ", ".join(f"{i} ({name})" for i, name in enumerate(self.devices))
             raise InvalidArgument(
@@ -137,7 +139,7 @@ class Daemon:
             )
         return self.controllers[device]
 
-    async def reserve(self, mib: int, device: int = 0) -> Outcome:
+    async def reserve(self, mib: int, device: int | None = None) -> Outcome:
         return await self.controller_for(device).set_reserve(mib)
 
     async def borrow(
@@ -147,7 +149,7 @@ class Daemon:
         pid: int | None,
         app_id: str,
         reason: str,
-        device: int = 0,
+        device: int | None = None,
     ) -> Lease:
         return await self.controller_for(device).borrow(mib, owner, pid, app_id, reason)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from strata.daemon.engine_port import CachePort, EnginePort
+from strata.daemon.engine_port import CachePort, EnginePort, first_if_none
 from strata.engine.experts.cache import ResizeResult
 from strata.engine.generate import Engine
 from strata.engine.generation import GenerationResult, TokenLogprob
@@ -217,9 +217,11 @@ class EngineWorker:
             return len(self._jobs)
 
     def request_resize(
-        self, n_slots: int, max_shrink: int | None, reason: str, stage: int = 0
+        self, n_slots: int, max_shrink: int | None, reason: str, stage: int | None = None
     ) -> cf.Future[ResizeResult]:
-        """Ask for ``n_slots`` in ``stage``'s cache at the next safe point (at once when idle)."""
+        """Ask for ``n_slots`` in ``stage``'s cache at the next safe point (at once when idle);
+        ``stage`` None: the first, as where a caller names no device."""
+        stage = first_if_none(stage)
         fut: cf.Future[ResizeResult] = cf.Future()
         with self._cv:
             pending = self._resizes.get(stage)
@@ -229,11 +231,12 @@ class EngineWorker:
         return fut
 
     def request_budget(
-        self, budget_bytes: int, reason: str, stage: int = 0
+        self, budget_bytes: int, reason: str, stage: int | None = None
     ) -> cf.Future[ResizeResult]:
         """Ask for ``budget_bytes`` for ``stage``'s cache and K/V together at the next safe point
         (at once when idle): the K/V's kept conversations yield first, the cache gets the rest
-        (never below its core)."""
+        (never below its core). ``stage`` None: the first."""
+        stage = first_if_none(stage)
         fut: cf.Future[ResizeResult] = cf.Future()
         with self._cv:
             pending = self._resizes.get(stage)
@@ -367,7 +370,7 @@ class EngineWorker:
         finally:
             self.resize_epoch += 1
 
-    def _apply_resize(self, stage: int = 0) -> None:
+    def _apply_resize(self, stage: int) -> None:
         with self._cv:
             pending = self._resizes.pop(stage, None)
         if pending is None:

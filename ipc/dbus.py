@@ -272,7 +272,7 @@ class DbusEdge:
     # -- methods --------------------------------------------------------------------------------
 
     async def borrow(
-        self, owner: str | None, mib: int, app_id: str, reason: str, device: int = 0
+        self, owner: str | None, mib: int, app_id: str, reason: str, device: int | None = None
     ) -> int:
         if not owner:
             raise DBusError(ERROR_FAILED, "Borrow: the caller has no bus name")
@@ -318,7 +318,9 @@ class DbusEdge:
         )  # fmt: skip
         return cookie
 
-    async def _borrow(self, owner: str, mib: int, app_id: str, reason: str, device: int) -> int:
+    async def _borrow(
+        self, owner: str, mib: int, app_id: str, reason: str, device: int | None
+    ) -> int:
         pid = await self._watch(owner)
         lease = await self.daemon.borrow(mib, owner, pid, app_id, reason, device)
         return lease.cookie
@@ -337,7 +339,7 @@ class DbusEdge:
             raise _dbus_error(e) from None
         self._forget_if_idle(lease.owner)
 
-    async def set_reserve(self, mib: int, device: int = 0) -> None:
+    async def set_reserve(self, mib: int, device: int | None = None) -> None:
         try:
             await self.daemon.reserve(mib, device)
         except Exception as e:

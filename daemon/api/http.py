@@ -212,7 +212,6 @@ def _add_vram_routes(app: FastAPI, daemon: Daemon, metrics: Metrics) -> None:
             reserve_mib, device = parse_vram_request(await request.body())
         except BadVramRequest as e:
             raise invalid(str(e), e.param) from None
-        device = 0 if device is None else device  # no device named: the first
         try:
             daemon.controller_for(device)
         except InvalidArgument as e:

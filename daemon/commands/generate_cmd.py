@@ -164,20 +164,25 @@ def _write(text: str) -> None:
 
 
 def _report(engine: Engine, r: GenerationResult) -> None:
-    stats = engine.provider.stats
-    cache = engine.cache
-    if cache is not None:
+    """The cache and the hit rate of every stage together (one stage without a split), read from
+    the engine's status."""
+    stages = engine.status().stages
+    caches = [s.cache for s in stages if s.cache is not None]
+    if caches:
+        slots = sum(c.size_bytes // (c.max_bytes // c.max_experts) for c in caches if c.max_experts)
+        size = sum(c.size_bytes for c in caches)
         print(
-            f"[expert cache: {cache.n_slots} of {cache.max_slots} experts, "
-            f"{cache.size_bytes / 2**20:.0f} MiB]",
+            f"[expert cache: {slots} of {sum(c.max_experts for c in caches)} experts, "
+            f"{size / 2**20:.0f} MiB]",
             file=sys.stderr,
         )
-    if not stats.cached:
+    hits, misses = sum(s.fetches.hits for s in stages), sum(s.fetches.misses for s in stages)
+    if not any(s.fetches.cached for s in stages):
         hit = "n/a (no expert cache: every expert read from RAM or the file)"
-    elif stats.hit_rate is None:
+    elif hits + misses == 0:
         hit = "n/a (no expert used)"
     else:
-        hit = f"{stats.hit_rate:.1%}"
+        hit = f"{hits / (hits + misses):.1%}"
     tok_s = f"{r.decode_tok_s:.2f} tok/s" if r.decode_tok_s else "n/a tok/s"
     prefill = r.prompt_tokens / r.prefill_s if r.prefill_s > 0 else 0.0
     print(

@@ -1,7 +1,9 @@
 """The worker and the control plane reach the engine only through ``daemon/engine_port.py``:
 no attribute chain into the engine's parts (its stages and sequences, a cache's arena, a stage's
 K/V or runner) and no ``getattr``/``hasattr`` guessing at what an object has. The port itself is
-the one module that reads those parts."""
+the one module that reads those parts. The API edges and the commands hold the engine itself
+(its tokenizer, templates, fit check and status) and read nothing past it: no runner, K/V, arena
+or provider, none of its first-stage forwarders, and not the worker's port."""
 
 from __future__ import annotations
 
@@ -50,6 +52,48 @@ def _reaches(path: Path) -> list[str]:
             if node.func.id in GUESSES:
                 found.append(f"{path.name}:{node.lineno}: {node.func.id}()")
     return found
+
+
+# the API edges and the commands (``port.engine`` is theirs: the Engine, not its parts)
+EDGES = tuple(
+    p.relative_to(ROOT / "daemon").as_posix()
+    for group in ("api", "commands")
+    for p in sorted((ROOT / "daemon" / group).glob("*.py"))
+)
+PAST_THE_ENGINE = {"sequences", "arena", "kv", "runner", "decoder", "provider"}
+FIRST_STAGE = {"cache", "provider"}  # Engine's forwarders to its first stage
+
+
+def _past_the_engine(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        value = node.value
+        engine = isinstance(value, ast.Name) and value.id in ("engine", "eng")
+        port = node.attr == "port" and isinstance(value, ast.Attribute) and value.attr == "worker"
+        if node.attr in PAST_THE_ENGINE or port or (engine and node.attr in FIRST_STAGE):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("name", EDGES)
+def test_the_edges_read_nothing_past_the_engine(name: str) -> None:
+    assert _past_the_engine(ROOT / "daemon" / name) == []
+
+
+def test_the_edge_check_sees_a_reach_past_the_engine(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("a = engine.provider.stats\n"
+                   "b = eng.cache\n"
+                   "c = daemon.worker.port\n"
+                   "d = engine.status().stages[0].cache\n"
+                   "e = engine.tokenizer\n")  # fmt: skip
+    assert sorted(_past_the_engine(bad)) == [
+        "bad.py:1: engine.provider",
+        "bad.py:2: eng.cache",
+        "bad.py:3: daemon.worker.port",
+    ]
 
 
 @pytest.mark.parametrize("name", CALLERS)
