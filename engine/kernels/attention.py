@@ -1,11 +1,21 @@
-"""Decode attention for one query token over the paged K/V cache, split along the keys.
+"""Decode attention for one query token over the paged K/V cache, split along the keys, in one
+launch.
 
-Grouped-query attention: program (K/V head, split) reads its share of the positions once for
-all the query heads of its group, keeping their running max, sum and weighted value sum (the
-online softmax). The length is read from device
+Grouped-query attention: a partial program (K/V head, split) reads its share of the positions
+once for all the query heads of its group, keeping their running max, sum and weighted value sum
+(the online softmax), and writes them as the split's partial. The length is read from device
 memory (position + 1), so the same launch — and a CUDA graph holding it — serves every step;
-splits beyond the length write an empty partial. A second launch combines the splits of each
-head.
+splits beyond the length write an empty partial. Combiner programs in the same launch, one per
+query head, wait for their group's partials and combine them (``_combine``, one fixed order).
+
+The tickets (``DecodeAttention.tickets``, int32, 0 between launches): each program first draws
+a role from a dispatch counter, the first Hkv * NSPLIT draws partials, the last H draws
+combiners, so a combiner only ever waits for programs that have started already (they wait for
+nothing: no deadlock, however the GPU schedules the launch). A partial adds 1 to its group's
+count once its partial is written; a combiner spins until that count is NSPLIT; the last
+combiner to finish sets every counter back to 0 for the next launch (a later layer, a graph
+replay). In Triton's interpreter the programs run one after another in draw order, so every
+wait is already over when it starts.
 
 K/V rows are found through the block table: position p lives in page ``block_table[p // page]``
 at row ``p % page``; pages are ``page_stride`` elements apart (``engine.kv``: a page holds every
@@ -22,20 +32,30 @@ import triton.language as tl
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # K/V types whose products run on tensor cores
 
+# DecodeAttention.tickets: [dispatch, combiners done, each group's partials written (Hkv)]
+_DISPATCH, _EXITS, _WRITTEN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
 
 @triton.jit
-def _attn_partial(
-    q, kc, vc, bt, pos_p, acc_out, ml_out, sm_scale, HKV, PS, window,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr,
-    NSPLIT: tl.constexpr, LOWP: tl.constexpr, WIN: tl.constexpr,
-):  # fmt: skip
-    hk = tl.program_id(0)  # the K/V head; its query heads are hk * G .. hk * G + G - 1
-    s = tl.program_id(1)
+def _span(pos_p, window, NSPLIT: tl.constexpr, BS: tl.constexpr, WIN: tl.constexpr):
+    """(n, lo, per): keys lo .. n - 1 are attended, ``per`` of them a split (a whole number of
+    inner steps); splits from cdiv(n - lo, per) on are empty."""
     n = tl.load(pos_p) + 1  # keys 0..pos
     lo = 0
     if WIN:  # a sliding window: keys pos - window + 1 .. pos
         lo = tl.maximum(n - window, 0)
     per = tl.cdiv(tl.cdiv(n - lo, NSPLIT), BS) * BS
+    return n, lo, per
+
+
+@triton.jit
+def _partial(
+    q, kc, vc, bt, acc_out, ml_out, sm_scale, HKV, PS, hk, s, n, lo, per,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr,
+    NSPLIT: tl.constexpr, LOWP: tl.constexpr,
+):  # fmt: skip
+    """Split ``s`` of K/V head ``hk`` (query heads hk * G .. hk * G + G - 1): its running max,
+    sum and weighted value sum into the partials."""
     start = lo + s * per
     end = tl.minimum(start + per, n)
     g = tl.arange(0, GP)  # the group's query heads, padded to a tile's rows
@@ -76,20 +96,25 @@ def _attn_partial(
     tl.store(ml_out + part * 2 + 1, tot, mask=gm)
 
 
-@triton.jit
-def _attn_combine(acc_in, ml_in, out, sinks, D: tl.constexpr, NSPLIT: tl.constexpr,
-                  SINK: tl.constexpr):  # fmt: skip
-    h = tl.program_id(0)
+@triton.jit(noinline=True)
+def _combine(acc_in, ml_in, out, sinks, h, live, D: tl.constexpr, NSPLIT: tl.constexpr,
+             SINK: tl.constexpr):  # fmt: skip
+    """Head ``h``'s output from its NSPLIT partials, in one fixed order. Splits from ``live`` on
+    are empty: their partials are (-inf, 0, zeros), so their loads are skipped and those values
+    taken as they are. Not inlined: Triton then lays its tiles out as in a kernel of its own
+    (the [NSPLIT, D] tile would otherwise take the K/V tiles' layout where NSPLIT = BS), so its
+    sums run in the order the two-launch form's combine kernel ran them, bit for bit."""
     part = h * NSPLIT + tl.arange(0, NSPLIT)
-    m = tl.load(ml_in + part * 2)  # [NSPLIT]; -inf where a split was empty
-    tot = tl.load(ml_in + part * 2 + 1)
+    sm = tl.arange(0, NSPLIT) < live
+    m = tl.load(ml_in + part * 2, mask=sm, other=float("-inf"))  # [NSPLIT]
+    tot = tl.load(ml_in + part * 2 + 1, mask=sm, other=0.0)
     top = tl.max(m, 0)
     if SINK:  # the head's sink logit joins the softmax's sum (and adds no value)
         sink = tl.load(sinks + h).to(tl.float32)
         top = tl.maximum(top, sink)
     w = tl.exp(m - top)
     d = tl.arange(0, D)
-    acc = tl.load(acc_in + (part * D)[:, None] + d[None, :])  # [NSPLIT, D]
+    acc = tl.load(acc_in + (part * D)[:, None] + d[None, :], mask=sm[:, None], other=0.0)
     den = tl.sum(tot * w, 0)
     if SINK:
         den += tl.exp(sink - top)
@@ -97,17 +122,72 @@ def _attn_combine(acc_in, ml_in, out, sinks, D: tl.constexpr, NSPLIT: tl.constex
     tl.store(out + h * D + d, o)
 
 
+@triton.jit
+def _attn_kernel(
+    q, kc, vc, bt, pos_p, acc_out, ml_out, out, sinks, tickets, sm_scale, HKV, PS, window,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr,
+    NSPLIT: tl.constexpr, LOWP: tl.constexpr, WIN: tl.constexpr, SINK: tl.constexpr,
+    FUSED: tl.constexpr,
+):  # fmt: skip
+    # the program's role: its draw (FUSED; a draw orders nothing), else its id (partials alone)
+    if FUSED:
+        r = tl.atomic_add(tickets + _DISPATCH, 1, sem="relaxed")
+    else:
+        r = tl.program_id(0)
+    n, lo, per = _span(pos_p, window, NSPLIT, BS, WIN)
+    if r < HKV * NSPLIT:
+        hk = r // NSPLIT
+        _partial(q, kc, vc, bt, acc_out, ml_out, sm_scale, HKV, PS, hk, r % NSPLIT, n, lo, per,
+                 G, GP, D, PAGE, BS, NSPLIT, LOWP)  # fmt: skip
+        if FUSED:
+            # Every thread's partial stores come before the barrier; thread 0's atomic add
+            # (release, GPU scope) then publishes them all, as a CUTLASS semaphore does after
+            # __syncthreads.
+            tl.debug_barrier()
+            tl.atomic_add(tickets + _WRITTEN + hk, 1, sem="release")
+    else:
+        h = r - HKV * NSPLIT  # a combiner (FUSED only): query head h
+        at = tickets + _WRITTEN + h // G
+        c = tl.load(at, volatile=True)
+        while c < NSPLIT:  # the group's partial programs have all drawn earlier: they finish
+            c = tl.load(at, volatile=True)
+        # The acquire reads the count the last release wrote (the adds form one release
+        # sequence), so every partial of the group is visible to this program's loads after
+        # the barrier (the acquire also drops stale lines from its multiprocessor's L1).
+        tl.atomic_add(at, 0, sem="acquire")
+        tl.debug_barrier()
+        _combine(acc_out, ml_out, out, sinks, h, tl.cdiv(n - lo, per), D, NSPLIT, SINK)
+        # the last combiner out: every program has drawn, counted and stopped reading the
+        # counters, so they go back to 0 for the next launch
+        if tl.atomic_add(tickets + _EXITS, 1) == HKV * G - 1:
+            tl.store(tickets + _DISPATCH, 0)
+            tl.store(tickets + _EXITS, 0)
+            k = tl.arange(0, 64)
+            for k0 in range(0, HKV, 64):
+                tl.store(tickets + _WRITTEN + k0 + k, 0, mask=k0 + k < HKV)
+
+
+@triton.jit
+def _combine_kernel(acc_in, ml_in, out, sinks, pos_p, window, NSPLIT: tl.constexpr,
+                    BS: tl.constexpr, WIN: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr):  # fmt: skip
+    # the combine as a launch of its own (``DecodeAttention(fused=False)``)
+    n, lo, per = _span(pos_p, window, NSPLIT, BS, WIN)
+    _combine(acc_in, ml_in, out, sinks, tl.program_id(0), tl.cdiv(n - lo, per), D, NSPLIT, SINK)
+
+
 class DecodeAttention:
     """The scratch of split attention, sized once for the model (a CUDA graph keeps it). One
     program per (K/V head, split) computes every query head of the group: each K/V row is read
     once (a program per query head read it G times, at 32K positions 270 µs a layer on an
-    H200 for Qwen3-30B-A3B's 8 query heads per K/V head)."""
+    H200 for Qwen3-30B-A3B's 8 query heads per K/V head). ``fused`` (the default): the
+    combine runs in the same launch (the module's docstring); False: a launch of its own, the
+    same arithmetic (to measure one against the other)."""
 
     BS = 64  # keys per inner step: a page
 
     def __init__(
         self, n_head: int, n_head_kv: int, head_dim: int, page: int, n_split: int,
-        device: torch.device,
+        device: torch.device, fused: bool = True,
     ) -> None:  # fmt: skip
         if n_head % n_head_kv:
             raise ValueError(f"{n_head} query heads do not share {n_head_kv} K/V heads evenly")
@@ -117,9 +197,13 @@ class DecodeAttention:
         self.H, self.HKV, self.D = n_head, n_head_kv, head_dim
         self.page, self.n_split = page, n_split
         self.G = n_head // n_head_kv
+        self.fused = fused
         parts = n_head * n_split
         self.acc = torch.empty(parts * head_dim, dtype=torch.float32, device=device)
         self.ml = torch.empty(parts * 2, dtype=torch.float32, device=device)
+        # the launch's counters, 0 between launches: the roles drawn, the combiners done, each
+        # group's partials written (the last combiner sets them back to 0)
+        self.tickets = torch.zeros(2 + n_head_kv, dtype=torch.int32, device=device)
 
     def __call__(
         self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -136,17 +220,20 @@ class DecodeAttention:
             raise ValueError(f"attention window {window}: must be at least 1")
         if sinks is not None and sinks.numel() != self.H:
             raise ValueError(f"{sinks.numel()} sink logits for {self.H} query heads")
-        _attn_partial[(self.HKV, self.n_split)](
-            q, k_cache, v_cache, block_table, pos, self.acc, self.ml, math.sqrt(self.D), self.HKV,
-            ps, window or 0,
+        sink = out if sinks is None else sinks
+        parts = self.HKV * self.n_split
+        _attn_kernel[(parts + (self.H if self.fused else 0),)](
+            q, k_cache, v_cache, block_table, pos, self.acc, self.ml, out, sink, self.tickets,
+            math.sqrt(self.D), self.HKV, ps, window or 0,
             G=self.G, GP=max(16, triton.next_power_of_2(self.G)), D=self.D, PAGE=self.page,
             BS=self.BS, NSPLIT=self.n_split, LOWP=k_cache.dtype in LOW_PRECISION,
-            WIN=window is not None, num_warps=4,
+            WIN=window is not None, SINK=sinks is not None, FUSED=self.fused, num_warps=4,
         )  # fmt: skip
-        _attn_combine[(self.H,)](
-            self.acc, self.ml, out, out if sinks is None else sinks, D=self.D,
-            NSPLIT=self.n_split, SINK=sinks is not None, num_warps=4,
-        )  # fmt: skip
+        if not self.fused:
+            _combine_kernel[(self.H,)](
+                self.acc, self.ml, out, sink, pos, window or 0, NSPLIT=self.n_split, BS=self.BS,
+                WIN=window is not None, D=self.D, SINK=sinks is not None, num_warps=4,
+            )  # fmt: skip
 
 
 def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
