@@ -61,6 +61,8 @@ class StepBuffers:
         self.qkv = torch.zeros(a.q_dim + 2 * a.kv_dim, dtype=f32, device=dev)
         self.attn_out = torch.zeros(a.q_dim, dtype=f32, device=dev)
         self.router_logits = torch.zeros(E, dtype=f32, device=dev)
+        # the router matvec's ticket (``moe.Routing``): its last program routes; 0 between
+        self.route_ticket = torch.zeros(1, dtype=i32, device=dev)
         self.ids = torch.zeros(L, K, dtype=i32, device=dev)
         self.wts = torch.zeros(L, K, dtype=f32, device=dev)
         self.eoffs = torch.zeros(L, K, dtype=torch.int64, device=dev)  # the chosen experts' slots

@@ -2,8 +2,9 @@
 buffers, every launch reading positions and lengths from device memory, so one CUDA graph,
 captured at load, serves every step. Per layer:
 
-    q/k/v matvec (RMSNorm folded in) -> q/k norm, RoPE, K/V write -> split attention (2 launches)
-    -> output projection + residual -> router matvec (RMSNorm folded in) -> top-k
+    q/k/v matvec (RMSNorm folded in) -> q/k norm, RoPE, K/V write -> split attention (its
+    combine in the same launch) -> output projection + residual -> router matvec (RMSNorm
+    folded in; its last program routes: top-k, weights, expert offsets)
     -> gate/up/SiLU of the k experts -> down of the k experts + weights + residual
 
 then the final norm and the output head. The MoE kernels find each expert through the layer's
@@ -134,10 +135,11 @@ class DecodeOps:
         self, y: torch.Tensor, x: torch.Tensor, w: Weight, m: Mat | None,
         norm: torch.Tensor | None = None, residual: bool = False,
         h_out: torch.Tensor | None = None, tune: str = "o", bias: torch.Tensor | None = None,
+        route: moe.Routing | None = None,
     ) -> None:  # fmt: skip
-        if m is not None:
+        if m is not None:  # (a route runs in the same launch)
             bn, warps = self.tuned[tune]
-            matvec(y, x, [m], norm, self.eps, residual, h_out, bn, warps, bias)
+            matvec(y, x, [m], norm, self.eps, residual, h_out, bn, warps, bias, route)
             return
         # a type without a kernel: dequantise and multiply (torch ops, captured all the same)
         h = rms_norm(x, norm, self.eps) if norm is not None else x
@@ -150,6 +152,8 @@ class DecodeOps:
             y.add_(out)
         else:
             y.copy_(out)
+        if route is not None:
+            route.alone(y)
 
     def _mats(self, j: int, w: AttentionWeights | None = None) -> _Mats:
         if j not in self.mats:
@@ -228,19 +232,19 @@ class DecodeOps:
     def moe(self, x: torch.Tensor, layer: int, w: MoEWeights, spec: RoutingSpec) -> torch.Tensor:
         p, j = self.p, layer - self.first
         b, ahead, cpu = p.buf, self.mode == AHEAD, self.mode == CPU
+        table = p.tables.layer(p.tables.table, j)
+        routing = moe.Routing(
+            table, b.ids[j], b.wts[j], b.eoffs[j], p.counters.steps[j], spec.n_used,
+            spec.norm_topk, p.ahead.prefetched(j) if ahead else None, spec.softmax_after_topk,
+            b.route_ticket,
+        )  # fmt: skip
         self._dense(b.router_logits, x, w.router, self._mats(j).router, w.norm, h_out=b.h,
-                    tune="router", bias=w.router_bias)  # fmt: skip
+                    tune="router", bias=w.router_bias, route=routing)  # fmt: skip
         if ahead and j + 1 < len(self.ffn):
             # the next layer's guess, from the stream before this layer's experts: its copies
             # run beside this layer's (the previous layer's expert kernels are done, so the
             # staging set the next layer shares with them is free)
             self._prefetch(j + 1)
-        table = p.tables.layer(p.tables.table, j)
-        moe.route(
-            b.router_logits, table, b.ids[j], b.wts[j], b.eoffs[j], p.counters.steps[j],
-            spec.n_used, spec.norm_topk, p.ahead.prefetched(j) if ahead else None,
-            spec.softmax_after_topk,
-        )  # fmt: skip
         if self.stage is not None:
             self.stage(j)
         homes = p.tables.layer(p.tables.homes, j)

@@ -3,8 +3,10 @@
 One launch covers up to three matrices that read the same input (attention's q, k and v), each in
 its own type, their outputs side by side in ``y``. Folded in, as flags: the RMSNorm of the input
 (``norm``: every program computes the scale itself, so nothing waits for a separate norm
-kernel), the residual add (``residual``: y += W x, the attention output projection), and a copy
-of the normalised input for later kernels (``h_out``: the MoE block reads it).
+kernel), the residual add (``residual``: y += W x, the attention output projection), a copy
+of the normalised input for later kernels (``h_out``: the MoE block reads it), and the MoE
+routing after the router's logits (``route``: the program that finishes last routes, so the
+step has no launch of its own for it).
 
 The torch twin, ``matvec_reference``, dequantises and multiplies.
 """
@@ -27,6 +29,7 @@ from strata.engine.kernels.dot import (
     warps_for,
     xin,
 )
+from strata.engine.kernels.moe import Routing, _route
 from strata.engine.quant.repack import RepackedLayout, dequantize_repacked
 
 
@@ -77,10 +80,13 @@ def _matvec_kernel(
     w0, a1, a2, a3, a4, n0,
     w1, b1, b2, b3, b4, n1,
     w2, c1, c2, c3, c4, n2,
+    ticket, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E,
     Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,  # the three matrices' types
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,  # and their units per step
     NSEG: tl.constexpr, HAS_NORM: tl.constexpr, ADD_RES: tl.constexpr, STORE_H: tl.constexpr,
     BN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROUTE: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
+    NORM: tl.constexpr, P: tl.constexpr, LATE: tl.constexpr, S: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     # RMSNorm(x) . w = rms * ((x * nw) . w): the weights' loads need not wait for the scale
@@ -116,6 +122,23 @@ def _matvec_kernel(
             for k0 in tl.static_range(0, K, 1024):
                 m = k0 + k < K
                 tl.store(h_out + k0 + k, xin(x, nw, rms, k0 + k, m, HAS_NORM), mask=m)
+    if ROUTE:
+        # The ticket. Every thread's stores of its rows come before the barrier; thread 0's
+        # atomic add (Triton's default: acq_rel at GPU scope) then releases them all (as a
+        # CUTLASS semaphore does after __syncthreads), and the program drawing the last ticket
+        # acquires every other program's release: all E logits are visible to its loads (the
+        # acquire also drops stale lines from its multiprocessor's L1). It routes (the code
+        # ``moe.route``'s launch runs; its sums in an order that holds with any number of
+        # warps) and sets the counter back to 0, which no other program of this launch touches
+        # any more: the next launch (a later layer, a graph replay) finds 0. In Triton's
+        # interpreter the programs run one after another and the last takes this path too.
+        tl.debug_barrier()
+        if tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1:
+            e = tl.arange(0, EP)
+            lg = tl.load(y + e, mask=e < E, other=float("-inf"))
+            _route(lg, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E,
+                   TOPK, EP, KP, NORM, P, LATE, S)  # fmt: skip
+            tl.store(ticket, 0)
 
 
 BN = 128 if INTERPRETED else 4  # rows per program (each thread holds all of them)
@@ -132,11 +155,14 @@ def matvec(
     bn: int = BN,
     num_warps: int | None = None,
     bias: torch.Tensor | None = None,
+    route: Routing | None = None,
 ) -> None:
     """y[...] = W_i x for each matrix in ``mats`` (their rows side by side in ``y``), or
     y += W x with ``residual``; x is RMSNorm'd with the weight ``norm`` first when given, and
     written to ``h_out`` normalised. Every matrix takes ``len(x)`` inputs. x, y: float32.
     ``bias``: float32 [sum of rows], added to the products (before the residual; gpt-oss).
+    ``route``: y holds one matrix's router logits, and the same launch then routes as
+    ``moe.route(y, ...)`` does, bit for bit (its ``ticket`` counts the programs).
     ``num_warps`` (None: one thread per unit of a step) and ``bn`` are tuning knobs."""
     if not 1 <= len(mats) <= 3:
         raise ValueError(f"matvec takes 1 to 3 matrices, got {len(mats)}")
@@ -153,12 +179,24 @@ def matvec(
     if bias is not None and (bias.numel() != sum(m.rows for m in mats) or bias.dtype != y.dtype):
         raise ValueError(f"a bias of {bias.numel()} {bias.dtype} values for "
                          f"{sum(m.rows for m in mats)} {y.dtype} rows")  # fmt: skip
+    rargs: list[object] = [y, y, y, y, y, y, y, 0, 0, y, 0]  # (unread without a route)
+    rconsts: dict[str, object] = dict(TOPK=1, EP=1, KP=1, NORM=False, P=0, LATE=False, S=1)
+    if route is not None:
+        if len(mats) != 1 or residual:
+            raise ValueError("a route follows one router matrix's logits, with no residual")
+        if route.ticket is None or route.ticket.numel() != 1 or route.ticket.dtype != torch.int32:
+            raise ValueError("a route inside the matvec needs its ticket: int32 [1], 0")
+        args_r, consts = route.args(mats[0].rows)
+        rargs = [route.ticket, *args_r]
+        rconsts = dict(consts, TOPK=consts["K"])
+        del rconsts["K"]
     segs = list(mats) + [mats[0]] * (3 - len(mats))
     nw = norm if norm is not None else x
     args: list[object] = [x, nw, eps, y, h_out if h_out is not None else y,
                           y if bias is None else bias, K]  # fmt: skip
     for m in segs:
         args += [m.data, *plane_offsets(m.lay.offsets), m.rows]
+    args += rargs
     types = [int(m.lay.qtype) for m in segs]
     units = [units_per_step(t, K) for t in types]
     grid = (sum(triton.cdiv(m.rows, bn) for m in mats),)
@@ -166,8 +204,8 @@ def matvec(
         *args,
         Q0=types[0], Q1=types[1], Q2=types[2], U0=units[0], U1=units[1], U2=units[2],
         NSEG=len(mats), HAS_NORM=norm is not None, ADD_RES=residual,
-        STORE_H=h_out is not None, BN=bn, HAS_BIAS=bias is not None,
-        num_warps=num_warps or max(warps_for(u) for u in units[: len(mats)]),
+        STORE_H=h_out is not None, BN=bn, HAS_BIAS=bias is not None, ROUTE=route is not None,
+        num_warps=num_warps or max(warps_for(u) for u in units[: len(mats)]), **rconsts,
     )  # fmt: skip
 
 

@@ -3,14 +3,16 @@
 1. ``route``: softmax of the router logits, the top k experts and their weights (renormalised to
    sum to one when the model asks), and each chosen expert's entry of the layer's expert table,
    written to device buffers; it also counts each chosen expert in a per-(layer, expert) usage
-   table, so the host learns what is hot without a copy per step.
+   table, so the host learns what is hot without a copy per step. A launch of its own, or the
+   tail of the router's matvec (``Routing``, ``matvec(route=...)``): the same code and sums.
 2. ``gate_up``: for all k chosen experts at once, program (k, row block) reads the expert's slot
    offset, computes its gate and up rows against the normalised input and writes
    SiLU(gate) * up.
 3. ``down``: each program owns a block of output rows; the k experts' down rows, times their
    weights, are summed in one reduction and added to the residual.
 
-No atomics anywhere: every sum has one order, so the numbers are the same on every run, and the
+No atomics in the arithmetic (the routing's ticket only picks the program that routes): every
+sum has one order, so the numbers are the same on every run, and the
 same whether an expert was read from a VRAM slot or a staging slot (the host may point a chosen
 expert's offset at a staging slot between ``route`` and ``gate_up``).
 
@@ -48,18 +50,44 @@ from strata.engine.quant.repack import RepackedLayout
 
 
 @triton.jit
-def _route_kernel(logits, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E,
-                  K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                  P: tl.constexpr, LATE: tl.constexpr):  # fmt: skip
+def _warp_sum(x, N: tl.constexpr, S: tl.constexpr):
+    """sum(x), x: [N] float32 (N a power of two), added in the order one warp adds it with S
+    consecutive elements a thread (thread t holds x[r * 32S + tS + j]): each thread's values
+    pairwise in register order (a balanced tree), then across the lanes by halves (a
+    butterfly), as Triton's reduction does in a one-warp kernel. Written as elementwise adds,
+    so the order, and the bits, hold in a kernel of any number of warps (the router's matvec
+    runs the routing with eight): ``route`` gives the same weights in either launch."""
+    L: tl.constexpr = N // S if N // S < 32 else 32  # lanes
+    R: tl.constexpr = N // (S * L)  # each thread's rows of S
+    V: tl.constexpr = R * S  # values a thread
+    v = tl.reshape(tl.permute(tl.reshape(x, [R, L, S]), (1, 0, 2)), [L, V])
+    for i in tl.static_range(10):  # V <= 2^10
+        if (V >> i) > 1:
+            a, b = tl.split(tl.reshape(v, [L, V >> (i + 1), 2]))
+            v = a + b
+    v = tl.reshape(v, [L])
+    for i in tl.static_range(6):  # L <= 32
+        if (L >> i) > 1:
+            a, b = tl.split(tl.trans(tl.reshape(v, [2, L >> (i + 1)])))
+            v = a + b
+    return tl.max(v, 0)  # its one element
+
+
+@triton.jit
+def _route(lg, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E,
+           K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+           P: tl.constexpr, LATE: tl.constexpr, S: tl.constexpr):  # fmt: skip
+    """The routing of one token from its logits ``lg`` [EP] (-inf past E): the top k, their
+    weights, their table entries (or staging slots) and the use counts; ``S``: ``_warp_sum``'s
+    elements a thread for [EP] (``route_elements``)."""
     e = tl.arange(0, EP)
     em = e < E
-    lg = tl.load(logits + e, mask=em, other=float("-inf"))
     if LATE:  # the top k logits themselves; a softmax over those k after (gpt-oss)
         left = tl.where(em, lg, float("-inf"))
     else:
         p = tl.exp(lg - tl.max(lg, 0))
         p = tl.where(em, p, 0.0)
-        p = p / tl.sum(p, 0)
+        p = p / _warp_sum(p, EP, S)
         left = tl.where(em, p, -1.0)
     kk = tl.arange(0, KP)
     sel_w = tl.zeros([KP], tl.float32)
@@ -78,9 +106,9 @@ def _route_kernel(logits, table, ids, wts, eoffs, counts, pf_ids, stage, stage_b
     if LATE:  # (the first pick is the largest logit)
         top = tl.max(tl.where(kk == 0, sel_w, float("-inf")), 0)
         sel_w = tl.where(kk < K, tl.exp(sel_w - top), 0.0)
-        sel_w = sel_w / tl.sum(sel_w, 0)
+        sel_w = sel_w / _warp_sum(sel_w, KP, 1)
     if NORM:
-        sel_w = sel_w / tl.sum(tl.where(kk < K, sel_w, 0.0), 0)
+        sel_w = sel_w / _warp_sum(tl.where(kk < K, sel_w, 0.0), KP, 1)
     km = kk < K
     tl.store(ids + kk, sel_i, mask=km)
     tl.store(wts + kk, sel_w, mask=km)
@@ -100,6 +128,16 @@ def _route_kernel(logits, table, ids, wts, eoffs, counts, pf_ids, stage, stage_b
     tl.store(eoffs + kk, eo, mask=km)
     c = tl.load(counts + e, mask=em, other=0)
     tl.store(counts + e, c + chosen, mask=em)
+
+
+@triton.jit
+def _route_kernel(logits, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E,
+                  K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                  P: tl.constexpr, LATE: tl.constexpr, S: tl.constexpr):  # fmt: skip
+    e = tl.arange(0, EP)
+    lg = tl.load(logits + e, mask=e < E, other=float("-inf"))
+    _route(lg, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E, K, EP,
+           KP, NORM, P, LATE, S)  # fmt: skip
 
 
 @triton.jit
@@ -353,22 +391,68 @@ class Prefetched:
     pf_stats: torch.Tensor
 
 
+def route_elements(ep: int) -> int:
+    """Elements a thread of [EP] when ``_route_kernel`` ran alone in one warp (its logits
+    16-byte aligned: four float32 at most, one at least): the order of its softmax's sum."""
+    return min(4, max(ep // 32, 1))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What ``route`` writes for one layer (its arguments past the logits), so a launch that
+    computes the logits can run the routing after them (``matvec``'s ``route``): ``ticket``
+    int32 [1] on the device, 0 between launches, counts that launch's programs (the last one
+    routes and sets it back to 0)."""
+
+    table: torch.Tensor
+    ids: torch.Tensor
+    wts: torch.Tensor
+    eoffs: torch.Tensor
+    counts: torch.Tensor
+    k: int
+    norm: bool
+    prefetched: Prefetched | None = None
+    late: bool = False
+    ticket: torch.Tensor | None = None
+
+    def args(self, n_expert: int) -> tuple[list[object], dict[str, object]]:
+        """The kernels' arguments past the logits (the last the expert count) and their
+        constants, checked."""
+        if not 1 <= self.k <= n_expert:
+            raise ValueError(f"top {self.k} of {n_expert} experts")
+        for name, t, n in (("ids", self.ids, self.k), ("wts", self.wts, self.k),
+                           ("eoffs", self.eoffs, self.k), ("counts", self.counts, n_expert),
+                           ("table", self.table, n_expert)):  # fmt: skip
+            if t.numel() != n:
+                raise ValueError(f"route's {name} holds {t.numel()} values, not {n}")
+        pf, ep = self.prefetched, triton.next_power_of_2(n_expert)
+        args: list[object] = [
+            self.table, self.ids, self.wts, self.eoffs, self.counts,
+            self.ids if pf is None else pf.pf_ids, 0 if pf is None else pf.stage,
+            0 if pf is None else pf.stage_bytes, self.eoffs if pf is None else pf.pf_stats,
+            n_expert,
+        ]  # fmt: skip
+        consts: dict[str, object] = dict(
+            K=self.k, EP=ep, KP=triton.next_power_of_2(self.k), NORM=self.norm,
+            P=0 if pf is None else pf.pf_ids.numel(), LATE=self.late, S=route_elements(ep),
+        )  # fmt: skip
+        return args, consts
+
+    def alone(self, logits: torch.Tensor) -> None:
+        """The routing as a launch of its own, from ``logits`` [E] (``route``)."""
+        args, consts = self.args(logits.numel())
+        _route_kernel[(1,)](logits, *args, **consts, num_warps=1)  # type: ignore[arg-type]
+
+
 def route(logits: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
           eoffs: torch.Tensor, counts: torch.Tensor, k: int, norm: bool,
           prefetched: Prefetched | None = None, late: bool = False) -> None:  # fmt: skip
     """logits: [E] float32 -> ids: int32 [k], wts: float32 [k], eoffs: int64 [k] (the chosen
     experts' entries of the layer's table, or their staging slots where ``prefetched``),
     counts: int32 [E] += chosen. ``late``: the top k logits, weighted by a softmax over those
-    k alone (``RoutingSpec.softmax_after_topk``; a router bias is in the logits already)."""
-    E = logits.numel()
-    pf = prefetched
-    _route_kernel[(1,)](
-        logits, table, ids, wts, eoffs, counts,
-        ids if pf is None else pf.pf_ids, 0 if pf is None else pf.stage,
-        0 if pf is None else pf.stage_bytes, eoffs if pf is None else pf.pf_stats,
-        E, K=k, EP=triton.next_power_of_2(E), KP=triton.next_power_of_2(k), NORM=norm,
-        P=0 if pf is None else pf.pf_ids.numel(), LATE=late, num_warps=1,
-    )  # fmt: skip
+    k alone (``RoutingSpec.softmax_after_topk``; a router bias is in the logits already).
+    The router's matvec can run the same routing after its own work: ``matvec(route=...)``."""
+    Routing(table, ids, wts, eoffs, counts, k, norm, prefetched, late).alone(logits)
 
 
 @dataclass(frozen=True)
