@@ -169,7 +169,8 @@ def _attn_kernel(
 
 @triton.jit
 def _combine_kernel(acc_in, ml_in, out, sinks, pos_p, window, NSPLIT: tl.constexpr,
-                    BS: tl.constexpr, WIN: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr):  # fmt: skip
+                    BS: tl.constexpr, WIN: tl.constexpr, D: tl.constexpr,
+                    SINK: tl.constexpr):  # fmt: skip
     # the combine as a launch of its own (``DecodeAttention(fused=False)``)
     n, lo, per = _span(pos_p, window, NSPLIT, BS, WIN)
     _combine(acc_in, ml_in, out, sinks, tl.program_id(0), tl.cdiv(n - lo, per), D, NSPLIT, SINK)
