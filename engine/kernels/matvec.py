@@ -186,7 +186,7 @@ def matvec(
             raise ValueError("a route follows one router matrix's logits, with no residual")
         if route.ticket is None or route.ticket.numel() != 1 or route.ticket.dtype != torch.int32:
             raise ValueError("a route inside the matvec needs its ticket: int32 [1], 0")
-        args_r, consts = route.args(mats[0].rows)
+        args_r, consts = route.launch_args(mats[0].rows)
         rargs = [route.ticket, *args_r]
         rconsts = dict(consts, TOPK=consts["K"])
         del rconsts["K"]

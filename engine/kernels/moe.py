@@ -415,7 +415,7 @@ class Routing:
     late: bool = False
     ticket: torch.Tensor | None = None
 
-    def args(self, n_expert: int) -> tuple[list[object], dict[str, object]]:
+    def launch_args(self, n_expert: int) -> tuple[list[object], dict[str, object]]:
         """The kernels' arguments past the logits (the last the expert count) and their
         constants, checked."""
         if not 1 <= self.k <= n_expert:
@@ -440,7 +440,7 @@ class Routing:
 
     def alone(self, logits: torch.Tensor) -> None:
         """The routing as a launch of its own, from ``logits`` [E] (``route``)."""
-        args, consts = self.args(logits.numel())
+        args, consts = self.launch_args(logits.numel())
         _route_kernel[(1,)](logits, *args, **consts, num_warps=1)  # type: ignore[arg-type]
 
 

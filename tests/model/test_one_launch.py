@@ -191,7 +191,7 @@ def two_launch_attention(att: at.DecodeAttention, q: torch.Tensor, kc: torch.Ten
 
 
 def old_route(logits: torch.Tensor, r: moe.Routing) -> None:
-    args, consts = r.args(logits.numel())
+    args, consts = r.launch_args(logits.numel())
     del consts["S"]
     _route_kernel[(1,)](logits, *args, **consts, num_warps=1)  # type: ignore[arg-type]
 
