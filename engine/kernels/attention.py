@@ -153,10 +153,12 @@ def _attn_kernel(
             c = tl.load(at, volatile=True)
         # The acquire reads the count the last release wrote (the adds form one release
         # sequence), so every partial of the group is visible to this program's loads after
-        # the barrier (the acquire also drops stale lines from its multiprocessor's L1).
-        tl.atomic_add(at, 0, sem="acquire")
+        # the barrier (the acquire also drops stale lines from its multiprocessor's L1). Its
+        # value (NSPLIT) is used, so the compiler keeps it a read rather than a bare fence.
+        c = tl.atomic_add(at, 0, sem="acquire")
         tl.debug_barrier()
-        _combine(acc_out, ml_out, out, sinks, h, tl.cdiv(n - lo, per), D, NSPLIT, SINK)
+        live = tl.minimum(tl.cdiv(n - lo, per), c)  # (cdiv(n - lo, per) <= NSPLIT = c)
+        _combine(acc_out, ml_out, out, sinks, h, live, D, NSPLIT, SINK)
         # the last combiner out: every program has drawn, counted and stopped reading the
         # counters, so they go back to 0 for the next launch
         if tl.atomic_add(tickets + _EXITS, 1) == HKV * G - 1:
