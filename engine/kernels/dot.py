@@ -17,10 +17,11 @@ across threads once, at the end. The K-quants use the factored form (per sub-blo
 the integer dot minus min times the input's sum), and integers become floats by an OR and an
 exact subtraction rather than conversion instructions, which run at a quarter of the rate.
 Every type with units of 32 elements (all but Q8_0 and the floats) shares ``k_tile``'s
-structure; IQ4_XS gathers its levels from the table in the matrix's own bytes. Q4_K, Q5_K, Q6_K,
-IQ4_XS and Q4_0 have inner loops of their own; the gathered types (Q4_1, Q5_0, Q5_1, IQ4_NL,
-MXFP4, Q2_K, Q3_K, IQ3_XXS, IQ3_S) theirs in ``quant.unit_kernels.unit_dot`` (factored where the
-type allows; the grid types dequantise the tile, grids read from the matrix's own tables).
+structure; IQ4_XS picks its levels out of packed words (``unit_kernels.nl_level``, no load).
+Q4_K, Q5_K, Q6_K, IQ4_XS and Q4_0 have inner loops of their own; the gathered types (Q4_1,
+Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, IQ3_XXS, IQ3_S) theirs in ``quant.unit_kernels.unit_dot``
+(factored where the type allows; the grid types dequantise the tile, grids read from the
+matrix's own tables).
 That is the same function as "dequantise, then multiply" up to float rounding; the callers'
 tests bound the difference.
 """
@@ -36,7 +37,7 @@ import triton.language as tl
 from strata.engine.quant.format import Q8 as Q8_KIND
 from strata.engine.quant.format import UNIT32
 from strata.engine.quant.formats import FORMATS
-from strata.engine.quant.unit_kernels import K_UNITS, unit_dot
+from strata.engine.quant.unit_kernels import K_UNITS, nl_level, unit_dot
 
 Q = gguf.GGMLQuantizationType
 # GGML type ids the kernels dispatch on (constexpr), from gguf's table.
@@ -122,8 +123,8 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     the input tile: [BN, T]. Byte 16u + k of the quants holds elements 32u + k and 32u + 16 + k.
 
     Q4_K, Q5_K, IQ4_XS: one scale (and min) per unit, at u; Q5_K's fifth bits: bits k and
-    16 + k of the uint32 word u; IQ4_XS: nibbles index the 16 levels at o3. Q4_0: a unit is a
-    block, its d at u. Q6_K: the bytes hold the low 4 bits, bits 4(u % 2) (+ 2) of qh byte
+    16 + k of the uint32 word u; IQ4_XS: nibbles index the 16 levels (``nl_level``). Q4_0: a
+    unit is a block, its d at u. Q6_K: the bytes hold the low 4 bits, bits 4(u % 2) (+ 2) of qh byte
     16(u // 2) + k the high 2, and the scales sit at 16(u // 8) + u % 8 (+ 8)."""
     nb: tl.constexpr = NK // K_UNITS  # 256-element blocks per row (the K-quants and IQ4_XS)
     k = tl.arange(0, 16)
@@ -162,9 +163,8 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     elif QT == IQ4_XS:
         q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
         s_at = _unit_at(r, u, NK)
-        lv = (wp3 + o3).to(tl.pointer_type(tl.float32))  # the matrix's 16 levels
-        dl = tl.sum(tl.load(lv + (q & 15), mask=m3, other=0.0) * xl[None, :, :], 2)
-        dh = tl.sum(tl.load(lv + (q >> 4), mask=m3, other=0.0) * xh[None, :, :], 2)
+        dl = tl.sum(nl_level(q & 15) * xl[None, :, :], 2)  # (masked: d is 0)
+        dh = tl.sum(nl_level(q >> 4) * xh[None, :, :], 2)
         sc = tl.load(wp[None, :] + o1 + s_at, mask=m2, other=0).to(tl.int8, bitcast=True)
         d = tl.load(_f16_plane(wp[None, :], o2) + db, mask=m2, other=0).to(tl.float32)
         out = (d * sc.to(tl.float32)) * (dl + dh)

@@ -78,9 +78,40 @@ def _u32(p, at, m):
     return tl.load((p + 4 * at).to(tl.pointer_type(tl.uint32)), mask=m, other=0)
 
 
+def _level_words(levels: tuple[int, ...]) -> tuple[tl.constexpr, ...]:
+    """16 int8 levels as four int32 words, byte j of word i holding level 4i + j."""
+    assert len(levels) == 16 and all(-128 <= v < 128 for v in levels)
+    words = []
+    for i in range(0, 16, 4):
+        w = sum((v & 0xFF) << (8 * j) for j, v in enumerate(levels[i : i + 4]))
+        words.append(tl.constexpr(w - (1 << 32) if w >= 1 << 31 else w))
+    return tuple(words)
+
+
+NL_W0, NL_W1, NL_W2, NL_W3 = _level_words(legacy.IQ4_NL_LEVELS)
+assert legacy.MXFP4_LEVELS == (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
 @triton.jit
-def _f32_table(p, i, m):
-    return tl.load(p.to(tl.pointer_type(tl.float32)) + i, mask=m, other=0.0)
+def nl_level(q):
+    """IQ4_NL's (and IQ4_XS's) level of index q (int32, 0..15) as float32: a byte of the packed
+    words, picked with selects and shifts. A gather from a table in memory costs a load per
+    element, and the pipeliner stages such loads as float32 tiles in shared memory."""
+    w = tl.where(q < 8, tl.where(q < 4, NL_W0, NL_W1), tl.where(q < 12, NL_W2, NL_W3))
+    b = (w >> (8 * (q & 3))) & 0xFF
+    return ((b ^ 0x80) - 0x80).to(tl.float32)
+
+
+@triton.jit
+def mxfp4_level(q):
+    """MXFP4's level of index q (int32, 0..15): its e2m1 value doubled (0 1 2 3 4 6 8 12, bit 3
+    the sign), as float32 built from the bits: exponent e = bits 1-2, mantissa bit 0; e > 0 is
+    2^e (1 + m / 2), e = 0 is 2m (exactly the levels' table, without a load)."""
+    e = (q >> 1) & 3
+    m = q & 1
+    bits = tl.where(e > 0, ((e + 127) << 23) | (m << 22), m * 0x3F800000)
+    bits = bits | tl.where((q & 7) != 0, (q & 8) << 28, 0)  # (index 8 is +0, as the table's)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -196,12 +227,12 @@ def unit_halves(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.const
             hi = d * (q_hi - 16).to(tl.float32)
         elif QT == IQ4_NL:  # d * level
             d = _f16(wp3 + o1, blk, m3)
-            lo = d * _f32_table(wp3 + o2, q_lo, m3)
-            hi = d * _f32_table(wp3 + o2, q_hi, m3)
+            lo = d * nl_level(q_lo)
+            hi = d * nl_level(q_hi)
         else:  # MXFP4: half(2^(e - 127)) * level
             d = _e8m0_half(_u8(wp3 + o1, blk, m3))
-            lo = d * _f32_table(wp3 + o2, q_lo, m3)
-            hi = d * _f32_table(wp3 + o2, q_hi, m3)
+            lo = d * mxfp4_level(q_lo)
+            hi = d * mxfp4_level(q_hi)
     return lo, hi
 
 
@@ -293,14 +324,14 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
             h = _u32(wp3 + o1, blk2[:, :, None], m3)
             q_lo = q_lo | (((h >> k) & 1) << 4).to(tl.int32)
             q_hi = q_hi | (((h >> (k + 16)) & 1) << 4).to(tl.int32)
-        if QT == IQ4_NL or QT == MXFP4:  # a scale times the levels' dot product
-            lv = wp3 + o2  # the 16 levels (IQ4_NL and MXFP4 alike)
-            dot = tl.sum(_f32_table(lv, q_lo, m3) * xl[None, :, :], 2)
-            dot += tl.sum(_f32_table(lv, q_hi, m3) * xh[None, :, :], 2)
-            if QT == IQ4_NL:
-                out = _f16(wp2 + o1, blk2, m2) * dot
-            else:
-                out = _e8m0_half(_u8(wp2 + o1, blk2, m2)) * dot
+        if QT == IQ4_NL:  # a scale times the levels' dot product
+            dot = tl.sum(nl_level(q_lo) * xl[None, :, :], 2)
+            dot += tl.sum(nl_level(q_hi) * xh[None, :, :], 2)
+            out = _f16(wp2 + o1, blk2, m2) * dot
+        elif QT == MXFP4:
+            dot = tl.sum(mxfp4_level(q_lo) * xl[None, :, :], 2)
+            dot += tl.sum(mxfp4_level(q_hi) * xh[None, :, :], 2)
+            out = _e8m0_half(_u8(wp2 + o1, blk2, m2)) * dot
         else:
             dot = _fsum(q_lo, xl) + _fsum(q_hi, xh)
             if QT == Q4_1:  # sum of (d q + m) x = d (q . x) + m sum(x)
