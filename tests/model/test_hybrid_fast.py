@@ -162,3 +162,47 @@ def test_through_the_engine_on_the_device(arch: str, files) -> None:
              for mib in (1 << 20, 1, 0)]  # fmt: skip
     for a, b, c in zip(*steps, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def _across_a_shrink(e, prompt: list[int], params) -> tuple[list[int], list[int], int]:
+    """The tokens of ``params`` steady, then with the cache shrunk to its core at the 6th safe
+    point and grown back at the 20th: (steady, resized, safe points)."""
+    cache = e.cache
+    assert cache is not None and cache.n_slots == cache.max_slots
+    e.sequences.rewind(0)
+    steady = e.generate(prompt, params).tokens
+    calls = 0
+
+    def resize() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 6:
+            cache.resize(cache.sizes.core_slots)
+            assert not e.sequences.gpu.tables.plan.complete, "the shrink left no miss"
+        elif calls == 20:
+            cache.resize(cache.max_slots)
+            assert e.sequences.gpu.tables.plan.complete
+
+    e.sequences.rewind(0)
+    return steady, e.generate(prompt, params, safe_point=resize).tokens, calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_shrink_and_a_grow_mid_generation_change_no_token(tmp_path: Path) -> None:
+    from strata.engine.params import SamplingParams
+
+    # experts that fill ~50 MiB of slots (the small files' fit in one arena chunk: a shrink to
+    # the core would keep them all), misses staged from the file
+    spec = HybridSpec("qwen35moe", n_ff_exp=1024, n_expert=16, n_expert_used=4)
+    path = write_hybrid(tmp_path / "wide.gguf", spec, Q.Q8_0)
+    e = _load(path, host_budget_mib=0, fast_prefill=False)
+    try:
+        for params in (
+            SamplingParams(max_tokens=40, temperature=0.0),
+            SamplingParams(max_tokens=40, temperature=0.7, top_k=40, top_p=0.95, seed=6),
+        ):
+            steady, resized, calls = _across_a_shrink(e, [1, 50, 300, 7, 9, 2000, 31], params)
+            assert resized == steady and calls > 20
+    finally:
+        e.close()
