@@ -358,8 +358,10 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
     return rows
 
 
-# (rows per program, warps; None: one thread per unit of a step) tried by --sweep
-CONFIGS = ((1, None), (2, None), (4, None), (8, None), (4, 8))
+# (rows per program, warps; None: one thread per unit of a step) tried by --sweep; the wider
+# ones (16-32 rows) spread a program's fixed costs (its RMS scale, its launch share) over more
+# bytes, for the small dense matrices of a decode step
+CONFIGS = ((1, None), (2, None), (4, None), (8, None), (4, 8), (8, 8), (16, 4), (16, 8), (32, 8))
 
 
 def _mat_of(w: Any) -> Any:
