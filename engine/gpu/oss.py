@@ -5,13 +5,15 @@ models (``kernels.attention``: the window and the sinks; ``kernels.matvec`` and
 ``kernels.gemm``: a bias in the epilogue; ``kernels.moe``: the router's softmax after the
 top-k, the experts' biases by id, the clamped SwiGLU).
 
-The chunk's attention (``attend``) computes what the reference computes: each row's scores over
-its keys (the window's, for a window layer, read through ``KVCache.window_table``) with the
-head's sink logit appended as one more column, one softmax, the sink's column dropped. That is
-the reference's formula term for term, so it is exact to float rounding; a sink applied
-afterwards to SDPA's output (times σ(lse − sink)) would be as exact but needs the log-sum-exp,
-which PyTorch's public SDPA does not return. The scores are float32 and the query rows go in
-blocks, so the temporaries stay bounded (``ATTEND_BYTES``) however long the prefix is.
+The chunk's attention (``attend``) writes the chunk's K/V to the pages, then runs
+``kernels.chunk_attention`` (a flash-attention kernel: the keys read through the block table —
+the window layers' own — the window's bounds as the loop's, the sink folded into the online
+softmax's denominator, float16 or TF32 products with float32 sums). ``attend_reference`` is the
+torch form it is tested against (and what runs where neither a GPU nor Triton's interpreter
+is): each row's float32 scores over its keys with the head's sink logit appended as one more
+column, one softmax, the sink's column dropped — the reference's formula term for term — in
+blocks of query rows so the temporaries stay bounded (``ATTEND_BYTES``) however long the
+prefix is.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 
 from strata.engine.gpu.cpu_share import CpuExtras
 from strata.engine.gpu.delta import rope_tables_for
+from strata.engine.kernels.chunk_attention import chunk_attention
+from strata.engine.kernels.dot import INTERPRETED
 from strata.engine.kernels.moe import ExpertExtras
 from strata.engine.kv import KVCache
 from strata.engine.ops import AttentionWeights, MoEWeights, RopeSpec, RoutingSpec
@@ -91,12 +95,19 @@ def attend(kv: KVCache, j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     ``pos`` (start..start+T-1) through the layer's block table (the window layers' own), then
     each query row of q [T, H, d] over its keys — 0..its position, or the last ``window`` of
     them — with each head's sink logit ``sinks`` [H] joining the softmax. -> [T, H * d]
-    float32."""
-    T, H, d = q.shape
-    Hkv = k.shape[1]
-    group = H // Hkv
-    windowed = window is not None
-    if windowed and not kv.windowed[j]:
+    float32. On a GPU (and in Triton's interpreter): ``kernels.chunk_attention``; elsewhere
+    ``attend_reference``'s torch form."""
+    if not (q.is_cuda or INTERPRETED):
+        return attend_reference(kv, j, q, k, v, pos, start, window, sinks)
+    table = _write(kv, j, k, v, pos, window)
+    keys, values = kv.layer(j)
+    return chunk_attention(q, keys, values, table, start, window, sinks)
+
+
+def _write(kv: KVCache, j: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+           window: int | None) -> torch.Tensor:  # fmt: skip
+    """The chunk's k, v written to layer ``j``'s pages; -> the layer's block table."""
+    if window is not None and not kv.windowed[j]:
         raise ValueError(f"K/V layer {j} keeps every position, its attention has a window")
     table = kv.window_table if kv.windowed[j] else kv.block_table
     slot = kv.slot[j]
@@ -104,6 +115,20 @@ def attend(kv: KVCache, j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     rows = pos % kv.page
     kv.pool[pages, slot, 0, rows] = k.to(kv.dtype)
     kv.pool[pages, slot, 1, rows] = v.to(kv.dtype)
+    return table
+
+
+def attend_reference(kv: KVCache, j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     pos: torch.Tensor, start: int, window: int | None,
+                     sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """``attend`` in torch, float32: the keys gathered through the table, each row's scores
+    with the head's sink logit as one more column, one softmax, the sink's column dropped (the
+    reference's formula term for term), in blocks of query rows (``ATTEND_BYTES``)."""
+    T, H, d = q.shape
+    Hkv = k.shape[1]
+    group = H // Hkv
+    table = _write(kv, j, k, v, pos, window)
+    slot = kv.slot[j]
     S = start + T
     lo = max(0, start - window + 1) if window is not None else 0
     at = torch.arange(lo, S, device=q.device)
