@@ -8,12 +8,12 @@ top-k, the experts' biases by id, the clamped SwiGLU).
 The chunk's attention (``attend``) writes the chunk's K/V to the pages, then runs
 ``kernels.chunk_attention`` (a flash-attention kernel: the keys read through the block table —
 the window layers' own — the window's bounds as the loop's, the sink folded into the online
-softmax's denominator, float16 or TF32 products with float32 sums). ``attend_reference`` is the
-torch form it is tested against (and what runs where neither a GPU nor Triton's interpreter
-is): each row's float32 scores over its keys with the head's sink logit appended as one more
-column, one softmax, the sink's column dropped — the reference's formula term for term — in
-blocks of query rows so the temporaries stay bounded (``ATTEND_BYTES``) however long the
-prefix is.
+softmax's denominator, float16 products with float32 sums, or float32-accurate ones for a
+float32 K/V). ``attend_reference`` is the torch form it is tested against (and what runs
+where neither a GPU nor Triton's interpreter is): each row's float32 scores over its keys with
+the head's sink logit appended as one more column, one softmax, the sink's column dropped —
+the reference's formula term for term — in blocks of query rows so the temporaries stay
+bounded (``ATTEND_BYTES``) however long the prefix is.
 """
 
 from __future__ import annotations

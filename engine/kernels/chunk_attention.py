@@ -13,11 +13,12 @@ block table: page ``table[p // page]``, row ``p % page`` (``engine.kv``); when a
 in one page (the page a multiple of BN) the block reads one table entry.
 
 The products run on tensor cores: for a float16 K/V, q (scaled) and the softmax weights are
-rounded to float16, float32 sums; for a float32 K/V, TF32 products. The scores are kept in
-base 2 (q scaled by log2(e) / sqrt(d), ``exp2``). The sink: the running max starts at the
-head's sink logit (so the max is taken over it too and nothing overflows, and no row's max is
-ever -inf), and the end divides by sum + 2^(sink - max): the sink joins the denominator and
-adds no value. Without sinks the max starts at a large finite negative, for the same reason.
+rounded to float16, float32 sums; for a float32 K/V, products as accurate as float32's
+(``F32_PRECISION``). The scores are kept in base 2 (q scaled by log2(e) / sqrt(d), ``exp2``).
+The sink: the running max starts at the head's sink logit (so the max is taken over it too and
+nothing overflows, and no row's max is ever -inf), and the end divides by sum + 2^(sink - max):
+the sink joins the denominator and adds no value. Without sinks the max starts at a large
+finite negative, for the same reason.
 
 Deterministic: no atomics, each program walks its key blocks in one fixed order, and a row's
 result depends only on the chunk's shape (T, start), never on padding beyond T.
@@ -39,6 +40,10 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)  # K/V types whose products take
 # interpreter runs a program at a time in Python: fewer, wider programs there.
 BLOCK_M, BLOCK_N = (128, 64) if not INTERPRETED else (128, 128)
 NUM_WARPS, NUM_STAGES = 4, 2
+# A float32 K/V's products: three TF32 products each on the GPU (float32's accuracy on tensor
+# cores; a single TF32 product would round to 10-bit mantissas, as float16 does, and a float32
+# K/V is the precise choice, the one the parity tests make), plain float32 in the interpreter
+F32_PRECISION = "ieee" if INTERPRETED else "tf32x3"
 
 
 @triton.jit
@@ -47,7 +52,7 @@ def _chunk_attn_kernel(
     SQT, SQH, SOT, PS, RS,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, LOWP: tl.constexpr, WIN: tl.constexpr,
-    SINK: tl.constexpr, ONE_PAGE: tl.constexpr,
+    SINK: tl.constexpr, ONE_PAGE: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     # the row blocks with the most keys first (the last rows of a causal chunk)
     tb = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -91,7 +96,7 @@ def _chunk_attn_kernel(
         if LOWP:
             s = tl.dot(qv, tl.trans(k))  # [BM * GP, BN]
         else:
-            s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="tf32")
+            s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision=PREC)
         seen = p[None, :] <= rpos[:, None]
         if WIN:
             seen = seen & (p[None, :] > rpos[:, None] - window)
@@ -103,7 +108,7 @@ def _chunk_attn_kernel(
         if LOWP:
             pv = tl.dot(pr.to(v.dtype), v)
         else:
-            pv = tl.dot(pr, v.to(tl.float32), input_precision="tf32")
+            pv = tl.dot(pr, v.to(tl.float32), input_precision=PREC)
         acc = acc * alpha[:, None] + pv
         m = m_new
     if SINK:  # the sink's share of the denominator (m >= its logit: at most 1)
@@ -170,6 +175,7 @@ def chunk_attention(
         q.stride(0), q.stride(1), H * D, keys.stride(0), keys.stride(1),
         G=G, GP=GP, D=D, PAGE=page, BM=bm, BN=block_n, LOWP=keys.dtype in LOW_PRECISION,
         WIN=window is not None, SINK=sinks is not None, ONE_PAGE=page % block_n == 0,
+        PREC=F32_PRECISION,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return out

@@ -4,10 +4,10 @@ float64 computation of the same formula, in Triton's interpreter off a GPU on ti
 of 64, 3 or 2 query heads per K/V head, pages of 16, a chunk starting mid-page after a prefix of
 several pages, a window of 16), and on the GPU on gpt-oss-20b's shapes.
 
-Tolerance: the products' inputs are rounded to 10-bit mantissas (float16 for a float16 K/V,
-TF32 for a float32 one) with float32 sums, against float32 (``attend_reference``) or float64
-products: 1e-3 of the output's norm (measured 2-3e-4 for a float16 K/V in the interpreter,
-which computes a float32 K/V's products in float32: 3e-7 there).
+Tolerance: for a float16 K/V the products' inputs are rounded to float16 (q and the softmax
+weights; float32 sums), against float32 (``attend_reference``) or float64 products: 1e-3 of
+the output's norm (measured 2-3e-4). A float32 K/V's products are float32-accurate (3xTF32 on
+the GPU, float32 in the interpreter: 3e-7 measured), held to the same bound.
 """
 
 from __future__ import annotations
