@@ -46,7 +46,8 @@ NUM_WARPS, NUM_STAGES = 4, 2
 F32_PRECISION = "ieee" if INTERPRETED else "tf32x3"
 
 
-@triton.jit
+# the chunk's length and start vary from chunk to chunk: one compiled kernel for all of them
+@triton.jit(do_not_specialize=["T", "start"])
 def _chunk_attn_kernel(
     q, kc, vc, bt, out, sinks, T, start, window, qk_scale,
     SQT, SQH, SOT, PS, RS,
