@@ -45,7 +45,7 @@ class Chunk:
         g = torch.Generator().manual_seed(start + T)
         S = start + T
         self.kv = KVCache(2, S + page, HKV, D, kind, device, page=page, keep=1,
-                          chunk_bytes=1 << 20, windowed=(True, False), window=window)  # fmt: skip
+                          chunk_bytes=2 << 20, windowed=(True, False), window=window)  # fmt: skip
         self.kv.begin([])
         self.kv.grow(self.kv.bytes_to_map(self.kv.pages_short(S)))
         self.kv.prepare(S)
