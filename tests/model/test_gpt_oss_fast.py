@@ -6,14 +6,15 @@ prompt in chunks on the prefill path, against the reference path. The GPU's own 
 
 Tolerances: ``test_fast_decode``'s 1e-5 for decode steps (measured 2-3e-6 here), and
 ``test_fast_prefill``'s 1e-2 for prompt logits (float16 products; measured 4e-3 here, where the
-SwiGLU's clamp is hit)."""
+SwiGLU's clamp is hit), but for the few prompt rows whose reference routing is a near-tie
+(``near_ties``: a float16 product may choose the other expert there)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from fastpath import fast_runner, reference_runner, worst
-from gpt_oss_files import GptOssFiles
+from gpt_oss_files import SPEC, GptOssFiles
 
 pytest.importorskip("triton", reason="Triton is not installed")
 
@@ -50,8 +51,39 @@ def test_decode_steps_with_the_cpus_share_agree_with_the_reference_path(mxfp4) -
     assert gpu.provider.stats.cpu_computed > 0  # the CPU took its share, biases and all
 
 
+def near_ties(monkeypatch: pytest.MonkeyPatch, n_layer: int, chunks: list[int],
+               margin: float) -> set[int]:  # fmt: skip
+    """Install a recorder of the reference path's routing; returns the set it fills with the
+    prompt rows whose k-th and (k+1)-th router logits lie within ``margin`` at some layer."""
+    from strata.engine.ops import reference as ops
+    from strata.engine.weights import linear
+
+    real, rows, calls = ops.route, set(), [0]
+
+    def recording(x, router, spec, bias=None):
+        logits = linear(x, router) + (0 if bias is None else bias)  # [T, E]
+        top = torch.topk(logits.float(), spec.n_used + 1, dim=-1).values
+        at = sum(chunks[: calls[0] // n_layer])  # the chunk's first row
+        calls[0] += 1
+        close = (top[:, -2] - top[:, -1]).abs() < margin
+        rows.update(at + int(i) for i in torch.nonzero(close).flatten())
+        return real(x, router, spec, bias)
+
+    monkeypatch.setattr(ops, "route", recording)
+    return rows
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # σ of -big
-def test_prompt_chunks_agree_with_the_reference_path(mxfp4) -> None:
-    want = reference_runner(mxfp4).logits_all(PROMPT, [24, 16])
-    got = fast_runner(mxfp4, prefill=True).logits_all(PROMPT, [24, 16])
-    assert worst(want, got, PROMPT_TOL) < PROMPT_TOL
+def test_prompt_chunks_agree_with_the_reference_path(mxfp4, monkeypatch) -> None:
+    # float16 products move a router logit by ~1e-3: where the reference's k-th and (k+1)-th
+    # experts are closer than that, the chunk may choose the other one, and that row (alone:
+    # the others see it only through attention) is another function of its input. Those rows
+    # are left out, and there must be few.
+    chunks = [24, 16]
+    tied = near_ties(monkeypatch, SPEC.n_layer, chunks, 2e-2)
+    want = reference_runner(mxfp4).logits_all(PROMPT, chunks)
+    monkeypatch.undo()
+    got = fast_runner(mxfp4, prefill=True).logits_all(PROMPT, chunks)
+    assert len(tied) <= len(PROMPT) // 8, f"rows {sorted(tied)} route on near-ties"
+    keep = [i for i in range(len(PROMPT)) if i not in tied]
+    assert worst(want[keep], got[keep], PROMPT_TOL) < PROMPT_TOL
