@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+import torch
 from tiny_models import LlamaCppMissing, llama_cpp_quantize, load_llama_cpp
 
 from strata.engine.synth_gpt_oss import GptOssSpec, write_gpt_oss
@@ -40,3 +42,25 @@ class GptOssFiles:
         except ImportError as e:
             raise LlamaCppMissing(f"{dst.name} needs llama.cpp's quantiser: {e}") from e
         return llama_cpp_quantize(llama_cpp, self.path("F32"), dst, kind)
+
+
+def near_ties(monkeypatch: pytest.MonkeyPatch, n_layer: int, chunks: list[int],
+               margin: float) -> set[int]:  # fmt: skip
+    """Install a recorder of the reference path's routing; returns the set it fills with the
+    prompt rows whose k-th and (k+1)-th router logits lie within ``margin`` at some layer."""
+    from strata.engine.ops import reference as ops
+    from strata.engine.weights import linear
+
+    real, rows, calls = ops.route, set(), [0]
+
+    def recording(x, router, spec, bias=None):
+        logits = linear(x, router) + (0 if bias is None else bias)  # [T, E]
+        top = torch.topk(logits.float(), spec.n_used + 1, dim=-1).values
+        at = sum(chunks[: calls[0] // n_layer])  # the chunk's first row
+        calls[0] += 1
+        close = (top[:, -2] - top[:, -1]).abs() < margin
+        rows.update(at + int(i) for i in torch.nonzero(close).flatten())
+        return real(x, router, spec, bias)
+
+    monkeypatch.setattr(ops, "route", recording)
+    return rows

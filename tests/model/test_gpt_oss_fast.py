@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fastpath import fast_runner, reference_runner, worst
-from gpt_oss_files import SPEC, GptOssFiles
+from gpt_oss_files import SPEC, GptOssFiles, near_ties
 
 pytest.importorskip("triton", reason="Triton is not installed")
 
@@ -49,28 +49,6 @@ def test_decode_steps_with_the_cpus_share_agree_with_the_reference_path(mxfp4) -
     assert worst(torch.stack(ref[1:]), torch.stack(got[1:]), DECODE_TOL) < DECODE_TOL
     gpu.flush_usage()
     assert gpu.provider.stats.cpu_computed > 0  # the CPU took its share, biases and all
-
-
-def near_ties(monkeypatch: pytest.MonkeyPatch, n_layer: int, chunks: list[int],
-               margin: float) -> set[int]:  # fmt: skip
-    """Install a recorder of the reference path's routing; returns the set it fills with the
-    prompt rows whose k-th and (k+1)-th router logits lie within ``margin`` at some layer."""
-    from strata.engine.ops import reference as ops
-    from strata.engine.weights import linear
-
-    real, rows, calls = ops.route, set(), [0]
-
-    def recording(x, router, spec, bias=None):
-        logits = linear(x, router) + (0 if bias is None else bias)  # [T, E]
-        top = torch.topk(logits.float(), spec.n_used + 1, dim=-1).values
-        at = sum(chunks[: calls[0] // n_layer])  # the chunk's first row
-        calls[0] += 1
-        close = (top[:, -2] - top[:, -1]).abs() < margin
-        rows.update(at + int(i) for i in torch.nonzero(close).flatten())
-        return real(x, router, spec, bias)
-
-    monkeypatch.setattr(ops, "route", recording)
-    return rows
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # σ of -big

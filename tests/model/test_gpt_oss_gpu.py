@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from fastpath import forced_logits, worst
-from gpt_oss_files import SPEC, GptOssFiles
+from gpt_oss_files import SPEC, GptOssFiles, near_ties
 
 from strata.engine.generate import Engine
 from strata.engine.gpu.runner import GpuRunner
@@ -96,15 +96,21 @@ def test_decode_steps_and_greedy_tokens_agree_with_the_reference_path(files, cud
 
 
 @pytest.mark.parametrize("kind", ["F32", "MXFP4_MOE"])
-def test_prompt_logits_at_every_position_stay_within_tolerance(files, cuda, kind) -> None:
+def test_prompt_logits_at_every_position_stay_within_tolerance(files, cuda, kind,
+                                                               monkeypatch) -> None:  # fmt: skip
     path = files.path(kind)
     fast, ref = load(path, cuda), load(path, cuda, fast_decode=False)
     try:
         assert fast.sequences.gpu is not None and fast.sequences.gpu.prefill is not None
         chunks = [40, 17, 13]  # later chunks start past the window, mid-page
+        # rows the reference routes on a near-tie are left out (test_gpt_oss_fast says why)
+        tied = near_ties(monkeypatch, SPEC.n_layer, chunks, 2e-2)
         a = ref.sequences.logits_all(PROMPT, chunks)
+        monkeypatch.undo()
         b = fast.sequences.logits_all(PROMPT, chunks)
-        err = worst(a, b, PROMPT_TOL)
+        assert len(tied) <= len(PROMPT) // 8, f"rows {sorted(tied)} route on near-ties"
+        keep = [i for i in range(len(PROMPT)) if i not in tied]
+        err = worst(a[keep], b[keep], PROMPT_TOL)
         print(f"\ngpt-oss {kind}: prompt logits within {err:.2e} of the reference")
         assert err < PROMPT_TOL
         # the chunk graphs (32 tokens, a shorter chunk padded) give the eager chunks' bits
