@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.engine.kernels.attention import LOW_PRECISION
 from strata.engine.kernels.dot import INTERPRETED
 
 LOG2E = 1.4426950408889634
-LOW_PRECISION = (torch.float16, torch.bfloat16)  # K/V types whose products take 16-bit inputs
 # Tile sizes: rows of the tile (query rows x the group's heads) and keys per step. The
 # interpreter runs a program at a time in Python: fewer, wider programs there.
 BLOCK_M, BLOCK_N = (128, 64) if not INTERPRETED else (128, 128)

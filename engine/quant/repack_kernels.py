@@ -50,29 +50,6 @@ IQ4XS_SL: tl.constexpr = tl.constexpr(kquants.IQ4_XS.field("sl").at)
 IQ4XS_QS: tl.constexpr = tl.constexpr(kquants.IQ4_XS.field("qs").at)
 
 
-def _level_words(levels: tuple[int, ...]) -> tuple[int, int]:
-    """The 16 IQ4_NL levels (int8 values) as two int64s of eight bytes each, levels 0-7 and
-    8-15, byte i of a word holding level 8w + i: a compile-time table the kernels index with a
-    shift, so no device tensor of levels is kept anywhere."""
-    assert len(levels) == 16 and all(-128 <= v < 128 for v in levels)
-    words = []
-    for w in range(2):
-        word = sum((v & 0xFF) << (8 * i) for i, v in enumerate(levels[8 * w : 8 * w + 8]))
-        words.append(word - (1 << 64) if word >= 1 << 63 else word)  # as a signed int64
-    return words[0], words[1]
-
-
-IQ4_LO, IQ4_HI = _level_words(legacy.IQ4_NL_LEVELS)
-
-
-@triton.jit
-def iq4_level(q, LO: tl.constexpr, HI: tl.constexpr):
-    """IQ4_NL level number ``q`` (0..15, int) as float32, from the words of ``_level_words``."""
-    word = tl.where(q < 8, LO, HI).to(tl.int64)
-    byte = (word >> ((q % 8) * 8).to(tl.int64)) & 0xFF
-    return ((byte ^ 0x80) - 0x80).to(tl.float32)  # the byte as a signed int8
-
-
 @triton.jit
 def _blocks(n_blocks, BPP: tl.constexpr):
     blk = (tl.program_id(0) * BPP + tl.arange(0, BPP))[:, None].to(tl.int64)
@@ -198,9 +175,7 @@ def _repack_q4_0(src, dst, n_blocks, o_d, BPP: tl.constexpr):
 
 
 @triton.jit
-def _repack_iq4_xs(
-    src, dst, n_blocks, o_sc, o_d, o_lv, BPP: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr
-):
+def _repack_iq4_xs(src, dst, n_blocks, o_sc, o_d, o_lv, BPP: tl.constexpr):
     blk, ok = _blocks(n_blocks, BPP)
     base = src + blk * IQ4XS_TS
     _copy(src, dst, blk, ok, IQ4XS_QS, 128, 128, IQ4XS_TS)
@@ -213,7 +188,7 @@ def _repack_iq4_xs(
     tl.store(dst + o_sc + blk * 8 + j, sc.to(tl.uint8), mask=ok)
     if tl.program_id(0) == 0:  # the matrix's one table of levels: 16 float32, little-endian
         b = tl.arange(0, 64)
-        bits = iq4_level(b // 4, LO, HI).to(tl.int32, bitcast=True)
+        bits = unit_kernels.nl_level(b // 4).to(tl.int32, bitcast=True)
         tl.store(dst + o_lv + b, ((bits >> ((b % 4) * 8)) & 0xFF).to(tl.uint8))
 
 
@@ -248,10 +223,9 @@ def repack_into(dst: torch.Tensor, raw: torch.Tensor, lay: RepackedLayout) -> No
     n_blocks = lay.rows * lay.blocks_per_row
     if n_blocks == 0 and not table:
         return
-    levels = {"LO": IQ4_LO, "HI": IQ4_HI} if table else {}  # (compile-time: no device tensor)
     grid = (max(1, triton.cdiv(n_blocks, bpp)),)  # a table is written even for no rows
     with _device(raw):
-        kernel[grid](raw, dst, n_blocks, *lay.offsets[1:], BPP=bpp, **levels)
+        kernel[grid](raw, dst, n_blocks, *lay.offsets[1:], BPP=bpp)
 
 
 def repack(raw: torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:

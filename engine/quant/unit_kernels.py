@@ -95,8 +95,9 @@ assert legacy.MXFP4_LEVELS == (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -
 @triton.jit
 def nl_level(q):
     """IQ4_NL's (and IQ4_XS's) level of index q (int32, 0..15) as float32: a byte of the packed
-    words, picked with selects and shifts. A gather from a table in memory costs a load per
-    element, and the pipeliner stages such loads as float32 tiles in shared memory."""
+    words, picked with selects and shifts (the repack kernel writes IQ4_XS's table with it). A
+    gather from a table in memory costs a load per element, and the pipeliner stages such
+    loads as float32 tiles in shared memory."""
     w = tl.where(q < 8, tl.where(q < 4, NL_W0, NL_W1), tl.where(q < 12, NL_W2, NL_W3))
     b = (w >> (8 * (q & 3))) & 0xFF
     return ((b ^ 0x80) - 0x80).to(tl.float32)
