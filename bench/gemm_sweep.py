@@ -31,7 +31,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -130,7 +129,7 @@ def parse_tiles(text: str) -> tuple[gemm.Tile, ...]:
             v = []
         if len(v) != 5:
             raise BenchError(f"--tiles: invalid tile {item!r} in {text!r} (expected "
-                             "BM,BN,S,WARPS,STAGES: five integers, tiles separated by ';')")  # fmt: skip
+                             "BM,BN,S,WARPS,STAGES, five integers; ';' between tiles)")  # fmt: skip
         bm, bn, s, warps, stages = v
         for name, val, ok, want in (
             ("BM", bm, _pow2(bm) and bm >= 16, "a power of two >= 16"),
@@ -281,6 +280,9 @@ class Pool:
         return dequantize_repacked(self.arena[self.at[e] + off :][: lay.nbytes], lay)
 
 
+Launch = Callable[[], None]
+
+
 class Inputs:
     """The chunk, the same for every type: its activations and its routing (seeded)."""
 
@@ -352,7 +354,7 @@ class TypeBench:
             return 2 * A * 2 * s.f * s.d, self.x.used * (lay.gate.nbytes + lay.up.nbytes)
         return 2 * A * s.d * s.f, self.x.used * lay.down.nbytes
 
-    def launcher(self, form: str, tile: gemm.Tile) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:  # fmt: skip
+    def launcher(self, form: str, tile: gemm.Tile) -> tuple[Launch, Callable[[], torch.Tensor]]:
         """A launch of ``form`` with ``tile`` and how to read its output as the reference's."""
         x, p, s = self.x, self.pool, self.x.s
         dev = x.h.device
@@ -398,7 +400,8 @@ class Timer:
 
     def __init__(self, dev: torch.device, reps: int) -> None:
         self.dev, self.reps = dev, reps
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None  # fmt: skip
+        cuda = dev.type == "cuda"
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev) if cuda else None
 
     def sync(self) -> None:
         if self.dev.type == "cuda":
@@ -604,7 +607,7 @@ def _device(name: str | None) -> torch.device:
         raise BenchError(f"--device: {e}") from None
     if INTERPRETED and dev.type != "cpu":
         raise BenchError(f"--device {name}: TRITON_INTERPRET=1 runs the kernels on the CPU "
-                         "(give --device cpu, or unset TRITON_INTERPRET to time the GPU)")  # fmt: skip
+                         "(give --device cpu, or unset TRITON_INTERPRET for the GPU)")  # fmt: skip
     if not INTERPRETED and dev.type != "cuda":
         raise BenchError(f"--device {name}: the kernels run on the CPU only in Triton's "
                          "interpreter (set TRITON_INTERPRET=1)")  # fmt: skip
@@ -612,12 +615,13 @@ def _device(name: str | None) -> torch.device:
 
 
 def _shape(a: argparse.Namespace) -> Shape:
-    got = dict(zip(("d", "f", "experts", "top_k"), preset_shape(a.preset))) if a.preset else {}
-    for name in ("d", "f", "experts", "top_k"):
+    names = ("d", "f", "experts", "top_k")
+    got = dict(zip(names, preset_shape(a.preset), strict=True)) if a.preset else {}
+    for name in names:
         text = getattr(a, name)
         if text is not None:
             got[name] = parse_int(text, "--" + name.replace("_", "-"), 1)
-    missing = [f"--{n.replace('_', '-')}" for n in ("d", "f", "experts", "top_k") if n not in got]
+    missing = [f"--{n.replace('_', '-')}" for n in names if n not in got]
     if missing:
         raise BenchError(f"give --preset or {', '.join(missing)}")
     for n in ("d", "f"):
@@ -661,8 +665,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", dest="top_k", help="experts chosen per token (k)")
     p.add_argument("--tokens", default="512", help="the chunk's rows (default 512)")
     p.add_argument("--dense-n", dest="dense_n", help="rows of the dense matrix (default d)")
-    p.add_argument("--types", help=f"weight types, comma-separated (default {','.join(DEFAULT_TYPES)}"
-                   ", those the shape can hold)")  # fmt: skip
+    p.add_argument("--types", help="weight types, comma-separated (default "
+                   f"{','.join(DEFAULT_TYPES)}, those the shape can hold)")  # fmt: skip
     p.add_argument("--forms", default=",".join(FORMS), help="of dense, gate_up, down")
     p.add_argument("--tiles", help="BM,BN,S,WARPS,STAGES;... for every form (default: the "
                    "engine's tile and about ten candidates per form)")  # fmt: skip
@@ -670,7 +674,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", default="0")
     p.add_argument("--device", help="cuda, cuda:N; cpu under TRITON_INTERPRET=1")
     p.add_argument("--time-limit", dest="time_limit",
-                   help="start no row after this many seconds; the rest are listed as skipped")  # fmt: skip
+                   help="start no row after this many seconds (the rest: skipped)")  # fmt: skip
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="the results as JSON: to PATH, or alone on stdout without one")  # fmt: skip
     return p
