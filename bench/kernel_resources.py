@@ -66,10 +66,11 @@ log = logging.getLogger(__name__)
 # per-block shared memory of sm_90 (H100/H200: 227 KiB) and of sm_89/sm_86 (99 KiB), the
 # consumer cards Strata is for
 SMEM_LIMIT = {90: 232448, 89: 101376, 86: 101376, 80: 166912}
-# A quantised type's tiles stay under this much, so two blocks share an SM: an sm_90 SM has 228
-# KiB, and each resident block also holds 1 KiB the system reserves, so two of up to 100 KiB fit
-# with room to spare (at 64 KiB, the earlier budget, the engine's 64-row dense tile did not fit
-# once the loads were compiled 16-byte wide and pipelined as the GPU runs them).
+# Every type's tiles stay under this much, so two blocks share an SM: an sm_90 SM has 228 KiB,
+# and each resident block also holds 1 KiB the system reserves, so two of up to 100 KiB fit. (It
+# was 64 KiB while this check compiled without the runtime's alignment, whose byte-wide loads
+# staged little; compiled as the GPU runs them, 16 bytes wide and pipelined, the engine's dense
+# tiles need up to ~90 KiB for the K-quants.)
 QUANT_SMEM_BUDGET = 100 * 1024
 # warp instructions an SM's schedulers issue a second, all SMs together: the H200's 132 SMs x 4
 # schedulers x ~1.98 GHz (one instruction per scheduler per cycle); other targets: no bound
