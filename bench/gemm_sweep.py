@@ -65,7 +65,7 @@ DEFAULT_TYPES = ("Q4_K", "MXFP4")
 # products with float32 sums against float32 products of the reference values)
 TOL = 2e-3
 WEIGHT_STD = 0.02  # the random weights' spread: gate/up outputs near 1 for d in the thousands
-BASE_EXPERTS = 4  # experts made from random values; the others are their rows rotated
+BASE_EXPERTS = 2  # experts made from random values; the others are their rows rotated
 FLUSH_BYTES = 256 * 2**20  # written before each timed launch: more than any L2 holds
 
 # Tiles tried beside the engine's (BM rows, BN columns, S units of 32 along K, warps, stages).
@@ -483,9 +483,9 @@ def order(plan: Plan) -> list[tuple[Q, str, gemm.Tile]]:
             if i < len(plan.tiles[f])]  # fmt: skip
 
 
-def sweep(plan: Plan, emit: Callable[[Row], None], start: float) -> list[Row]:
-    """Every row of ``plan``, each passed to ``emit`` when done; rows not started within the
-    time limit (seconds since ``start``, a ``time.monotonic``) are ``skipped``."""
+def sweep(plan: Plan, say: Callable[[str], None], start: float) -> list[Row]:
+    """Every row of ``plan``, each told to ``say`` as a line when done; rows not started within
+    the time limit (seconds since ``start``, a ``time.monotonic``) are ``skipped``."""
     from strata.engine.devices import on_device
 
     x: Inputs | None = None
@@ -500,11 +500,12 @@ def sweep(plan: Plan, emit: Callable[[Row], None], start: float) -> list[Row]:
                 if x is None:
                     x = Inputs(plan.shape, plan.seed, plan.device)
                 if q not in benches:
+                    t0 = time.perf_counter()
                     benches[q] = TypeBench(q, x, plan.seed, plan.device)
+                    say(f"{q.name}: weights made in {time.perf_counter() - t0:.1f} s")
                 row = run_row(benches[q], form, tile, timer)
+                say(row_line(row))
             rows.append(row)
-            if row.status != "skipped":
-                emit(row)
     return rows
 
 
@@ -688,17 +689,24 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_plan(a)
     except BenchError as e:
         p.error(str(e))
-    quiet = a.json == "-"  # stdout holds the JSON alone: the rows go to stderr
-    out = sys.stderr if quiet else sys.stdout
     s = plan.shape
-    print(f"gemm_sweep: d={s.d} f={s.f} E={s.experts} k={s.top_k} T={s.tokens} dense N={s.dense_n}"
-          f"; {timing_text(plan.device, plan.reps)}", file=out)  # fmt: skip
-    for n in plan.notes:
-        print(n, file=out)
-    print(HEADER, file=out, flush=True)
-    rows = sweep(plan, lambda r: print(row_line(r), file=out, flush=True), start)
+    for line in (
+        f"gemm_sweep: d={s.d} f={s.f} E={s.experts} k={s.top_k} T={s.tokens} dense "
+        f"N={s.dense_n}; {timing_text(plan.device, plan.reps)}",
+        *plan.notes,
+        HEADER,
+    ):
+        print(line, file=sys.stderr)  # (progress: stdout is the table, or the JSON)
+    rows = sweep(plan, lambda line: print(line, file=sys.stderr, flush=True), start)
     best = summary(rows)
     result = report(plan, rows, best, time.monotonic() - start)
+    out = sys.stderr if a.json == "-" else sys.stdout
+    if a.json != "-":  # the rows again, by type and form, the best marked
+        print(HEADER, file=out)
+        for key in dict.fromkeys((r.qtype, r.form) for r in rows):
+            for r in rows:
+                if (r.qtype, r.form) == key and r.status != "skipped":
+                    print(row_line(r), file=out)
     print_summary(result, out)
     if a.json == "-":
         print(json.dumps(result, indent=1))

@@ -178,7 +178,7 @@ def test_the_default_tiles_start_with_the_engines_and_parse_back() -> None:
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.MXFP4], ids=lambda t: t.name)
 def test_the_experts_are_distinct_finite_and_of_the_intended_spread(qtype) -> None:
-    # six experts from four of random values: the last two are rotations, still distinct, so a
+    # six experts from two of random values: the others are rotations, still distinct, so a
     # tile that reads another expert's slot fails the check
     s = gemm_sweep.Shape(d=256, f=256, experts=6, top_k=2, tokens=4, dense_n=256)
     pool = gemm_sweep.Pool(qtype, s, np.random.default_rng(3), DEVICE)
