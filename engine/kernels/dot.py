@@ -37,7 +37,7 @@ import triton.language as tl
 from strata.engine.quant.format import Q8 as Q8_KIND
 from strata.engine.quant.format import UNIT32
 from strata.engine.quant.formats import FORMATS
-from strata.engine.quant.unit_kernels import K_UNITS, nl_level, unit_dot
+from strata.engine.quant.unit_kernels import K_UNITS, MAGIC, TWO23, nl_level, unit_dot
 
 Q = gguf.GGMLQuantizationType
 # GGML type ids the kernels dispatch on (constexpr), from gguf's table.
@@ -79,13 +79,6 @@ def rms_scale(x, K: tl.constexpr, eps, BLOCK: tl.constexpr):
         v = tl.load(x + k0 + k, mask=k0 + k < K, other=0.0)
         acc += v * v
     return tl.rsqrt(tl.sum(acc, 0) / K + eps)
-
-
-# 2^23 as float32 bits: (v | MAGIC), read as a float, is exactly 2^23 + v for 0 <= v < 2^23. An
-# integer-to-float conversion instruction runs at a quarter of the FMA rate; this is an OR and a
-# subtraction, both at full rate, and exact.
-MAGIC: tl.constexpr = tl.constexpr(0x4B000000)
-TWO23: tl.constexpr = tl.constexpr(8388608.0)
 
 
 @triton.jit

@@ -160,7 +160,8 @@ def w_halves(wp, o1, o2, o3, o4, r, rm, u, um, K: tl.constexpr, QT: tl.constexpr
             )
     else:  # the gathered types, through their decoders (quant.unit_kernels)
         S: tl.constexpr = u.shape[0]
-        lo, hi = unit_halves(wp + tl.zeros([S], tl.int32), o1, o2, o3, o4, r, rm, u, um, NK, QT)
+        lo, hi = unit_halves(wp + tl.zeros([S], tl.int32), o1, o2, o3, o4, r, rm, u, um, NK, QT,
+                             HALF=True)  # (rounded to float16 in _mma)
     return lo, hi
 
 
@@ -264,15 +265,24 @@ class Tile:
 
 
 INTERP_TILE = Tile(16, 512, 8, 4, 1)  # few, wide programs: the interpreter pays per op
-GPU_DENSE_TILE = Tile(64, 128, 4, 4, 3)
+# The GPU's tiles, chosen from the compiled code (``python -m strata.bench.kernel_resources``:
+# sm_90, every weight type): a step dequantises [BN, 32 S] weights and the tensor cores' share
+# of it is small, so the rate is set by the instructions of the dequantisation per multiply-add
+# and by what stays in registers. 128 x 128 rows (two warpgroups, wgmma) for the dense products
+# and 64 x 64 (one warpgroup) for an expert's block: no register spills for any type, at most
+# 90 KiB of shared memory (two or more blocks an SM), and 2-4x fewer instructions per
+# multiply-add than the 64 x 128 x 4 / 32 x 128 x 4 tiles before them, which spilled (MXFP4's
+# gate and up: 1.4 KiB a thread). An expert's block costs about the same at 16, 32 or 64 rows
+# (the weights' dequantisation dominates), so 64 rows serve every chunk size.
+GPU_DENSE_TILE = Tile(128, 128, 2, 8, 3)
 DENSE_TILE = INTERP_TILE if INTERPRETED else GPU_DENSE_TILE
 
 
 def _staged(tile: Tile, *qtypes: int) -> Tile:
     """``tile`` as a launch of these weight types runs it: F32 weights in one stage. Their float32
     tiles are four times a quantised type's bytes, and the pipeliner stages them in shared memory
-    (compiled for sm_90: 160 KiB for a dense product at three stages, 260 KiB for gate and up,
-    over the H200's 227 KiB; 32 KiB in one stage)."""
+    (compiled for sm_90, the dense tile in three stages: 112 KiB, one block an SM; in one: 64
+    KiB)."""
     if int(Q.F32) in qtypes and tile.stages > 1:
         return Tile(tile.bm, tile.bn, tile.s, tile.warps, 1)
     return tile
@@ -384,7 +394,7 @@ def group_by_expert(
     return Groups(rows, blocks, counts[:n_expert].to(torch.int32), A, k, bm)
 
 
-GPU_MOE_TILE = Tile(32, 128, 4, 4, 3)
+GPU_MOE_TILE = Tile(64, 64, 2, 4, 3)  # (see GPU_DENSE_TILE)
 MOE_TILE = INTERP_TILE if INTERPRETED else GPU_MOE_TILE
 
 

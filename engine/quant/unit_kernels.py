@@ -115,6 +115,31 @@ def mxfp4_level(q):
     return bits.to(tl.float32, bitcast=True)
 
 
+# 2^23 as float32 bits: (v | MAGIC), read as a float, is exactly 2^23 + v for 0 <= v < 2^23. An
+# integer-to-float conversion instruction runs at a quarter of the FMA rate; this is an OR and a
+# subtraction, both at full rate, and exact.
+MAGIC: tl.constexpr = tl.constexpr(0x4B000000)
+TWO23: tl.constexpr = tl.constexpr(8388608.0)
+
+# MXFP4's doubled level magnitudes (0 1 2 3 4 6 8 12) as the nibbles of one word, nibble x for
+# index x (its three low bits)
+SIGN_BIT: tl.constexpr = tl.constexpr(-(1 << 31))
+MX_MAGS: tl.constexpr = tl.constexpr(
+    sum(v << (4 * x) for x, v in enumerate(legacy.MXFP4_LEVELS[:8])) - (1 << 32)
+)
+
+
+@triton.jit
+def mxfp4_value(shift, sign, d):
+    """An MXFP4 element times its block's scale d (float32), as float32, from its index's three
+    low bits times 4 (``shift``) and its sign in bit 31 of ``sign``: the magnitude is a nibble
+    of MX_MAGS, the sign is set afterwards, so no select. Index 8 gives -0 where the table has
+    +0: the same once in a float16 product (the dequantisation uses ``mxfp4_level``)."""
+    mag = (MX_MAGS >> shift) & 15
+    v = (mag | MAGIC).to(tl.float32, bitcast=True) - TWO23
+    return ((d * v).to(tl.int32, bitcast=True) ^ (sign & SIGN_BIT)).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _e8m0_half(e):
     """2^(e - 128) as float32, exactly (legacy.e8m0_half): int32 e in 0..255."""
@@ -159,10 +184,13 @@ def _iq3_s_half(wp3, o1, o2, o3, blk, j, t, m):
 
 
 @triton.jit
-def unit_halves(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexpr):
+def unit_halves(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexpr,
+                HALF: tl.constexpr = False):
     """Rows r [BN] (int64) x units u [T] of the repacked ``QT`` matrix: the low and high halves
     of each unit as float32 ([BN, T, 16], [BN, T, 16]). wp: [T] uint8 pointers, each unit's
-    matrix (one matrix, or several experts side by side); NK: units in a row."""
+    matrix (one matrix, or several experts side by side); NK: units in a row. HALF: the caller
+    rounds the values to float16, so a type may take a cheaper form whose float16 values are
+    the same (MXFP4: ``mxfp4_value``)."""
     k = tl.arange(0, 16)[None, None, :]
     m3 = rm[:, None, None] & um[None, :, None]
     wp3 = wp[None, :, None]
@@ -230,6 +258,10 @@ def unit_halves(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.const
             d = _f16(wp3 + o1, blk, m3)
             lo = d * nl_level(q_lo)
             hi = d * nl_level(q_hi)
+        elif HALF:  # MXFP4 for a float16 product
+            d = _e8m0_half(_u8(wp3 + o1, blk, m3))
+            lo = mxfp4_value((q << 2) & 28, q << 28, d)  # the low nibble: bits 0-2, sign 3
+            hi = mxfp4_value((q >> 2) & 28, q << 24, d)  # the high: bits 4-6, sign 7
         else:  # MXFP4: half(2^(e - 127)) * level
             d = _e8m0_half(_u8(wp3 + o1, blk, m3))
             lo = d * mxfp4_level(q_lo)

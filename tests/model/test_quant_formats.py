@@ -20,15 +20,19 @@ import pytest
 import torch
 from quantdata import assert_bit_identical, gguf_reference, random_bytes
 
-from strata.engine.quant import dequantize, repack
+from strata.engine.quant import dequantize, legacy, repack
 from strata.engine.quant.formats import FORMATS, SUPPORTED_TYPES
 from strata.engine.quant.repack import align, repacked_layout
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed")
+import triton
+import triton.language as tl
+
 from strata.engine.kernels import gemm, moe
 from strata.engine.kernels.matvec import Mat, matvec, matvec_reference
+from strata.engine.quant import unit_kernels
 
 Q = gguf.GGMLQuantizationType
 QK_K = gguf.QK_K
@@ -108,6 +112,34 @@ def test_adversarial_blocks_match_gguf_bit_for_bit(qtype: Q, rng: np.random.Gene
     assert torch.equal(
         back.nan_to_num(0.0).view(torch.int32), got.nan_to_num(0.0).view(torch.int32)
     )
+
+
+@triton.jit
+def _mxfp4_f16(byte, e, out):
+    # every (byte, exponent) pair of one program's row: the GEMM's float16 weights of both nibbles
+    i = tl.program_id(0)
+    b = tl.load(byte + tl.arange(0, 256)).to(tl.int32)
+    d = unit_kernels._e8m0_half(tl.load(e + i).to(tl.int32) + tl.zeros([256], tl.int32))
+    lo = unit_kernels.mxfp4_value((b << 2) & 28, b << 28, d)
+    hi = unit_kernels.mxfp4_value((b >> 2) & 28, b << 24, d)
+    tl.store(out + i * 512 + tl.arange(0, 256), lo.to(tl.float16))
+    tl.store(out + i * 512 + 256 + tl.arange(0, 256), hi.to(tl.float16))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_mxfp4_values_of_the_gemm_round_to_the_references_float16() -> None:
+    # the prefill GEMM's MXFP4 form (no select, the sign set last) against the reference's
+    # d * level for every index and every e8m0 exponent, after the rounding to float16 that the
+    # GEMM applies: equal values (index 8's -0 equals the table's +0), infinities included
+    e = torch.arange(256, dtype=torch.uint8)
+    b = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(256, 512, dtype=torch.float16, device=DEVICE)
+    _mxfp4_f16[(256,)](b.to(DEVICE), e.to(DEVICE), out)
+    levels = torch.tensor(legacy.MXFP4_LEVELS, dtype=torch.float32)
+    d = legacy.e8m0_half(e)[:, None]
+    want = torch.cat([d * levels[(b & 15).long()], d * levels[(b >> 4).long()]], 1).half()
+    assert not want.isnan().any()
+    assert torch.equal(out.cpu(), want)
 
 
 def mat(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> Mat:
