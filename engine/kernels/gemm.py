@@ -160,8 +160,9 @@ def w_halves(wp, o1, o2, o3, o4, r, rm, u, um, K: tl.constexpr, QT: tl.constexpr
             )
     else:  # the gathered types, through their decoders (quant.unit_kernels)
         S: tl.constexpr = u.shape[0]
-        lo, hi = unit_halves(wp + tl.zeros([S], tl.int32), o1, o2, o3, o4, r, rm, u, um, NK, QT,
-                             HALF=True)  # (rounded to float16 in _mma)
+        lo, hi = unit_halves(
+            wp + tl.zeros([S], tl.int32), o1, o2, o3, o4, r, rm, u, um, NK, QT, HALF=True
+        )  # (rounded to float16 in _mma)
     return lo, hi
 
 

@@ -184,8 +184,9 @@ def _iq3_s_half(wp3, o1, o2, o3, blk, j, t, m):
 
 
 @triton.jit
-def unit_halves(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexpr,
-                HALF: tl.constexpr = False):
+def unit_halves(
+    wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexpr, HALF: tl.constexpr = False
+):
     """Rows r [BN] (int64) x units u [T] of the repacked ``QT`` matrix: the low and high halves
     of each unit as float32 ([BN, T, 16], [BN, T, 16]). wp: [T] uint8 pointers, each unit's
     matrix (one matrix, or several experts side by side); NK: units in a row. HALF: the caller
