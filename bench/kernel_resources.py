@@ -334,7 +334,8 @@ def _names(text: str | None) -> tuple[str, ...] | None:
 
 
 def _cell(v: float | int | str | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+    """``v`` formatted, or a dash as wide (an empty field: no tool, no loop)."""
+    return format("-", spec.split(".")[0]) if v is None else format(v, spec)
 
 
 def _table(rows: list[Usage], arch: int, ops: bool) -> None:
@@ -378,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
     try:
         tile = None if args.tile is None else parse_tile(args.tile)
         rows = all_usage(args.arch, _names(args.forms) or FORMS, _names(args.types), tile,
