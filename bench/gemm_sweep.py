@@ -14,10 +14,11 @@ Each (type, form, tile) is launched once (the compile, reported apart), its outp
 against the torch twin (dequantise, then multiply in float32: a tile off by more than the
 kernel tests' tolerance is ``WRONG`` and never the best), then timed with CUDA events over
 ``--reps`` launches, the L2 flushed before each (a chunk reads each layer's weights once), and
-the median reported: µs, TFLOPS (2 x real rows x N x K, padding not counted) and the GB/s of
-the weight bytes read (each used expert's once). A tile that fails to compile or launch
-(``OutOfResources``) is reported in its row. The best tile of each (type, form) is marked and
-the engine's own tile (``gemm.DENSE_TILE``, ``gemm.MOE_TILE``) compared with it.
+the median reported: µs, TFLOPS (2 x real rows x N x K, padding not counted; gate_up's N is
+2f) and the GB/s of the weight bytes read (each used expert's once). A tile that fails to
+compile or launch (``OutOfResources``) is reported in its row. The best tile of each (type,
+form) is marked and the engine's own tile (``gemm.DENSE_TILE``, ``gemm.MOE_TILE``) compared
+with it.
 ``--time-limit`` stops starting rows after that many seconds; rows run tile by tile across
 types and forms, so a cut sweep has each (type, form)'s first tiles.
 
@@ -68,18 +69,22 @@ WEIGHT_STD = 0.02  # the random weights' spread: gate/up outputs near 1 for d in
 BASE_EXPERTS = 2  # experts made from random values; the others are their rows rotated
 FLUSH_BYTES = 256 * 2**20  # written before each timed launch: more than any L2 holds
 
-# Tiles tried beside the engine's (BM rows, BN columns, S units of 32 along K, warps, stages).
-# Dense products have the whole chunk's rows; an expert's block holds T*k/E rows on average
-# (16 for Qwen3.6 at 512 tokens, 32 for Qwen3-30B, 64 for gpt-oss), so its tiles are shorter.
+# Tiles tried beside the engine's (BM rows, BN columns, S units of 32 along K, warps, stages):
+# 64 x 128 x 4 and 32 x 128 x 4 (the engine's first tiles), 128 x 128 x 2 and 64 x 64 x 2 (from
+# the compiled code's instructions and registers: bench.kernel_resources), their neighbours.
+# Dense products have the whole chunk's rows; an expert's block holds T*k/E rows on average (16
+# for Qwen3.6 at 512 tokens, 32 for Qwen3-30B, 64 for gpt-oss).
 DENSE_CANDIDATES = (
-    gemm.Tile(128, 128, 4, 8, 3), gemm.Tile(128, 64, 4, 4, 3), gemm.Tile(64, 64, 4, 4, 3),
-    gemm.Tile(64, 128, 2, 4, 3), gemm.Tile(64, 128, 4, 8, 3), gemm.Tile(64, 256, 4, 8, 3),
-    gemm.Tile(128, 256, 2, 8, 3), gemm.Tile(32, 128, 4, 4, 3), gemm.Tile(64, 128, 4, 4, 2),
+    gemm.Tile(64, 128, 4, 4, 3), gemm.Tile(128, 128, 2, 8, 3), gemm.Tile(128, 128, 4, 8, 3),
+    gemm.Tile(128, 64, 2, 4, 3), gemm.Tile(64, 64, 2, 4, 3), gemm.Tile(64, 128, 2, 4, 3),
+    gemm.Tile(128, 256, 2, 8, 3), gemm.Tile(256, 128, 2, 8, 3), gemm.Tile(128, 128, 2, 8, 2),
+    gemm.Tile(64, 256, 2, 8, 3),
 )  # fmt: skip
 MOE_CANDIDATES = (
-    gemm.Tile(16, 128, 4, 4, 3), gemm.Tile(16, 64, 4, 4, 3), gemm.Tile(16, 256, 4, 8, 3),
-    gemm.Tile(32, 64, 4, 4, 3), gemm.Tile(32, 256, 4, 8, 3), gemm.Tile(32, 128, 2, 4, 3),
-    gemm.Tile(32, 128, 4, 8, 3), gemm.Tile(32, 128, 4, 4, 2), gemm.Tile(64, 128, 4, 4, 3),
+    gemm.Tile(32, 128, 4, 4, 3), gemm.Tile(64, 64, 2, 4, 3), gemm.Tile(16, 64, 2, 4, 3),
+    gemm.Tile(32, 64, 2, 4, 3), gemm.Tile(64, 128, 2, 4, 3), gemm.Tile(64, 128, 2, 8, 3),
+    gemm.Tile(64, 64, 4, 4, 3), gemm.Tile(64, 64, 2, 4, 2), gemm.Tile(32, 128, 2, 4, 3),
+    gemm.Tile(16, 128, 2, 4, 3),
 )  # fmt: skip
 
 
