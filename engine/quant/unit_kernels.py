@@ -124,20 +124,33 @@ TWO23: tl.constexpr = tl.constexpr(8388608.0)
 # MXFP4's doubled level magnitudes (0 1 2 3 4 6 8 12) as the nibbles of one word, nibble x for
 # index x (its three low bits)
 SIGN_BIT: tl.constexpr = tl.constexpr(-(1 << 31))
+# e8m0 exponents above this scale every non-zero MXFP4 value past 2^72, an infinity in float16
+E8M0_HI: tl.constexpr = tl.constexpr(200)
 MX_MAGS: tl.constexpr = tl.constexpr(
     sum(v << (4 * x) for x, v in enumerate(legacy.MXFP4_LEVELS[:8])) - (1 << 32)
 )
 
 
 @triton.jit
-def mxfp4_value(shift, sign, d):
+def mxfp4_value(shift, sign, d, d_two23):
     """An MXFP4 element times its block's scale d (float32), as float32, from its index's three
-    low bits times 4 (``shift``) and its sign in bit 31 of ``sign``: the magnitude is a nibble
-    of MX_MAGS, the sign is set afterwards, so no select. Index 8 gives -0 where the table has
-    +0: the same once in a float16 product (the dequantisation uses ``mxfp4_level``)."""
+    low bits times 4 (``shift``) and its sign in bit 31 of ``sign``; d_two23 = -2^23 d. The
+    magnitude is a nibble of MX_MAGS, read as the float 2^23 + m (an OR), and one fused
+    multiply-add gives (2^23 + m) d - 2^23 d = m d, exactly (a power of two apart, no rounding
+    while d <= 2^72: ``mxfp4_scales``); the sign is set last, so no select. Index 8 gives -0
+    where the table has +0: the same once in a float16 product (the dequantisation uses
+    ``mxfp4_level``)."""
     mag = (MX_MAGS >> shift) & 15
-    v = (mag | MAGIC).to(tl.float32, bitcast=True) - TWO23
-    return ((d * v).to(tl.int32, bitcast=True) ^ (sign & SIGN_BIT)).to(tl.float32, bitcast=True)
+    v = tl.fma((mag | MAGIC).to(tl.float32, bitcast=True), d, d_two23)
+    return (v.to(tl.int32, bitcast=True) ^ (sign & SIGN_BIT)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_scales(e):
+    """``mxfp4_value``'s scales of e8m0 exponents e: 2^(e - 128) and -2^(e - 105), e capped at
+    E8M0_HI (where every non-zero value is already far past float16's range)."""
+    d = _e8m0_half(tl.minimum(e, E8M0_HI))
+    return d, d * -TWO23
 
 
 @triton.jit
@@ -260,9 +273,9 @@ def unit_halves(
             lo = d * nl_level(q_lo)
             hi = d * nl_level(q_hi)
         elif HALF:  # MXFP4 for a float16 product
-            d = _e8m0_half(_u8(wp3 + o1, blk, m3))
-            lo = mxfp4_value((q << 2) & 28, q << 28, d)  # the low nibble: bits 0-2, sign 3
-            hi = mxfp4_value((q >> 2) & 28, q << 24, d)  # the high: bits 4-6, sign 7
+            d, d2 = mxfp4_scales(_u8(wp3 + o1, blk, m3))
+            lo = mxfp4_value((q << 2) & 28, q << 28, d, d2)  # the low nibble: bits 0-2, sign 3
+            hi = mxfp4_value((q >> 2) & 28, q << 24, d, d2)  # the high: bits 4-6, sign 7
         else:  # MXFP4: half(2^(e - 127)) * level
             d = _e8m0_half(_u8(wp3 + o1, blk, m3))
             lo = d * mxfp4_level(q_lo)

@@ -119,9 +119,9 @@ def _mxfp4_f16(byte, e, out):
     # every (byte, exponent) pair of one program's row: the GEMM's float16 weights of both nibbles
     i = tl.program_id(0)
     b = tl.load(byte + tl.arange(0, 256)).to(tl.int32)
-    d = unit_kernels._e8m0_half(tl.load(e + i).to(tl.int32) + tl.zeros([256], tl.int32))
-    lo = unit_kernels.mxfp4_value((b << 2) & 28, b << 28, d)
-    hi = unit_kernels.mxfp4_value((b >> 2) & 28, b << 24, d)
+    d, d2 = unit_kernels.mxfp4_scales(tl.load(e + i).to(tl.int32) + tl.zeros([256], tl.int32))
+    lo = unit_kernels.mxfp4_value((b << 2) & 28, b << 28, d, d2)
+    hi = unit_kernels.mxfp4_value((b >> 2) & 28, b << 24, d, d2)
     tl.store(out + i * 512 + tl.arange(0, 256), lo.to(tl.float16))
     tl.store(out + i * 512 + 256 + tl.arange(0, 256), hi.to(tl.float16))
 
