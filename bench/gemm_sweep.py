@@ -494,7 +494,7 @@ def sweep(plan: Plan, say: Callable[[str], None], start: float) -> list[Row]:
     from strata.engine.devices import on_device
 
     x: Inputs | None = None
-    benches: dict[Q, TypeBench] = {}
+    benches: dict[Q, TypeBench | str] = {}  # a type's matrices, or why they could not be made
     rows: list[Row] = []
     timer = Timer(plan.device, plan.reps)
     with on_device(plan.device):
@@ -506,9 +506,17 @@ def sweep(plan: Plan, say: Callable[[str], None], start: float) -> list[Row]:
                     x = Inputs(plan.shape, plan.seed, plan.device)
                 if q not in benches:
                     t0 = time.perf_counter()
-                    benches[q] = TypeBench(q, x, plan.seed, plan.device)
-                    say(f"{q.name}: weights made in {time.perf_counter() - t0:.1f} s")
-                row = run_row(benches[q], form, tile, timer)
+                    try:
+                        benches[q] = TypeBench(q, x, plan.seed, plan.device)
+                        say(f"{q.name}: weights made in {time.perf_counter() - t0:.1f} s")
+                    except Exception as e:  # (its rows say why; the other types go on)
+                        benches[q] = f"its weights could not be made: {_why(e)}"
+                b = benches[q]
+                if isinstance(b, str):
+                    row = Row(q.name, form, tile_text(tile), tile == engine_tile(form), "failed",
+                              error=b)  # fmt: skip
+                else:
+                    row = run_row(b, form, tile, timer)
                 say(row_line(row))
             rows.append(row)
     return rows

@@ -99,6 +99,25 @@ def test_a_wrong_tile_is_flagged_and_never_best_and_a_failed_one_reported(
 
 
 @quiet
+def test_a_type_whose_weights_cannot_be_made_fails_its_rows_alone(monkeypatch, capsys) -> None:
+    real = gemm_sweep.TypeBench
+
+    def bench(qtype, *args):
+        if qtype == Q.Q4_0:
+            raise RuntimeError("no room")
+        return real(qtype, *args)
+
+    monkeypatch.setattr(gemm_sweep, "TypeBench", bench)
+    argv = [*TINY, "--types", "Q4_0,Q8_0", "--forms", "dense,down", "--tiles", TILE, "--json"]
+    assert gemm_sweep.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["qtype"], r["status"]) for r in rows] == [
+        ("Q4_0", "failed"), ("Q4_0", "failed"), ("Q8_0", "ok"), ("Q8_0", "ok")
+    ]  # fmt: skip
+    assert rows[0]["error"] == "its weights could not be made: RuntimeError: no room"
+
+
+@quiet
 def test_the_time_limit_skips_the_rows_not_started(monkeypatch, capsys) -> None:
     clock = iter(range(0, 10**6, 100))  # each reading 100 s after the last
     fake = SimpleNamespace(monotonic=lambda: float(next(clock)), perf_counter=time.perf_counter)
