@@ -146,6 +146,17 @@ def mxfp4_value(shift, sign, d, d_two23):
 
 
 @triton.jit
+def mxfp4_signed(q):
+    """MXFP4's doubled level of index q (int32, 0..15) as float32 for a dot product: the
+    magnitude a nibble of MX_MAGS (a shift, then 2^23 + m read as a float, less 2^23), the
+    sign bit 3 of q set last. No select; index 8 gives -0 where the table has +0, which adds
+    nothing to a sum either way (the dequantisation uses ``mxfp4_level``)."""
+    mag = (MX_MAGS >> ((q & 7) << 2)) & 15
+    v = (mag | MAGIC).to(tl.float32, bitcast=True) - TWO23
+    return (v.to(tl.int32, bitcast=True) ^ ((q & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def mxfp4_scales(e):
     """``mxfp4_value``'s scales of e8m0 exponents e: 2^(e - 128) and -2^(e - 105), e capped at
     E8M0_HI (where every non-zero value is already far past float16's range)."""
@@ -375,9 +386,9 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
             dot = tl.sum(nl_level(q_lo) * xl[None, :, :], 2)
             dot += tl.sum(nl_level(q_hi) * xh[None, :, :], 2)
             out = _f16(wp2 + o1, blk2, m2) * dot
-        elif QT == MXFP4:
-            dot = tl.sum(mxfp4_level(q_lo) * xl[None, :, :], 2)
-            dot += tl.sum(mxfp4_level(q_hi) * xh[None, :, :], 2)
+        elif QT == MXFP4:  # the scale times the levels' dot product
+            dot = tl.sum(mxfp4_signed(q_lo) * xl[None, :, :], 2)
+            dot += tl.sum(mxfp4_signed(q_hi) * xh[None, :, :], 2)
             out = _e8m0_half(_u8(wp2 + o1, blk2, m2)) * dot
         else:
             dot = _fsum(q_lo, xl) + _fsum(q_hi, xh)
