@@ -37,7 +37,7 @@ import triton.language as tl
 from strata.engine.quant.format import Q8 as Q8_KIND
 from strata.engine.quant.format import UNIT32
 from strata.engine.quant.formats import FORMATS
-from strata.engine.quant.unit_kernels import K_UNITS, MAGIC, TWO23, nl_level, unit_dot
+from strata.engine.quant.unit_kernels import K_UNITS, nl_level, u_float, unit_dot
 
 Q = gguf.GGMLQuantizationType
 # GGML type ids the kernels dispatch on (constexpr), from gguf's table.
@@ -82,12 +82,6 @@ def rms_scale(x, K: tl.constexpr, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _to_f32(v, bias: tl.constexpr):
-    """int32 v in [0, 2^23) -> float32(v - bias), exactly."""
-    return (v | MAGIC).to(tl.float32, bitcast=True) - (TWO23 + bias)
-
-
-@triton.jit
 def _f16_plane(w, off):
     return (w + off).to(tl.pointer_type(tl.float16))
 
@@ -128,8 +122,8 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     db = (r * nb)[:, None] + (u // K_UNITS)[None, :]  # [BN, T]: each unit's 256-block
     if QT == Q4_K:
         q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
-        dl = tl.sum(_to_f32(q & 15, 0.0) * xl[None, :, :], 2)  # [BN, T]
-        dh = tl.sum(_to_f32(q >> 4, 0.0) * xh[None, :, :], 2)
+        dl = tl.sum(u_float(q & 15, 0.0) * xl[None, :, :], 2)  # [BN, T]
+        dh = tl.sum(u_float(q >> 4, 0.0) * xh[None, :, :], 2)
         s_at = _unit_at(r, u, NK)
         sc = tl.load(wp[None, :] + o1 + s_at, mask=m2, other=0).to(tl.float32)
         mn = tl.load(wp[None, :] + o2 + s_at, mask=m2, other=0).to(tl.float32)
@@ -145,8 +139,8 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         h = hw[:, :, None] >> k[None, None, :]  # bit 0: element k's fifth bit; 16: 16 + k's
         lo = (q & 15) | ((h << 4) & 16)
         hi = (q >> 4) | ((h >> 12) & 16)
-        dl = tl.sum(_to_f32(lo, 0.0) * xl[None, :, :], 2)
-        dh = tl.sum(_to_f32(hi, 0.0) * xh[None, :, :], 2)
+        dl = tl.sum(u_float(lo, 0.0) * xl[None, :, :], 2)
+        dh = tl.sum(u_float(hi, 0.0) * xh[None, :, :], 2)
         sc = tl.load(wp[None, :] + o2 + s_at, mask=m2, other=0).to(tl.float32)
         mn = tl.load(wp[None, :] + o3 + s_at, mask=m2, other=0).to(tl.float32)
         ddp = _f16_plane(wp[None, :], o4) + 2 * db  # d, then dmin
@@ -163,8 +157,8 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         out = (d * sc.to(tl.float32)) * (dl + dh)
     elif QT == Q4_0:
         q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
-        dl = tl.sum(_to_f32(q & 15, 0.0) * xl[None, :, :], 2)
-        dh = tl.sum(_to_f32(q >> 4, 0.0) * xh[None, :, :], 2)
+        dl = tl.sum(u_float(q & 15, 0.0) * xl[None, :, :], 2)
+        dh = tl.sum(u_float(q >> 4, 0.0) * xh[None, :, :], 2)
         s_at = _unit_at(r, u, NK)
         d = tl.load(_f16_plane(wp[None, :], o1) + s_at, mask=m2, other=0).to(tl.float32)
         # sum of d (q - 8) x over the block = d (q . x - 8 sum(x))
@@ -176,8 +170,8 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         sh = (4 * (u % 2))[None, :, None]
         lo = (ql & 15) | (((qh >> sh) & 3) << 4)
         hi = (ql >> 4) | (((qh >> (sh + 2)) & 3) << 4)
-        dl = tl.sum(_to_f32(lo, 32.0) * xl[None, :, :], 2)
-        dh = tl.sum(_to_f32(hi, 32.0) * xh[None, :, :], 2)
+        dl = tl.sum(u_float(lo, 32.0) * xl[None, :, :], 2)
+        dh = tl.sum(u_float(hi, 32.0) * xh[None, :, :], 2)
         s6 = (r * (NK * 2))[:, None] + (16 * (u // 8) + u % 8)[None, :]
         s_lo = tl.load(wp[None, :] + o2 + s6, mask=m2, other=0).to(tl.int8, bitcast=True)
         s_hi = tl.load(wp[None, :] + o2 + s6 + 8, mask=m2, other=0).to(tl.int8, bitcast=True)
@@ -198,7 +192,7 @@ def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, HAS_NORM:
         mask=m3,
         other=0,
     )
-    f = _to_f32(q.to(tl.int8, bitcast=True).to(tl.int32) + 128, 128.0)
+    f = u_float(q.to(tl.int8, bitcast=True).to(tl.int32) + 128, 128.0)
     xv = xin(x, nw, rms, xo[:, None] + k[None, :], um[:, None], HAS_NORM)
     db = (r * (K // 32))[:, None] + (u // 2)[None, :]
     d = tl.load(_f16_plane(wp[None, :], o_d) + db, mask=rmask[:, None] & um[None, :], other=0)

@@ -44,26 +44,18 @@ from strata.engine.kernels.dot import (
     F32,
     INTERPRETED,
     IQ4_XS,
-    MAGIC,
     Q4_0,
     Q4_K,
     Q5_K,
     Q6_K,
     Q8_0,
-    TWO23,
     plane_offsets,
 )
 from strata.engine.quant.repack import RepackedLayout, dequantize_repacked
-from strata.engine.quant.unit_kernels import K_UNITS, nl_level, unit_halves
+from strata.engine.quant.unit_kernels import K_UNITS, nl_level, u_float, unit_halves
 
 Q = gguf.GGMLQuantizationType
 UNIT = 32  # elements of one unit along K
-
-
-@triton.jit
-def _u4(v, bias: tl.constexpr):
-    """int32 v in [0, 2^23) -> float32(v - bias), exactly (an OR and a subtraction)."""
-    return (v | MAGIC).to(tl.float32, bitcast=True) - (TWO23 + bias)
 
 
 @triton.jit
@@ -91,8 +83,8 @@ def w_halves(wp, o1, o2, o3, o4, r, rm, u, um, K: tl.constexpr, QT: tl.constexpr
         mn = tl.load(wp + o2 + s_at, mask=m2, other=0).to(tl.float32)
         ds = (_f16_at(wp, o3, blk, m2) * sc)[:, :, None]  # the reference's d * sc, dmin * mn
         dm = (_f16_at(wp, o4, blk, m2) * mn)[:, :, None]
-        lo = _u4(q & 15, 0.0) * ds - dm
-        hi = _u4(q >> 4, 0.0) * ds - dm
+        lo = u_float(q & 15, 0.0) * ds - dm
+        hi = u_float(q >> 4, 0.0) * ds - dm
     elif QT == Q5_K:
         q_at = (r * (NK * 16))[:, None, None] + (16 * u)[None, :, None] + k[None, None, :]
         q = tl.load(wp + q_at, mask=m3, other=0).to(tl.int32)
@@ -104,8 +96,8 @@ def w_halves(wp, o1, o2, o3, o4, r, rm, u, um, K: tl.constexpr, QT: tl.constexpr
         mn = tl.load(wp + o3 + s_at, mask=m2, other=0).to(tl.float32)
         ds = (_f16_at(wp, o4, 2 * blk, m2) * sc)[:, :, None]  # dd: d, then dmin, per block
         dm = (_f16_at(wp, o4, 2 * blk + 1, m2) * mn)[:, :, None]
-        lo = _u4((q & 15) | (h_lo << 4), 0.0) * ds - dm
-        hi = _u4((q >> 4) | (h_hi << 4), 0.0) * ds - dm
+        lo = u_float((q & 15) | (h_lo << 4), 0.0) * ds - dm
+        hi = u_float((q >> 4) | (h_hi << 4), 0.0) * ds - dm
     elif QT == IQ4_XS:
         q_at = (r * (NK * 16))[:, None, None] + (16 * u)[None, :, None] + k[None, None, :]
         q = tl.load(wp + q_at, mask=m3, other=0).to(tl.int32)
@@ -117,8 +109,8 @@ def w_halves(wp, o1, o2, o3, o4, r, rm, u, um, K: tl.constexpr, QT: tl.constexpr
         q_at = (r * (NK * 16))[:, None, None] + (16 * u)[None, :, None] + k[None, None, :]
         q = tl.load(wp + q_at, mask=m3, other=0).to(tl.int32)
         d = _f16_at(wp, o1, (r * NK)[:, None] + u[None, :], m2)[:, :, None]
-        lo = d * _u4(q & 15, 8.0)
-        hi = d * _u4(q >> 4, 8.0)
+        lo = d * u_float(q & 15, 8.0)
+        hi = d * u_float(q >> 4, 8.0)
     elif QT == Q6_K:
         q_at = (r * (NK * 16))[:, None, None] + (16 * u)[None, :, None] + k[None, None, :]
         ql = tl.load(wp + q_at, mask=m3, other=0).to(tl.int32)
@@ -131,15 +123,15 @@ def w_halves(wp, o1, o2, o3, o4, r, rm, u, um, K: tl.constexpr, QT: tl.constexpr
         s_lo = tl.load(wp + o2 + s_at, mask=m2, other=0).to(tl.int8, bitcast=True)
         s_hi = tl.load(wp + o2 + s_at + 8, mask=m2, other=0).to(tl.int8, bitcast=True)
         d = _f16_at(wp, o3, blk, m2)
-        lo = (d * s_lo.to(tl.float32))[:, :, None] * _u4(ql_lo, 32.0)
-        hi = (d * s_hi.to(tl.float32))[:, :, None] * _u4(ql_hi, 32.0)
+        lo = (d * s_lo.to(tl.float32))[:, :, None] * u_float(ql_lo, 32.0)
+        hi = (d * s_hi.to(tl.float32))[:, :, None] * u_float(ql_hi, 32.0)
     elif QT == Q8_0:
         q_at = (r * K)[:, None, None] + (32 * u)[None, :, None] + k[None, None, :]
         q_lo = tl.load(wp + q_at, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.int32)
         q_hi = tl.load(wp + q_at + 16, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.int32)
         d = _f16_at(wp, o1, (r * NK)[:, None] + u[None, :], m2)[:, :, None]
-        lo = _u4(q_lo + 128, 128.0) * d
-        hi = _u4(q_hi + 128, 128.0) * d
+        lo = u_float(q_lo + 128, 128.0) * d
+        hi = u_float(q_hi + 128, 128.0) * d
     elif QT == F32 or QT == F16 or QT == BF16:  # plain floats: element 32u + k of row r
         at = (r * K)[:, None, None] + (32 * u)[None, :, None] + k[None, None, :]
         if QT == F32:

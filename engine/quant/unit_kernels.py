@@ -121,6 +121,17 @@ def mxfp4_level(q):
 MAGIC: tl.constexpr = tl.constexpr(0x4B000000)
 TWO23: tl.constexpr = tl.constexpr(8388608.0)
 
+
+@triton.jit
+def u_float(v, bias: tl.constexpr):
+    """int32 v in [0, 2^23) -> float32(v - bias), exactly: an OR (integer pipe) and a
+    subtraction (float pipe). Where the compiler would convert a narrow integer (I2F.S16 and
+    the like, the conversion pipe's eighth of the issue rate) and the kernel is not already
+    bound by its integer operations, this is cheaper; a 32-bit source converts with I2FP, as
+    cheap as this."""
+    return (v | MAGIC).to(tl.float32, bitcast=True) - (TWO23 + bias)
+
+
 # MXFP4's doubled level magnitudes (0 1 2 3 4 6 8 12) as the nibbles of one word, nibble x for
 # index x (its three low bits)
 SIGN_BIT: tl.constexpr = tl.constexpr(-(1 << 31))
@@ -176,7 +187,7 @@ def _q3k_scale(wp3, o, blk, g, m):
     """Q3_K's signed 6-bit scale of group g (kquants.q3_k_scales) as float32."""
     lo = (_u8(wp3 + o, blk * Q3K_SC + g % 8, m) >> (4 * (g // 8))) & 0x0F
     hi = (_u8(wp3 + o, blk * Q3K_SC + 8 + g % 4, m) >> (2 * (g // 4))) & 0x03
-    return ((lo | (hi << 4)) - 32).to(tl.float32)
+    return u_float(lo | (hi << 4), 32.0)
 
 
 @triton.jit
@@ -247,10 +258,9 @@ def unit_halves(
             h_lo = (_u8(wp3 + o1, blk * Q3K_HM + k, m3) >> j) & 1
             h_hi = (_u8(wp3 + o1, blk * Q3K_HM + 16 + k, m3) >> j) & 1
             d = _f16(wp3 + o3, blk, m3)
-            lo = (d * _q3k_scale(wp3, o2, blk, 2 * j, m3)) * (q_lo - 4 * (1 - h_lo)).to(tl.float32)
-            hi = (d * _q3k_scale(wp3, o2, blk, 2 * j + 1, m3)) * (q_hi - 4 * (1 - h_hi)).to(
-                tl.float32
-            )
+            # q + 4 h - 4 = (q | 4 h) - 4, as q < 4
+            lo = (d * _q3k_scale(wp3, o2, blk, 2 * j, m3)) * u_float(q_lo | (h_lo << 2), 4.0)
+            hi = (d * _q3k_scale(wp3, o2, blk, 2 * j + 1, m3)) * u_float(q_hi | (h_hi << 2), 4.0)
     elif QT == IQ3_XXS:
         lo = _iq3_xxs_half(wp3, o1, o2, o3, o4, blk, j, k, m3)
         hi = _iq3_xxs_half(wp3, o1, o2, o3, o4, blk, j, k + 16, m3)
@@ -366,8 +376,9 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
             h_lo = (_u8(wp3 + o1, blk * Q3K_HM + k, m3) >> j) & 1
             h_hi = (_u8(wp3 + o1, blk * Q3K_HM + 16 + k, m3) >> j) & 1
             d = _f16(wp2 + o3, blk2, m2)
-            lo = _fsum(q_lo - 4 * (1 - h_lo), xl)
-            hi = _fsum(q_hi - 4 * (1 - h_hi), xh)
+            # (q | 4 h) - 4, as in unit_halves: no narrow conversion (I2F.S16)
+            lo = tl.sum(u_float(q_lo | (h_lo << 2), 4.0) * xl[None, :, :], 2)
+            hi = tl.sum(u_float(q_hi | (h_hi << 2), 4.0) * xh[None, :, :], 2)
             out = d * (_q3k_scale(wp2, o2, blk2, 2 * j2, m2) * lo)
             out += d * (_q3k_scale(wp2, o2, blk2, 2 * j2 + 1, m2) * hi)
     elif QT == IQ3_XXS or QT == IQ3_S:
