@@ -25,7 +25,7 @@ from strata.engine.kernels.dot import (
     dot_rows,
     plane_offsets,
     rms_scale,
-    units_per_step,
+    steps,
     warps_for,
     xin,
 )
@@ -67,10 +67,11 @@ def _seg(
     HAS_NORM: tl.constexpr,
     BN: tl.constexpr,
     T: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
     rows = pid * BN + tl.arange(0, BN)
     ok = rows < n
-    acc = dot_rows(w, o1, o2, o3, o4, rows, ok, K, x, nw, rms, QT, HAS_NORM, BN, T)
+    acc = dot_rows(w, o1, o2, o3, o4, rows, ok, K, x, nw, rms, QT, HAS_NORM, BN, T, TAIL)
     return acc, base + rows, ok
 
 
@@ -83,6 +84,7 @@ def _matvec_kernel(
     ticket, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E,
     Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,  # the three matrices' types
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,  # and their units per step
+    V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr,  # and of a last, narrower one
     NSEG: tl.constexpr, HAS_NORM: tl.constexpr, ADD_RES: tl.constexpr, STORE_H: tl.constexpr,
     BN: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROUTE: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
@@ -93,20 +95,36 @@ def _matvec_kernel(
     nb0 = tl.cdiv(n0, BN)
     nb1 = tl.cdiv(n1, BN)
     if NSEG == 1:
-        acc, out, ok = _seg(pid, w0, a1, a2, a3, a4, n0, 0, K, x, nw, 1.0, Q0, HAS_NORM, BN, U0)
+        acc, out, ok = _seg(pid, w0, a1, a2, a3, a4, n0, 0, K, x, nw, 1.0, Q0, HAS_NORM, BN, U0, V0)
     elif pid < nb0:
-        acc, out, ok = _seg(pid, w0, a1, a2, a3, a4, n0, 0, K, x, nw, 1.0, Q0, HAS_NORM, BN, U0)
+        acc, out, ok = _seg(pid, w0, a1, a2, a3, a4, n0, 0, K, x, nw, 1.0, Q0, HAS_NORM, BN, U0, V0)
     elif NSEG == 2:
         acc, out, ok = _seg(
-            pid - nb0, w1, b1, b2, b3, b4, n1, n0, K, x, nw, 1.0, Q1, HAS_NORM, BN, U1
+            pid - nb0, w1, b1, b2, b3, b4, n1, n0, K, x, nw, 1.0, Q1, HAS_NORM, BN, U1, V1
         )
     elif pid < nb0 + nb1:
         acc, out, ok = _seg(
-            pid - nb0, w1, b1, b2, b3, b4, n1, n0, K, x, nw, 1.0, Q1, HAS_NORM, BN, U1
+            pid - nb0, w1, b1, b2, b3, b4, n1, n0, K, x, nw, 1.0, Q1, HAS_NORM, BN, U1, V1
         )
     else:
         acc, out, ok = _seg(
-            pid - nb0 - nb1, w2, c1, c2, c3, c4, n2, n0 + n1, K, x, nw, 1.0, Q2, HAS_NORM, BN, U2
+            pid - nb0 - nb1,
+            w2,
+            c1,
+            c2,
+            c3,
+            c4,
+            n2,
+            n0 + n1,
+            K,
+            x,
+            nw,
+            1.0,
+            Q2,
+            HAS_NORM,
+            BN,
+            U2,
+            V2,
         )
     if HAS_NORM:
         rms = rms_scale(x, K, eps, 1024)
@@ -198,11 +216,13 @@ def matvec(
         args += [m.data, *plane_offsets(m.lay.offsets), m.rows]
     args += rargs
     types = [int(m.lay.qtype) for m in segs]
-    units = [units_per_step(t, K) for t in types]
+    st = [steps(t, K) for t in types]
+    units = [u for u, _ in st]
     grid = (sum(triton.cdiv(m.rows, bn) for m in mats),)
     _matvec_kernel[grid](
         *args,
         Q0=types[0], Q1=types[1], Q2=types[2], U0=units[0], U1=units[1], U2=units[2],
+        V0=st[0][1], V1=st[1][1], V2=st[2][1],
         NSEG=len(mats), HAS_NORM=norm is not None, ADD_RES=residual,
         STORE_H=h_out is not None, BN=bn, HAS_BIAS=bias is not None, ROUTE=route is not None,
         num_warps=num_warps or max(warps_for(u) for u in units[: len(mats)]), **rconsts,

@@ -43,7 +43,7 @@ from strata.engine.kernels.dot import (
     k_tile,
     plane_offsets,
     q8_tile,
-    units_per_step,
+    steps,
     warps_for,
 )
 from strata.engine.quant.repack import RepackedLayout
@@ -161,16 +161,19 @@ def _gate_up_kernel(
     g1, g2, g3, g4, up_off, u1, u2, u3, u4, ids, bg, bu,
     TG: tl.constexpr, TU: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
     BIAS: tl.constexpr, OAI: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    TAIL: tl.constexpr = 0,
 ):  # fmt: skip
     k = tl.program_id(0)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = rows < F
     w = _expert(eoffs, base, k)
     if TG == TU:  # one pass over the input for both
-        g, u = dot_rows2(w, g1, g2, g3, g4, w + up_off, u1, u2, u3, u4, rows, ok, D, h, TG, BN, T)
+        g, u = dot_rows2(
+            w, g1, g2, g3, g4, w + up_off, u1, u2, u3, u4, rows, ok, D, h, TG, BN, T, TAIL
+        )
     else:
-        g = dot_rows(w, g1, g2, g3, g4, rows, ok, D, h, h, 1.0, TG, False, BN, T)
-        u = dot_rows(w + up_off, u1, u2, u3, u4, rows, ok, D, h, h, 1.0, TU, False, BN, T)
+        g = dot_rows(w, g1, g2, g3, g4, rows, ok, D, h, h, 1.0, TG, False, BN, T, TAIL)
+        u = dot_rows(w + up_off, u1, u2, u3, u4, rows, ok, D, h, h, 1.0, TU, False, BN, T, TAIL)
     if BIAS:  # the chosen expert's gate and up biases ([E, F], by its id: not in its slot)
         at = tl.load(ids + k).to(tl.int64) * F + rows
         g += tl.load(bg + at, mask=ok, other=0.0)
@@ -179,21 +182,38 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, um, F: tl.constexpr,
+                TD: tl.constexpr):  # fmt: skip
+    """Units u of the chosen experts kk (their slots' down matrices at wp, weights wt) dotted
+    with their act rows, times the weights: [BN, len(u)]."""
+    if TD != Q8_0 and TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
+        xl, xh, sx = k_input(act, act, 1.0, kk * F + 32 * u, um, False)
+        y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, xl, xh, sx)
+    elif TD == Q8_0:
+        y = q8_tile(wp, d1, r, ok, u, um, F, act, act, 1.0, kk * F + 16 * u, False)
+    else:
+        y = float_tile(wp, r, ok, u, um, F, act, act, 1.0, kk * F + 8 * u, TD, False)
+    return y * wt[None, :]
+
+
+@triton.jit
 def _down_kernel(
     act, eoffs, wts, base, x, F: tl.constexpr, D, down_off, d1, d2, d3, d4, ids, bd,
     K: tl.constexpr, TD: tl.constexpr, BN: tl.constexpr, TS: tl.constexpr, EPT: tl.constexpr,
-    BIAS: tl.constexpr, KP: tl.constexpr,
+    BIAS: tl.constexpr, KP: tl.constexpr, TAIL: tl.constexpr = 0,
 ):  # fmt: skip
-    # a step's units: EPT experts side by side, TS units of each; the sum over experts and
-    # units is one reduction at the end, in a fixed order
+    # a step's units: EPT experts side by side, TS units of each (then, with TAIL, the rest of
+    # each expert's row in a step of TAIL units each); the sum over experts and units is one
+    # reduction at the end, in a fixed order
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     ok = rows < D
     r = rows.to(tl.int64)
+    NU: tl.constexpr = F // (
+        16 if TD == Q8_0 else 8 if TD == F32 or TD == F16 or TD == BF16 else 32
+    )
+    FULL: tl.constexpr = NU // TS if TAIL > 0 else (NU + TS - 1) // TS  # steps of TS
     t = tl.arange(0, EPT * TS)
     c = t % TS
-    NK: tl.constexpr = F // 32  # units of each kind in a row
-    N8: tl.constexpr = F // 16
-    NF: tl.constexpr = F // 8
     acc = tl.zeros([BN, EPT * TS], tl.float32)
     for e0 in tl.static_range(0, K, EPT):
         kk = e0 + t // TS  # the chosen expert each unit belongs to
@@ -201,26 +221,24 @@ def _down_kernel(
         off = tl.load(eoffs + kk, mask=em, other=0)
         wp = base + tl.multiple_of(off, 256) + down_off
         wt = tl.load(wts + kk, mask=em, other=0.0)
-        if TD != Q8_0 and TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
-            for c0 in tl.static_range(0, NK, TS):
-                u = c0 + c
-                um = em & (u < NK)
-                xl, xh, sx = k_input(act, act, 1.0, kk * F + 32 * u, um, False)
-                y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, NK, TD, xl, xh, sx)
-                acc += y * wt[None, :]
-        elif TD == Q8_0:
-            for c0 in tl.static_range(0, N8, TS):
-                u = c0 + c
-                um = em & (u < N8)
-                y = q8_tile(wp, d1, r, ok, u, um, F, act, act, 1.0, kk * F + 16 * u, False)
-                acc += y * wt[None, :]
-        else:
-            for c0 in tl.static_range(0, NF, TS):
-                u = c0 + c
-                um = em & (u < NF)
-                y = float_tile(wp, r, ok, u, um, F, act, act, 1.0, kk * F + 8 * u, TD, False)
-                acc += y * wt[None, :]
+        for i in tl.static_range(FULL):
+            u = i * TS + c
+            acc += _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, em & (u < NU), F, TD)
     out = tl.sum(acc, 1)
+    if TAIL > 0:
+        t2 = tl.arange(0, EPT * TAIL)
+        c2 = FULL * TS + t2 % TAIL
+        acc2 = tl.zeros([BN, EPT * TAIL], tl.float32)
+        for e0 in tl.static_range(0, K, EPT):
+            kk = e0 + t2 // TAIL
+            em = kk < K
+            off = tl.load(eoffs + kk, mask=em, other=0)
+            wp = base + tl.multiple_of(off, 256) + down_off
+            wt = tl.load(wts + kk, mask=em, other=0.0)
+            acc2 += _down_units(
+                act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, c2, em & (c2 < NU), F, TD
+            )
+        out += tl.sum(acc2, 1)
     if BIAS:  # + each chosen expert's down bias ([E, D], by its id) times its weight
         kb = tl.arange(0, KP)
         kbm = kb < K
@@ -475,7 +493,7 @@ def gate_up(act: torch.Tensor, h: torch.Tensor, eoffs: torch.Tensor, base: torch
     """act: [k, F] float32 <- SiLU(gate_i h) * (up_i h) for the expert whose slot is at
     base + eoffs[i] (with ``extras``: + its gate and up biases, the clamped SwiGLU)."""
     k, F, D = eoffs.numel(), gate.rows, gate.cols
-    units = units_per_step(int(gate.qtype), D)
+    units, tail = steps(int(gate.qtype), D)
     x = extras
     bias = x is not None and x.gate is not None and x.up is not None
     if bias:
@@ -487,7 +505,7 @@ def gate_up(act: torch.Tensor, h: torch.Tensor, eoffs: torch.Tensor, base: torch
         h, eoffs, base, act, F, D, *plane_offsets(gate.offsets), up_off,
         *plane_offsets(up.offsets), eoffs if x is None else x.ids,
         x.gate if bias else h, x.up if bias else h,  # type: ignore[union-attr]
-        TG=int(gate.qtype), TU=int(up.qtype), BN=bn, T=units, BIAS=bias,
+        TG=int(gate.qtype), TU=int(up.qtype), BN=bn, T=units, TAIL=tail, BIAS=bias,
         OAI=x is not None and x.oai is not None, ALPHA=alpha, LIMIT=limit,
         num_warps=num_warps or warps_for(units),
     )  # fmt: skip
@@ -499,7 +517,7 @@ def down(x: torch.Tensor, act: torch.Tensor, eoffs: torch.Tensor, wts: torch.Ten
     """x: [D] += sum over i of wts[i] * (down_i act[i]), expert i's slot at base + eoffs[i]
     (with ``extras``' down biases: wts[i] * (down_i act[i] + bias[ids[i]]))."""
     k, D, F = eoffs.numel(), lay.rows, lay.cols
-    per = units_per_step(int(lay.qtype), F)  # units of one expert per step
+    per, tail = steps(int(lay.qtype), F)  # units of one expert per step, and the last
     ept = max(1, min(triton.next_power_of_2(k), MAX_UNITS // per))  # experts side by side
     bd = extras.down if extras is not None else None
     if bd is not None and bd.shape[1:] != (D,):
@@ -507,7 +525,7 @@ def down(x: torch.Tensor, act: torch.Tensor, eoffs: torch.Tensor, wts: torch.Ten
     _down_kernel[(triton.cdiv(D, bn),)](
         act, eoffs, wts, base, x, F, D, down_off, *plane_offsets(lay.offsets),
         eoffs if extras is None else extras.ids, x if bd is None else bd,
-        K=k, TD=int(lay.qtype), BN=bn, TS=per, EPT=ept, BIAS=bd is not None,
+        K=k, TD=int(lay.qtype), BN=bn, TS=per, EPT=ept, BIAS=bd is not None, TAIL=tail,
         KP=triton.next_power_of_2(k), num_warps=num_warps or warps_for(per * ept),
     )  # fmt: skip
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from strata.engine.kernels import gemm, moe
+from strata.engine.kernels.dot import steps
 from strata.engine.kernels.matvec import Mat, matvec, matvec_reference
 from strata.engine.quant import unit_kernels
 
@@ -238,6 +239,23 @@ def test_kernels_on_the_30b_models_expert_shapes(qtype, rng) -> None:
     matvec(y, x, [m])
     assert rel_err(y, matvec_reference(x, [m])) < TOL
     run_experts(Experts(16, D, F, (qtype, qtype, qtype), rng), [15, 3, 1, 0, 9, 7, 2, 11], D, F)
+
+
+def test_rows_that_no_step_divides_end_in_a_narrower_step(rng) -> None:
+    # gpt-oss's 2880 columns: 90 units of 32 in a step of 64 and one of 32 (not one of 128 with
+    # 38 idle threads), Q8_0's 180 units of 16 in 128 + 64, F16's 360 of 8 in 256 + 128
+    assert steps(Q.MXFP4, 2880) == (64, 32) and steps(Q.Q8_0, 2880) == (128, 64)
+    assert steps(Q.F16, 2880) == (256, 128) and steps(Q.Q4_K, 2048) == (64, 0)
+    assert steps(Q.Q4_K, 768) == (32, 0)  # under 64 units: one step, one warp, as before
+    K = 2880
+    mats = [mat(t, n, K, rng) for t, n in zip((Q.MXFP4, Q.Q8_0, Q.F16), [5, 3, 2], strict=True)]
+    x = torch.randn(K, device=DEVICE)
+    y = torch.full((10,), float("nan"), device=DEVICE)
+    matvec(y, x, mats)
+    assert rel_err(y, matvec_reference(x, mats)) < TOL
+    # gate/up over 2880 columns, then down over 2880 (the experts' rows short, to stay small)
+    run_experts(Experts(3, K, 32, (Q.MXFP4, Q.MXFP4, Q.Q8_0), rng), [2, 0], K, 32)
+    run_experts(Experts(3, 64, K, (Q.Q8_0, Q.Q8_0, Q.MXFP4), rng), [1, 2], 64, K)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
