@@ -10,10 +10,9 @@ one pass, loading each input tile once.
 
 How it stays near the memory bandwidth. A step's tile is [BN rows, T units, 16 bytes]: the
 threads of a program run along the row (one 32-element unit each, T up to 256, so a whole row of
-the model's matrices in one step; a row T would leave a third of the threads idle in, as
-gpt-oss's 90 units in 128, takes a step of 64 and one of 32: ``steps``), reading 16 contiguous
-bytes each, and every thread holds all
-BN rows of its unit, so each input value it loads serves BN rows. K is a compile-time constant and
+the model's matrices in one step; a row that one step would leave many threads idle in, as
+gpt-oss's 90 units in 128, runs as a step of 64 and one of 32: ``steps``), reading 16
+contiguous bytes each, and every thread holds all BN rows of its unit, so each input value it loads serves BN rows. K is a compile-time constant and
 the steps are unrolled; each thread reduces its own unit in registers and the rows are summed
 across threads once, at the end. The K-quants use the factored form (per sub-block: scale times
 the integer dot minus min times the input's sum), and integers become floats by an OR and an
