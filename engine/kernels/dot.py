@@ -12,11 +12,13 @@ How it stays near the memory bandwidth. A step's tile is [BN rows, T units, 16 b
 threads of a program run along the row (one 32-element unit each, T up to 256, so a whole row of
 the model's matrices in one step; a row that one step would leave many threads idle in, as
 gpt-oss's 90 units in 128, runs as a step of 64 and one of 32: ``steps``), reading 16
-contiguous bytes each, and every thread holds all BN rows of its unit, so each input value it loads serves BN rows. K is a compile-time constant and
-the steps are unrolled; each thread reduces its own unit in registers and the rows are summed
-across threads once, at the end. The K-quants use the factored form (per sub-block: scale times
-the integer dot minus min times the input's sum), and integers become floats by an OR and an
-exact subtraction rather than conversion instructions, which run at a quarter of the rate.
+contiguous bytes each, and every thread holds all BN rows of its unit, so each input value it
+loads serves BN rows. K is a compile-time constant and the steps are unrolled; each thread
+reduces its own unit in registers and the rows are summed across threads once, at the end.
+The K-quants use the factored form (per sub-block: scale times the integer dot minus min times
+the input's sum), and integers become floats by an OR and an exact subtraction
+(``unit_kernels.u_float``) where the compiler would otherwise convert a narrow integer, an
+instruction at an eighth of the issue rate.
 Every type with units of 32 elements (all but Q8_0 and the floats) shares ``k_tile``'s
 structure; IQ4_XS picks its levels out of packed words (``unit_kernels.nl_level``, no load).
 Q4_K, Q5_K, Q6_K, IQ4_XS and Q4_0 have inner loops of their own; the gathered types (Q4_1,
