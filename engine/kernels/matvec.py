@@ -25,8 +25,8 @@ from strata.engine.kernels.dot import (
     dot_rows,
     plane_offsets,
     rms_scale,
+    step_warps,
     steps,
-    warps_for,
     xin,
 )
 from strata.engine.kernels.moe import Routing, _route
@@ -225,7 +225,7 @@ def matvec(
         V0=st[0][1], V1=st[1][1], V2=st[2][1],
         NSEG=len(mats), HAS_NORM=norm is not None, ADD_RES=residual,
         STORE_H=h_out is not None, BN=bn, HAS_BIAS=bias is not None, ROUTE=route is not None,
-        num_warps=num_warps or max(warps_for(u) for u in units[: len(mats)]), **rconsts,
+        num_warps=num_warps or max(step_warps(*t) for t in st[: len(mats)]), **rconsts,
     )  # fmt: skip
 
 

@@ -43,6 +43,7 @@ from strata.engine.kernels.dot import (
     k_tile,
     plane_offsets,
     q8_tile,
+    step_warps,
     steps,
     warps_for,
 )
@@ -507,7 +508,7 @@ def gate_up(act: torch.Tensor, h: torch.Tensor, eoffs: torch.Tensor, base: torch
         x.gate if bias else h, x.up if bias else h,  # type: ignore[union-attr]
         TG=int(gate.qtype), TU=int(up.qtype), BN=bn, T=units, TAIL=tail, BIAS=bias,
         OAI=x is not None and x.oai is not None, ALPHA=alpha, LIMIT=limit,
-        num_warps=num_warps or warps_for(units),
+        num_warps=num_warps or step_warps(units, tail),
     )  # fmt: skip
 
 
