@@ -115,9 +115,8 @@ def mxfp4_level(q):
     return bits.to(tl.float32, bitcast=True)
 
 
-# 2^23 as float32 bits: (v | MAGIC), read as a float, is exactly 2^23 + v for 0 <= v < 2^23. An
-# integer-to-float conversion instruction runs at a quarter of the FMA rate; this is an OR and a
-# subtraction, both at full rate, and exact.
+# 2^23 as float32 bits: (v | MAGIC), read as a float, is exactly 2^23 + v for 0 <= v < 2^23
+# (``u_float``).
 MAGIC: tl.constexpr = tl.constexpr(0x4B000000)
 TWO23: tl.constexpr = tl.constexpr(8388608.0)
 
@@ -132,11 +131,11 @@ def u_float(v, bias: tl.constexpr):
     return (v | MAGIC).to(tl.float32, bitcast=True) - (TWO23 + bias)
 
 
-# MXFP4's doubled level magnitudes (0 1 2 3 4 6 8 12) as the nibbles of one word, nibble x for
-# index x (its three low bits)
 SIGN_BIT: tl.constexpr = tl.constexpr(-(1 << 31))
 # e8m0 exponents above this scale every non-zero MXFP4 value past 2^72, an infinity in float16
 E8M0_HI: tl.constexpr = tl.constexpr(200)
+# MXFP4's doubled level magnitudes (0 1 2 3 4 6 8 12) as the nibbles of one word, nibble x for
+# index x (its three low bits)
 MX_MAGS: tl.constexpr = tl.constexpr(
     sum(v << (4 * x) for x, v in enumerate(legacy.MXFP4_LEVELS[:8])) - (1 << 32)
 )
@@ -158,13 +157,10 @@ def mxfp4_value(shift, sign, d, d_two23):
 
 @triton.jit
 def mxfp4_signed(q):
-    """MXFP4's doubled level of index q (int32, 0..15) as float32 for a dot product: the
-    magnitude a nibble of MX_MAGS (a shift, then 2^23 + m read as a float, less 2^23), the
-    sign bit 3 of q set last. No select; index 8 gives -0 where the table has +0, which adds
+    """MXFP4's doubled level of index q (int32, 0..15) as float32 for a dot product:
+    ``mxfp4_value`` with a scale of 1. Index 8 gives -0 where the table has +0, which adds
     nothing to a sum either way (the dequantisation uses ``mxfp4_level``)."""
-    mag = (MX_MAGS >> ((q & 7) << 2)) & 15
-    v = (mag | MAGIC).to(tl.float32, bitcast=True) - TWO23
-    return (v.to(tl.int32, bitcast=True) ^ ((q & 8) << 28)).to(tl.float32, bitcast=True)
+    return mxfp4_value((q & 7) << 2, q << 28, 1.0, -TWO23)
 
 
 @triton.jit
