@@ -224,6 +224,42 @@ def sampled_lines(rows: Sequence[Row]) -> list[str]:
     return out
 
 
+def link_lines(rows: Sequence[Row]) -> list[str]:
+    """Each budget's prompt reads over PCIe and the speed the link alone would allow (a chunk
+    reads every expert it routes to once: with experts in RAM, the link can bound prompts)."""
+    out = []
+    for r in rows:
+        parts = []
+        for p in r.get("prefill", []):
+            link = p.get("link")
+            if not link or link.get("link_bound_tok_s") is None:
+                continue
+            measured = (p.get("tok_s") or {}).get("median")
+            share = "" if not measured else f", measured {measured / link['link_bound_tok_s']:.0%}"
+            parts.append(
+                f"pp{p['tokens']} {_per_mib(link['pcie_bytes_per_token'])} MiB/token over "
+                f"PCIe, bound {num(link['link_bound_tok_s'])} tok/s{share}"
+            )
+        if parts:
+            out.append(f"{r['budget']}: prompts' link bound: " + "; ".join(parts))
+    return out
+
+
+def state_lines(rows: Sequence[Row]) -> list[str]:
+    """A hybrid's recurrent state beside each budget: one conversation's, and its checkpoints."""
+    out = []
+    for r in rows:
+        m = r.get("memory") or {}
+        if m.get("recurrent_state_bytes") is None:
+            continue
+        out.append(
+            f"{r['budget']}: recurrent state {_per_mib(m['recurrent_state_bytes'])} MiB a "
+            f"conversation (any length), {m['recurrent_checkpoints']} checkpoint(s) held: "
+            f"{_per_mib(m['recurrent_checkpoint_bytes'])} MiB"
+        )
+    return out
+
+
 def grammar_lines(rows: Sequence[Row]) -> list[str]:
     """``--grammar``: each budget's decode under the grammar beside the plain one."""
     out = []
@@ -286,6 +322,8 @@ def text_report(result: Mapping[str, Any]) -> str:
         lines += ["", "Strata: not measured (--only-llama-cpp)"]
     lines += sampled_lines(result["strata"])
     lines += grammar_lines(result["strata"])
+    lines += link_lines(result["strata"])
+    lines += state_lines(result["strata"])
     lines += _skipped_lines(result["strata"])
     lines += resize_lines(result.get("resize"))
     llama = result.get("llama_cpp")

@@ -110,6 +110,25 @@ def roofline(
     }
 
 
+def prompt_link(
+    runs: Sequence[Mapping[str, Any]], pcie_bytes_per_s: float
+) -> dict[str, float] | None:
+    """What a prompt's reads over PCIe allow: a chunk reads each expert it routes to once, and
+    a long chunk routes to nearly every expert, so with experts outside VRAM the link can bound
+    prompt reading however fast the products are. Bytes a token over the link (its misses, less
+    any the CPU computed) and the prompt speed the link alone would allow (None where nothing
+    crossed it); None without runs."""
+    tokens = sum(r["tokens"] for r in runs)
+    if not tokens or pcie_bytes_per_s <= 0:
+        return None
+    link = sum(r["miss_bytes"] - r.get("cpu_bytes", 0) for r in runs)
+    return {
+        "pcie_bytes_per_token": link / tokens,
+        "link_bound_tok_s": tokens * pcie_bytes_per_s / link if link > 0 else None,
+        "pcie_bytes_per_s": pcie_bytes_per_s,
+    }
+
+
 # -- the two engines side by side -----------------------------------------------------------------
 
 

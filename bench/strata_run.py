@@ -335,12 +335,22 @@ class StrataBench:
     def _prefill_row(self, p: int, runs: list[Row] | None, n_ctx: int) -> Row:
         if runs is None:
             return {"tokens": p, "skipped": f"beyond the context of {n_ctx} tokens"}
-        return {
+        row: Row = {
             "tokens": p,
             "runs": runs,
             "tok_s": stats.summary(stats.prefill_rates(runs)),
             "hit_rate": stats.hit_rate(runs),
         }
+        # the experts a chunk reads from RAM cross the link: the bound it sets on prompt speed
+        pcie = self.bandwidth.get("pcie_bytes_per_s")
+        if not self.cuda:
+            row["link"], row["link_reason"] = None, "CPU run: nothing crosses PCIe"
+        elif pcie is None:
+            row["link"] = None
+            row["link_reason"] = self.bandwidth.get("reason", "bandwidths not measured")
+        else:
+            row["link"], row["link_reason"] = stats.prompt_link(runs, pcie), None
+        return row
 
     def _decode_row(self, runs: list[Row]) -> Row:
         out: Row = {
@@ -392,6 +402,7 @@ class StrataBench:
         m["peak_rss_scope"] = "this budget" if self._rss_reset else "the whole process"
         m.update(probes.rss_parts())
         m.update(self._ram_parts())
+        m.update(self._state_parts())
         if not self.cuda:
             m.update(peak_vram_bytes=None, peak_vram_source=None, vram_reason="CPU run: no VRAM")
             return m
@@ -409,6 +420,20 @@ class StrataBench:
             m["nvml_reason"] = self.vram_reason or "NVML stopped answering"
             m["peak_vram_bytes"], m["peak_vram_source"] = m["strata_peak_bytes"], "torch+arena"
         return m
+
+    def _state_parts(self) -> Row:
+        """A hybrid's recurrent state (Gated DeltaNet layers): its bytes for one conversation,
+        fixed whatever its length, and the checkpoints held beside it (copies of it at message
+        starts, for rewinds). Empty for a model without one."""
+        states = self.engine.sequences.states
+        if not states:
+            return {}
+        live = sum(st.state_bytes for st in states)
+        return {
+            "recurrent_state_bytes": live,
+            "recurrent_checkpoint_bytes": sum(st.nbytes for st in states) - live,
+            "recurrent_checkpoints": max(len(st.checkpoints) for st in states),
+        }
 
     def _ram_parts(self) -> Row:
         """Where the experts outside VRAM are: the host tier, and the GGUF's expert runs in the

@@ -145,6 +145,35 @@ def test_budgets_skipped_sizes_and_llama_bench_side_by_side(tmp_path: Path) -> N
     assert result["pairs"] == [] and "VRAM" in result["pairs_reason"]
 
 
+def test_a_hybrids_rows_carry_its_recurrent_state(tmp_path: Path) -> None:
+    """A Gated DeltaNet hybrid: each budget's memory gives one conversation's recurrent state
+    (every DeltaNet layer's convolution inputs and [S, S] matrix per v head: fixed, whatever
+    the length) and the checkpoints beside it, and the report prints it under the table; on a
+    CPU the prompts' link bound is null with the reason."""
+    from gguf import GGMLQuantizationType as Q
+
+    from strata.engine.synth_hybrid import HybridSpec, write_hybrid
+
+    spec = HybridSpec("qwen35moe", n_embd=128, n_ff_exp=64, n_ff_shexp=64)
+    path = write_hybrid(tmp_path / "hybrid.gguf", spec, Q.Q8_0)
+    argv = ("--model", str(path), "--prefill", "32", "--decode-tokens", "4", "--reps", "1")
+    proc = strata_bench(*argv, "--json", tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(proc.stdout)["strata"]
+    n_dn = sum(spec.is_recurrent(i) for i in range(spec.n_layer))
+    conv_dim = 2 * spec.key_dim + spec.value_dim
+    S = spec.ssm_d_state
+    per_layer = 4 * ((spec.ssm_d_conv - 1) * conv_dim + spec.ssm_dt_rank * S * S)
+    m = row["memory"]
+    assert m["recurrent_state_bytes"] == n_dn * per_layer
+    assert m["recurrent_checkpoint_bytes"] == m["recurrent_checkpoints"] * n_dn * per_layer
+    (pp,) = row["prefill"]
+    assert pp["link"] is None and "CPU" in pp["link_reason"]
+    text = strata_bench(*argv, tmp=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert f"{row['budget']}: recurrent state " in text.stdout
+
+
 def test_grammar_row_reports_the_mask_cost(tmp_path: Path) -> None:
     """``--grammar``: each decode run again under the bench grammar; its rate and the mask's
     host time per token, recomputed from the raw runs, and the line under the table."""

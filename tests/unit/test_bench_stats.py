@@ -63,6 +63,46 @@ def test_the_misses_the_cpu_computed_leave_the_links_bound() -> None:
     assert r["link_bound_s_per_token"] == pytest.approx((100 + 100) / 200 + 50 / 25)
 
 
+def test_a_prompts_link_bound_is_its_tokens_over_the_time_its_misses_take() -> None:
+    """A chunk reads each expert it routes to once: the bytes it read from RAM over the link,
+    a token's share of them, and the prompt speed the link alone allows; none crossed, no bound."""
+    runs = [
+        {"tokens": 512, "miss_bytes": 1000 * MiB, "cpu_bytes": 0},
+        {"tokens": 512, "miss_bytes": 1048 * MiB},
+    ]
+    link = stats.prompt_link(runs, pcie_bytes_per_s=50 * 2**30)
+    assert link is not None
+    assert link["pcie_bytes_per_token"] == pytest.approx(2 * MiB)
+    assert link["link_bound_tok_s"] == pytest.approx(1024 / (2048 * MiB / (50 * 2**30)))
+    (cached,) = [{"tokens": 512, "miss_bytes": 0}]
+    held = stats.prompt_link([cached], pcie_bytes_per_s=50 * 2**30)
+    assert held is not None and held["link_bound_tok_s"] is None
+    assert held["pcie_bytes_per_token"] == 0
+    assert stats.prompt_link([], pcie_bytes_per_s=1.0) is None
+
+
+def test_the_report_prints_the_link_bound_and_the_recurrent_state_per_budget() -> None:
+    rows = [
+        {
+            "budget": "none",
+            "prefill": [
+                {"tokens": 512, "tok_s": {"median": 900.0},
+                 "link": {"pcie_bytes_per_token": 2 * MiB, "link_bound_tok_s": 1200.0}},
+                {"tokens": 4096, "skipped": "beyond the context"},
+            ],
+            "memory": {"recurrent_state_bytes": 63 * MiB, "recurrent_checkpoint_bytes": 126 * MiB,
+                       "recurrent_checkpoints": 2},
+        },
+        {"budget": "all", "prefill": [{"tokens": 512, "link": None}], "memory": {}},
+    ]  # fmt: skip
+    (link,) = report.link_lines(rows)
+    assert link.startswith("none: ") and "pp512 2.00 MiB/token" in link
+    assert "bound 1,200 tok/s, measured 75%" in link
+    (state,) = report.state_lines(rows)
+    assert state == ("none: recurrent state 63.0 MiB a conversation (any length), "
+                     "2 checkpoint(s) held: 126 MiB")  # fmt: skip
+
+
 LLAMA_JSON = json.dumps(
     [
         {"build_commit": "abc", "gpu_info": "H200", "n_prompt": 512, "n_gen": 0,
