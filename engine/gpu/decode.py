@@ -135,19 +135,30 @@ class DecodeOps:
         self, y: torch.Tensor, x: torch.Tensor, w: Weight, m: Mat | None,
         norm: torch.Tensor | None = None, residual: bool = False,
         h_out: torch.Tensor | None = None, tune: str = "o", bias: torch.Tensor | None = None,
-        route: moe.Routing | None = None,
+        route: moe.Routing | None = None, gate: torch.Tensor | None = None,
+        up: torch.Tensor | None = None,
+        res_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
+        """y = W x, or y += W x (``residual``), with ``matvec``'s folds (``norm``, ``gate``,
+        ``up``, ``h_out``, ``bias``, ``res_gate``, ``route``) in its one launch."""
         if m is not None:  # (a route runs in the same launch)
             bn, warps = self.tuned[tune]
-            matvec(y, x, [m], norm, self.eps, residual, h_out, bn, warps, bias, route)
+            matvec(y, x, [m], norm, self.eps, residual, h_out, bn, warps, bias, route,
+                   gate, up, res_gate)  # fmt: skip
             return
         # a type without a kernel: dequantise and multiply (torch ops, captured all the same)
         h = rms_norm(x, norm, self.eps) if norm is not None else x
+        if gate is not None:
+            h = h * torch.sigmoid(gate)
+        if up is not None:
+            h = torch.nn.functional.silu(h) * up
         if h_out is not None:
             h_out.copy_(h)
         out = linear(h[None], w)[0]
         if bias is not None:
             out = out + bias
+        if res_gate is not None:
+            out = out * torch.sigmoid(res_gate[0] @ res_gate[1])
         if residual:
             y.add_(out)
         else:

@@ -27,14 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from strata.engine.kernels.delta_net import (
-    chunk_delta_rule,
-    conv_step,
-    gated_add,
-    recurrent_step,
-    sigmoid_mul,
-    swiglu,
-)
+from strata.engine.kernels.delta_net import chunk_delta_rule, conv_step, recurrent_step
 from strata.engine.kernels.matvec import Mat, matvec
 from strata.engine.kernels.rope import rope_store_gated, rope_tables
 from strata.engine.kv import KVCache
@@ -220,7 +213,6 @@ class HybridDecode:
             self.mixed = torch.zeros(dn.conv_dim, **f32)
             self.o = torch.zeros(dn.value_dim, **f32)
         self.sh: dict[int, torch.Tensor] = {}  # the shared expert's buffers by its width
-        self.y = torch.zeros(shape.n_embd, **f32)
 
     def _project(self, ops, x: torch.Tensor, norm: torch.Tensor, ws: list[Weight],
                  out: torch.Tensor, tune: str) -> None:  # fmt: skip
@@ -273,17 +265,19 @@ class HybridDecode:
             kv.page_stride,
         )  # fmt: skip
         ops.attend(b.attn_out, self.q, k_cache, v_cache, kv.block_table, b.pos, kv.page_stride)
-        if spec.gated:
-            sigmoid_mul(b.attn_out, self.gate)
-        ops._dense(x, b.attn_out, w.o, _one(w.o), residual=True)
+        # the output gate, attn_out · σ(gate), on the projection's way in
+        gate = self.gate if spec.gated else None
+        ops._dense(x, b.attn_out, w.o, _one(w.o), residual=True, gate=gate)
         return x
 
     def shared(self, ops, x: torch.Tensor, h: torch.Tensor, w: SharedExpert) -> None:
-        """x += σ(h · gate_inp) · down(SiLU(gate h) · up h); h: the block's normed input."""
+        """x += σ(h · gate_inp) · down(SiLU(gate h) · up h); h: the block's normed input. Two
+        launches: gate and up, then down with the SwiGLU on its way in and the gated residual
+        add on its way out."""
         F_ = w.gate.shape[0]
         if F_ not in self.sh:
-            self.sh[F_] = torch.zeros(3 * F_, dtype=torch.float32, device=x.device)
-        act, mid = self.sh[F_][: 2 * F_], self.sh[F_][2 * F_ :]
+            self.sh[F_] = torch.zeros(2 * F_, dtype=torch.float32, device=x.device)
+        act = self.sh[F_]
         ms = _mats([w.gate, w.up])
         if ms is not None:
             bn, warps = ops.tuned["gate_up"]
@@ -291,9 +285,8 @@ class HybridDecode:
         else:
             ops._dense(act[:F_], h, w.gate, None)
             ops._dense(act[F_:], h, w.up, None)
-        swiglu(act, mid)
-        ops._dense(self.y, mid, w.down, _one(w.down))
-        gated_add(x, self.y, h, w.gate_inp)
+        ops._dense(x, act[:F_], w.down, _one(w.down), residual=True, up=act[F_:],
+                   res_gate=(h, w.gate_inp))  # fmt: skip
 
 
 class HybridChunk:

@@ -3,8 +3,9 @@ one float32 vector, dequantising in registers.
 
 ``dot_rows`` reads BN rows of a matrix in the kernel layout of ``strata.engine.quant.repack``
 (its planes at byte offsets o1..o4 after ``w``, as ``repacked_layout`` gives them) and returns
-their products with the input, [BN] float32. The input is ``x`` itself, or ``x * rms * nw`` (an
-RMSNorm folded in: ``HAS_NORM``), so a kernel need not write the normalised vector first.
+their products with the input, [BN] float32. The input is ``x`` itself, or ``x`` transformed on
+the way in (``XIN``: an RMSNorm, an output gate or a SwiGLU, ``xin``), so a kernel need not
+wait for another launch to write the vector first.
 ``dot_rows2`` does two matrices of one type against the same input (an expert's gate and up) in
 one pass, loading each input tile once.
 
@@ -64,12 +65,28 @@ UNIT32_TYPES = frozenset(q for q, f in FORMATS.items() if f.kernel == UNIT32)
 assert {Q.Q8_0} == {q for q, f in FORMATS.items() if f.kernel == Q8_KIND}
 
 
+# What the kernels' input is (``XIN``, a constexpr; ``nw`` the second vector it reads): x as it
+# is; RMSNorm'd, x * rms * nw; gated, x * σ(nw) (gated attention's output); SwiGLU'd,
+# SiLU(x) * nw (an FFN's activation, x its gate half and nw its up half). False and True are
+# XIN_PLAIN and XIN_NORM. The gate and SwiGLU are written as the element-wise kernels wrote them, so
+# they round alike.
+XIN_PLAIN: tl.constexpr = tl.constexpr(0)
+XIN_NORM: tl.constexpr = tl.constexpr(1)
+XIN_GATE: tl.constexpr = tl.constexpr(2)
+XIN_SWIGLU: tl.constexpr = tl.constexpr(3)
+
+
 @triton.jit
-def xin(x, nw, rms, offs, mask, HAS_NORM: tl.constexpr):
-    """The input at ``offs``: x, or x * rms * nw (the reference's RMSNorm, in its order)."""
+def xin(x, nw, rms, offs, mask, XIN: tl.constexpr):
+    """The input at ``offs``: x, x * rms * nw (the reference's RMSNorm, in its order),
+    x * σ(nw) or SiLU(x) * nw, by ``XIN``."""
     v = tl.load(x + offs, mask=mask, other=0.0)
-    if HAS_NORM:
+    if XIN == XIN_NORM:
         v = v * rms * tl.load(nw + offs, mask=mask, other=0.0)
+    elif XIN == XIN_GATE:
+        v = v / (1.0 + tl.exp(-tl.load(nw + offs, mask=mask, other=0.0)))
+    elif XIN == XIN_SWIGLU:
+        v = v / (1.0 + tl.exp(-v)) * tl.load(nw + offs, mask=mask, other=0.0)
     return v
 
 
@@ -85,18 +102,29 @@ def rms_scale(x, K: tl.constexpr, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def sigmoid_dot(h, v, D, BLOCK: tl.constexpr):
+    """σ(h[:D] · v[:D]), as a scalar (a shared expert's gate); D need not be a constant."""
+    k = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for d0 in range(0, D, BLOCK):
+        m = d0 + k < D
+        acc += tl.load(h + d0 + k, mask=m, other=0.0) * tl.load(v + d0 + k, mask=m, other=0.0)
+    return 1.0 / (1.0 + tl.exp(-tl.sum(acc, 0)))
+
+
+@triton.jit
 def _f16_plane(w, off):
     return (w + off).to(tl.pointer_type(tl.float16))
 
 
 @triton.jit
-def k_input(x, nw, rms, xo, um, HAS_NORM: tl.constexpr):
+def k_input(x, nw, rms, xo, um, XIN: tl.constexpr):
     """The input of a K-quant tile: for each unit (32 elements from offset xo), elements
     xo + k and xo + 16 + k (k < 16), and each unit's sum. ([T, 16], [T, 16], [T])"""
     k = tl.arange(0, 16)
     at = xo[:, None] + k[None, :]
-    xl = xin(x, nw, rms, at, um[:, None], HAS_NORM)
-    xh = xin(x, nw, rms, at + 16, um[:, None], HAS_NORM)
+    xl = xin(x, nw, rms, at, um[:, None], XIN)
+    xh = xin(x, nw, rms, at + 16, um[:, None], XIN)
     return xl, xh, tl.sum(xl + xh, 1)
 
 
@@ -186,7 +214,7 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
 
 
 @triton.jit
-def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, HAS_NORM: tl.constexpr):
+def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.constexpr):
     """Q8_0, units of 16 elements (half a block; the input of unit u from offset xo): [BN, T]."""
     k = tl.arange(0, 16)
     m3 = rmask[:, None, None] & um[None, :, None]
@@ -196,7 +224,7 @@ def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, HAS_NORM:
         other=0,
     )
     f = u_float(q.to(tl.int8, bitcast=True).to(tl.int32) + 128, 128.0)
-    xv = xin(x, nw, rms, xo[:, None] + k[None, :], um[:, None], HAS_NORM)
+    xv = xin(x, nw, rms, xo[:, None] + k[None, :], um[:, None], XIN)
     db = (r * (K // 32))[:, None] + (u // 2)[None, :]
     d = tl.load(_f16_plane(wp[None, :], o_d) + db, mask=rmask[:, None] & um[None, :], other=0)
     return d.to(tl.float32) * tl.sum(f * xv[None, :, :], 2)
@@ -204,7 +232,7 @@ def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, HAS_NORM:
 
 @triton.jit
 def float_tile(wp, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, QT: tl.constexpr,
-             HAS_NORM: tl.constexpr):  # fmt: skip
+             XIN: tl.constexpr):  # fmt: skip
     """Plain floats, units of 8 elements: [BN, T]."""
     k = tl.arange(0, 8)
     m3 = rmask[:, None, None] & um[None, :, None]
@@ -217,29 +245,29 @@ def float_tile(wp, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, QT: tl.cons
     else:  # BF16: the top half of an f32
         v = tl.load(wp[None, :, None].to(tl.pointer_type(tl.uint16)) + at, mask=m3, other=0)
         v = (v.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    xv = xin(x, nw, rms, xo[:, None] + k[None, :], um[:, None], HAS_NORM)
+    xv = xin(x, nw, rms, xo[:, None] + k[None, :], um[:, None], XIN)
     return tl.sum(v * xv[None, :, :], 2)
 
 
 @triton.jit
 def _row_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K: tl.constexpr, x, nw, rms,
-              QT: tl.constexpr, HAS_NORM: tl.constexpr):  # fmt: skip
+              QT: tl.constexpr, XIN: tl.constexpr):  # fmt: skip
     """Rows r x units u of the ``QT`` matrix dotted with the input: [BN, len(u)]."""
     if QT == Q8_0:
-        return q8_tile(wp, o1, r, rmask, u, um, K, x, nw, rms, 16 * u, HAS_NORM)
+        return q8_tile(wp, o1, r, rmask, u, um, K, x, nw, rms, 16 * u, XIN)
     elif QT == F32 or QT == F16 or QT == BF16:
-        return float_tile(wp, r, rmask, u, um, K, x, nw, rms, 8 * u, QT, HAS_NORM)
+        return float_tile(wp, r, rmask, u, um, K, x, nw, rms, 8 * u, QT, XIN)
     else:  # units of 32 elements
-        xl, xh, sx = k_input(x, nw, rms, 32 * u, um, HAS_NORM)
+        xl, xh, sx = k_input(x, nw, rms, 32 * u, um, XIN)
         return k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, xl, xh, sx)
 
 
 @triton.jit
 def dot_rows(w, o1, o2, o3, o4, rows, rmask, K: tl.constexpr, x, nw, rms, QT: tl.constexpr,
-             HAS_NORM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
+             XIN: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
              TAIL: tl.constexpr = 0):  # fmt: skip
     """[BN] float32: rows ``rows`` (masked by ``rmask``) of the repacked ``QT`` matrix at ``w``
-    (uint8 pointer; planes at w + o1..o4) times the input (x, or RMSNorm(x) when HAS_NORM).
+    (uint8 pointer; planes at w + o1..o4) times the input (x as ``XIN`` says: ``xin``).
     Steps of T units (``unit_elements`` each), unrolled; with TAIL (``steps``), the rest of a
     row that T does not divide in one narrower step, else in one more of T, masked."""
     r = rows.to(tl.int64)
@@ -252,14 +280,12 @@ def dot_rows(w, o1, o2, o3, o4, rows, rmask, K: tl.constexpr, x, nw, rms, QT: tl
     acc = tl.zeros([BN, T], tl.float32)
     for i in tl.static_range(FULL):
         u = i * T + t
-        acc += _row_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NU, K, x, nw, rms, QT, HAS_NORM)
+        acc += _row_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NU, K, x, nw, rms, QT, XIN)
     out = tl.sum(acc, 1)
     if TAIL > 0:
         u = FULL * T + tl.arange(0, TAIL)
         wt = w + tl.zeros([TAIL], tl.int32)
-        out += tl.sum(
-            _row_tile(wt, o1, o2, o3, o4, r, rmask, u, u < NU, K, x, nw, rms, QT, HAS_NORM), 1
-        )
+        out += tl.sum(_row_tile(wt, o1, o2, o3, o4, r, rmask, u, u < NU, K, x, nw, rms, QT, XIN), 1)
     return out
 
 
@@ -350,10 +376,15 @@ def plane_offsets(offsets: tuple[int, ...]) -> tuple[int, int, int, int]:
 
 __all__ = [
     "UNIT32_TYPES",
+    "XIN_GATE",
+    "XIN_NORM",
+    "XIN_PLAIN",
+    "XIN_SWIGLU",
     "dot_rows",
     "dot_rows2",
     "plane_offsets",
     "rms_scale",
+    "sigmoid_dot",
     "step_warps",
     "steps",
     "warps_for",

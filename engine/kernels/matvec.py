@@ -3,10 +3,12 @@
 One launch covers up to three matrices that read the same input (attention's q, k and v), each in
 its own type, their outputs side by side in ``y``. Folded in, as flags: the RMSNorm of the input
 (``norm``: every program computes the scale itself, so nothing waits for a separate norm
-kernel), the residual add (``residual``: y += W x, the attention output projection), a copy
-of the normalised input for later kernels (``h_out``: the MoE block reads it), and the MoE
-routing after the router's logits (``route``: the program that finishes last routes, so the
-step has no launch of its own for it).
+kernel), or the input's output gate (``gate``: x · σ(gate), gated attention) or SwiGLU (``up``:
+SiLU(x) · up, a shared expert's activation), the residual add (``residual``: y += W x, the
+attention output projection), scaled by a gate (``res_gate``: y += σ(h · v) W x, a shared
+expert's), a copy of the normalised input for later kernels (``h_out``: the MoE block reads
+it), and the MoE routing after the router's logits (``route``: the program that finishes last
+routes, so the step has no launch of its own for it).
 
 The torch twin, ``matvec_reference``, dequantises and multiplies.
 """
@@ -22,9 +24,14 @@ import triton.language as tl
 
 from strata.engine.kernels.dot import (
     INTERPRETED,
+    XIN_GATE,
+    XIN_NORM,
+    XIN_PLAIN,
+    XIN_SWIGLU,
     dot_rows,
     plane_offsets,
     rms_scale,
+    sigmoid_dot,
     step_warps,
     steps,
     xin,
@@ -64,20 +71,20 @@ def _seg(
     nw,
     rms,
     QT: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    XIN: tl.constexpr,
     BN: tl.constexpr,
     T: tl.constexpr,
     TAIL: tl.constexpr,
 ):
     rows = pid * BN + tl.arange(0, BN)
     ok = rows < n
-    acc = dot_rows(w, o1, o2, o3, o4, rows, ok, K, x, nw, rms, QT, HAS_NORM, BN, T, TAIL)
+    acc = dot_rows(w, o1, o2, o3, o4, rows, ok, K, x, nw, rms, QT, XIN, BN, T, TAIL)
     return acc, base + rows, ok
 
 
 @triton.jit
 def _matvec_kernel(
-    x, nw, eps, y, h_out, bias, K: tl.constexpr,
+    x, nw, eps, y, h_out, bias, gh, gv, GD, K: tl.constexpr,
     w0, a1, a2, a3, a4, n0,
     w1, b1, b2, b3, b4, n1,
     w2, c1, c2, c3, c4, n2,
@@ -85,8 +92,8 @@ def _matvec_kernel(
     Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,  # the three matrices' types
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,  # and their units per step
     V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr,  # and of a last, narrower one
-    NSEG: tl.constexpr, HAS_NORM: tl.constexpr, ADD_RES: tl.constexpr, STORE_H: tl.constexpr,
-    BN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NSEG: tl.constexpr, XIN: tl.constexpr, ADD_RES: tl.constexpr, STORE_H: tl.constexpr,
+    BN: tl.constexpr, HAS_BIAS: tl.constexpr, RES_GATE: tl.constexpr,
     ROUTE: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
     NORM: tl.constexpr, P: tl.constexpr, LATE: tl.constexpr, S: tl.constexpr,
 ):  # fmt: skip
@@ -95,16 +102,16 @@ def _matvec_kernel(
     nb0 = tl.cdiv(n0, BN)
     nb1 = tl.cdiv(n1, BN)
     if NSEG == 1:
-        acc, out, ok = _seg(pid, w0, a1, a2, a3, a4, n0, 0, K, x, nw, 1.0, Q0, HAS_NORM, BN, U0, V0)
+        acc, out, ok = _seg(pid, w0, a1, a2, a3, a4, n0, 0, K, x, nw, 1.0, Q0, XIN, BN, U0, V0)
     elif pid < nb0:
-        acc, out, ok = _seg(pid, w0, a1, a2, a3, a4, n0, 0, K, x, nw, 1.0, Q0, HAS_NORM, BN, U0, V0)
+        acc, out, ok = _seg(pid, w0, a1, a2, a3, a4, n0, 0, K, x, nw, 1.0, Q0, XIN, BN, U0, V0)
     elif NSEG == 2:
         acc, out, ok = _seg(
-            pid - nb0, w1, b1, b2, b3, b4, n1, n0, K, x, nw, 1.0, Q1, HAS_NORM, BN, U1, V1
+            pid - nb0, w1, b1, b2, b3, b4, n1, n0, K, x, nw, 1.0, Q1, XIN, BN, U1, V1
         )
     elif pid < nb0 + nb1:
         acc, out, ok = _seg(
-            pid - nb0, w1, b1, b2, b3, b4, n1, n0, K, x, nw, 1.0, Q1, HAS_NORM, BN, U1, V1
+            pid - nb0, w1, b1, b2, b3, b4, n1, n0, K, x, nw, 1.0, Q1, XIN, BN, U1, V1
         )
     else:
         acc, out, ok = _seg(
@@ -121,16 +128,18 @@ def _matvec_kernel(
             nw,
             1.0,
             Q2,
-            HAS_NORM,
+            XIN,
             BN,
             U2,
             V2,
         )
-    if HAS_NORM:
+    if XIN == XIN_NORM:
         rms = rms_scale(x, K, eps, 1024)
         acc = acc * rms
     if HAS_BIAS:  # (W x + b, then the residual: the reference's order)
         acc = acc + tl.load(bias + out, mask=ok, other=0.0)
+    if RES_GATE:  # every program takes the gate over all of h (a few KiB) itself
+        acc = acc * sigmoid_dot(gh, gv, GD, 256)
     if ADD_RES:
         acc = tl.load(y + out, mask=ok, other=0.0) + acc
     tl.store(y + out, acc, mask=ok)
@@ -139,7 +148,7 @@ def _matvec_kernel(
             k = tl.arange(0, 1024)
             for k0 in tl.static_range(0, K, 1024):
                 m = k0 + k < K
-                tl.store(h_out + k0 + k, xin(x, nw, rms, k0 + k, m, HAS_NORM), mask=m)
+                tl.store(h_out + k0 + k, xin(x, nw, rms, k0 + k, m, XIN), mask=m)
     if ROUTE:
         # The ticket. Every thread's stores of its rows come before the barrier; thread 0's
         # atomic add (Triton's default: acq_rel at GPU scope) then releases them all (as a
@@ -174,11 +183,17 @@ def matvec(
     num_warps: int | None = None,
     bias: torch.Tensor | None = None,
     route: Routing | None = None,
+    gate: torch.Tensor | None = None,
+    up: torch.Tensor | None = None,
+    res_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """y[...] = W_i x for each matrix in ``mats`` (their rows side by side in ``y``), or
     y += W x with ``residual``; x is RMSNorm'd with the weight ``norm`` first when given, and
     written to ``h_out`` normalised. Every matrix takes ``len(x)`` inputs. x, y: float32.
+    The input may instead be x · σ(``gate``) (gated attention's output) or SiLU(x) · ``up``
+    (a SwiGLU: x the gate half); at most one of norm, gate and up.
     ``bias``: float32 [sum of rows], added to the products (before the residual; gpt-oss).
+    ``res_gate`` (h, v), with the residual: y += σ(h · v) · (W x) (a shared expert's gate).
     ``route``: y holds one matrix's router logits, and the same launch then routes as
     ``moe.route(y, ...)`` does, bit for bit (its ``ticket`` counts the programs).
     ``num_warps`` (None: one thread per unit of a step) and ``bn`` are tuning knobs."""
@@ -188,6 +203,19 @@ def matvec(
     for m in mats:
         if m.cols != K:
             raise ValueError(f"a {m.rows}x{m.cols} matrix cannot multiply {K} inputs")
+    given = [n for n, t in (("norm", norm), ("gate", gate), ("up", up)) if t is not None]
+    if len(given) > 1:
+        raise ValueError(f"one transform of the input at most, got {' and '.join(given)}")
+    for name, t in (("gate", gate), ("up", up)):
+        if t is not None and (t.numel() != K or t.dtype != x.dtype):
+            raise ValueError(f"{name}: {t.numel()} {t.dtype} values for {K} {x.dtype} inputs")
+    if res_gate is not None:
+        if not residual:
+            raise ValueError("res_gate scales the residual add: it needs residual")
+        gh, gv = res_gate
+        if gh.numel() != gv.numel() or gh.dtype != torch.float32 or gv.dtype != torch.float32:
+            raise ValueError(f"res_gate: h and v of one size in float32, got {gh.numel()} "
+                             f"{gh.dtype} and {gv.numel()} {gv.dtype}")  # fmt: skip
     if y.numel() < sum(m.rows for m in mats):
         raise ValueError(f"y holds {y.numel()} values, the matrices give more")
     if residual and len(mats) != 1:
@@ -209,9 +237,12 @@ def matvec(
         rconsts = dict(consts, TOPK=consts["K"])
         del rconsts["K"]
     segs = list(mats) + [mats[0]] * (3 - len(mats))
-    nw = norm if norm is not None else x
+    nw = next((t for t in (norm, gate, up) if t is not None), x)
+    xform = XIN_NORM if norm is not None else XIN_GATE if gate is not None else XIN_SWIGLU
+    xform = xform if given else XIN_PLAIN
+    gh, gv = res_gate if res_gate is not None else (y, y)
     args: list[object] = [x, nw, eps, y, h_out if h_out is not None else y,
-                          y if bias is None else bias, K]  # fmt: skip
+                          y if bias is None else bias, gh, gv, gh.numel(), K]  # fmt: skip
     for m in segs:
         args += [m.data, *plane_offsets(m.lay.offsets), m.rows]
     args += rargs
@@ -223,8 +254,9 @@ def matvec(
         *args,
         Q0=types[0], Q1=types[1], Q2=types[2], U0=units[0], U1=units[1], U2=units[2],
         V0=st[0][1], V1=st[1][1], V2=st[2][1],
-        NSEG=len(mats), HAS_NORM=norm is not None, ADD_RES=residual,
-        STORE_H=h_out is not None, BN=bn, HAS_BIAS=bias is not None, ROUTE=route is not None,
+        NSEG=len(mats), XIN=xform.value, ADD_RES=residual,
+        STORE_H=h_out is not None, BN=bn, HAS_BIAS=bias is not None, RES_GATE=res_gate is not None,
+        ROUTE=route is not None,
         num_warps=num_warps or max(step_warps(*t) for t in st[: len(mats)]), **rconsts,
     )  # fmt: skip
 
@@ -239,9 +271,15 @@ def matvec_reference(
     norm: torch.Tensor | None = None,
     eps: float = 0.0,
     bias: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    up: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch twin of ``matvec`` (without the residual): [sum of rows] float32."""
     h = rms_norm_reference(x, norm, eps) if norm is not None else x
+    if gate is not None:
+        h = h * torch.sigmoid(gate)
+    if up is not None:
+        h = torch.nn.functional.silu(h) * up
     outs = [dequantize_repacked(m.data, m.lay.qtype, (m.rows, m.cols)) @ h for m in mats]
     out = torch.cat(outs)
     return out if bias is None else out + bias

@@ -1,6 +1,6 @@
 """Each decode kernel against its torch twin: matvec (every type, one to three matrices, the
-folded RMSNorm and residual), q/k norm + RoPE + K/V write, split attention over a paged cache,
-and the MoE routing, gate/up and down over an expert table.
+folded RMSNorm, output gate, SwiGLU and (gated) residual), q/k norm + RoPE + K/V write, split
+attention over a paged cache, and the MoE routing, gate/up and down over an expert table.
 
 Compiled on a GPU; in Triton's interpreter on CPU tensors elsewhere (CI), on small shapes. The
 ``gpu`` tests add the real model's largest and smallest matrices. Outputs start as NaN, so an
@@ -114,6 +114,47 @@ def test_matvec_adds_the_residual(rng) -> None:
     y = y0.clone()
     matvec(y, x, [m], residual=True)
     assert rel_err(y, y0 + matvec_reference(x, [m])) < TOL
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.F32], ids=lambda t: t.name)
+def test_matvec_folds_the_hybrids_gate_swiglu_and_gated_residual(qtype, rng) -> None:
+    """The gated attention's output gate (x · σ(gate)) and a shared expert's SwiGLU
+    (SiLU(x) · up) on the input's way in, the shared expert's σ(h · v)-scaled residual add on
+    the way out: each against torch, and each fold different from leaving it out."""
+    K, N, D = 256, 24, 96
+    m = mat(qtype, N, K, rng)
+    x, g, u = (torch.randn(K, device=DEVICE) for _ in range(3))
+    y = nan(N)
+    matvec(y, x, [m], gate=g)
+    want = matvec_reference(x * torch.sigmoid(g), [m])
+    assert rel_err(y, want) < TOL and rel_err(y, matvec_reference(x, [m])) > 0.1
+    assert rel_err(matvec_reference(x, [m], gate=g), want) < 1e-6
+    matvec(y, x, [m], up=u)
+    want = matvec_reference(torch.nn.functional.silu(x) * u, [m])
+    assert rel_err(y, want) < TOL and rel_err(matvec_reference(x, [m], up=u), want) < 1e-6
+    h = torch.randn(D, device=DEVICE)
+    v = h * (0.4 / float(h @ h))  # h · v = 0.4: a gate of 0.6
+    y0 = torch.randn(N, device=DEVICE)
+    y = y0.clone()
+    matvec(y, x, [m], residual=True, up=u, res_gate=(h, v))
+    s = torch.sigmoid(h @ v)
+    assert 0.05 < float(s) < 0.95, "a gate that scales"
+    want = y0 + s * matvec_reference(torch.nn.functional.silu(x) * u, [m])
+    assert rel_err(y, want) < TOL
+
+
+def test_matvec_refuses_folds_that_do_not_go_together(rng) -> None:
+    m = mat(Q.Q8_0, 8, 64, rng)
+    x, y = torch.randn(64, device=DEVICE), nan(8)
+    with pytest.raises(ValueError, match="one transform of the input at most, got norm and up"):
+        matvec(y, x, [m], norm=torch.ones(64, device=DEVICE), up=x)
+    with pytest.raises(ValueError, match=r"gate: 32 torch\.float32 values for 64"):
+        matvec(y, x, [m], gate=x[:32])
+    with pytest.raises(ValueError, match="res_gate scales the residual add: it needs residual"):
+        matvec(y, x, [m], res_gate=(x, x))
+    with pytest.raises(ValueError, match="res_gate: h and v of one size"):
+        matvec(y, x, [m], residual=True, res_gate=(x, x[:8]))
+    assert y.isnan().all(), "a refused launch wrote nothing"
 
 
 def test_matvec_rejects_what_does_not_fit(rng) -> None:

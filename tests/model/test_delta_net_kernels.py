@@ -194,21 +194,6 @@ def test_gated_attentions_partial_sectioned_rope_matches_the_reference(neox: boo
     assert torch.equal(vc[0, pos % page], v)
 
 
-def test_the_element_wise_steps_match_torch() -> None:
-    g = torch.Generator().manual_seed(9)
-    gu, x, y, h, w = (torch.randn(n, generator=g).to(DEVICE) for n in (2 * 300, 300, 300, 300, 300))
-    mid = torch.full((300,), float("nan"), device=DEVICE)
-    dk.swiglu(gu, mid)
-    assert _rel(mid, F.silu(gu[:300]) * gu[300:]) < 1e-6
-    want = x + y * torch.sigmoid(h @ w)
-    dk.gated_add(x, y, h, w)
-    assert _rel(x, want) < 1e-6
-    a, gate = torch.randn(300, generator=g).to(DEVICE), torch.randn(300, generator=g).to(DEVICE)
-    want = a * torch.sigmoid(gate)
-    dk.sigmoid_mul(a, gate)
-    assert _rel(a, want) < 1e-6
-
-
 def test_the_chunked_rule_holds_for_near_parallel_keys() -> None:
     # keys that barely differ and strong writes: (I + A) far from I, its inverse's entries large
     g = torch.Generator().manual_seed(4)
