@@ -26,10 +26,13 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from strata.engine.gpu.decode import Tune
 
 log = logging.getLogger(__name__)
 MiB = 2**20
@@ -321,16 +324,16 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
         sets = [[clone_mat(m) for m in mats] for _ in range(copies(nbytes))]
         xin = torch.randn(mats[0].cols, device="cuda")
         y = torch.empty(sum(m.rows for m in mats), device="cuda")
-        for bn, nw in CONFIGS:
+        for t in [Tune(bn, nw) for bn, nw in CONFIGS] + list(MATVEC_CAPPED):
             fns = [
                 (
-                    lambda s=s, bn=bn, nw=nw, y=y, xin=xin, norm=norm: mv.matvec(
-                        y, xin, s, norm, 1e-6, bn=bn, num_warps=nw
+                    lambda s=s, t=t, y=y, xin=xin, norm=norm: mv.matvec(
+                        y, xin, s, norm, 1e-6, **t.kw()
                     )
                 )
                 for s in sets
             ]
-            timed(fns, nbytes, label, bn=bn, warps=nw)
+            timed(fns, nbytes, label, **asdict(t))
     # the experts: k chosen of a layer's arena slots, rotated over layers' tables
     r = shape.routing
     lay = dec.geometry.slot_layouts[-1]
@@ -342,19 +345,22 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
     tables = [table[i * r.n_expert : i * r.n_expert + r.n_used] for i in range(len(dec.layers))]
     gu_bytes = r.n_used * (lay.gate.nbytes + lay.up.nbytes)
     dn_bytes = r.n_used * lay.down.nbytes
-    for bn, nw in CONFIGS:
+    cuts = [Tune(bn, nw) for bn, nw in CONFIGS]
+    for cut in cuts + list(MOE_CAPPED):
         fns = [
-            (lambda t=t, bn=bn, nw=nw: moe.gate_up(act, h, t, dec.buf.anchor, lay.gate, lay.up,
-                                                   lay.up_offset, bn=bn, num_warps=nw))
+            (lambda t=t, c=cut: moe.gate_up(act, h, t, dec.buf.anchor, lay.gate, lay.up,
+                                            lay.up_offset, **replace(c, ept=None).kw()))
             for t in tables
         ]  # fmt: skip
-        timed(fns, gu_bytes, "gate_up", bn=bn, warps=nw)
+        if cut.ept is None:
+            timed(fns, gu_bytes, "gate_up", **asdict(cut))
+    for cut in cuts + list(MOE_CAPPED) + list(DOWN_EXPERTS):
         fns = [
-            (lambda t=t, bn=bn, nw=nw: moe.down(x, act, t, wts, dec.buf.anchor, lay.down,
-                                                lay.down_offset, bn=bn, num_warps=nw))
+            (lambda t=t, c=cut: moe.down(x, act, t, wts, dec.buf.anchor, lay.down,
+                                         lay.down_offset, **c.kw()))
             for t in tables
         ]  # fmt: skip
-        timed(fns, dn_bytes, "down", bn=bn, warps=nw)
+        timed(fns, dn_bytes, "down", **asdict(cut))
     return rows
 
 
@@ -362,6 +368,14 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
 # ones (16-32 rows) spread a program's fixed costs (its RMS scale, its launch share) over more
 # bytes, for the small dense matrices of a decode step
 CONFIGS = ((1, None), (2, None), (4, None), (8, None), (4, 8), (8, 8), (16, 4), (16, 8), (32, 8))
+# and with a register cap (``Tune.regs``): a kernel compiled to most of the register file runs
+# one or two programs a multiprocessor (the H200's Triton 3.6 gave the experts' kernels 246-255
+# registers a thread), too few loads in flight for the memory; a cap trades spills for programs
+MATVEC_CAPPED = (Tune(8, None, 128), Tune(4, 8, 128), Tune(16, 8, 128))
+MOE_CAPPED = (Tune(4, None, 128), Tune(4, None, 96), Tune(2, None, 128), Tune(8, None, 128))
+# down's experts side by side in a step (fewer: fewer threads a program, more programs)
+DOWN_EXPERTS = (Tune(4, None, None, 4), Tune(4, None, None, 2), Tune(4, None, None, 1),
+                Tune(2, None, None, 2), Tune(4, 4, None, 2))  # fmt: skip
 
 
 def _mat_of(w: Any) -> Any:

@@ -15,6 +15,7 @@ routing (``stage``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,21 +50,83 @@ from strata.engine.weights import RepackedWeight, Weight, linear
 _INTERP_BN = 128  # rows per program in Triton's interpreter: few, wide programs
 MAX_SPLITS = 64  # most splits of the attention's key range
 
-# Rows per program and warps (None: one thread per unit of a step) of each launch, measured on an
-# H200 with the profile tool's --sweep (``python -m strata.bench.profile``) on the
-# Qwen3-30B-A3B shapes; the kernels take any values, the interpreter its own (``kernels.dot``).
+
+@dataclass(frozen=True)
+class Tune:
+    """How one decode launch is cut: rows per program, warps (None: one thread per unit of a
+    step), a register cap a thread (None: the compiler's choice; a lower one lets more programs
+    share a multiprocessor, at the price of spills) and, for ``down``, the experts side by side
+    in a step (None: as many as 256 threads hold). Any values compute the same products; the
+    order of their sums may change with them (never with residency: one Tune serves every
+    mode)."""
+
+    bn: int
+    warps: int | None = None
+    regs: int | None = None
+    ept: int | None = None
+
+    def __str__(self) -> str:
+        """As ``STRATA_DECODE_TUNE`` writes it: bn:warps:regs:ept (an unset field empty)."""
+        fields = [self.bn, self.warps, self.regs, self.ept]
+        return ":".join("" if f is None else str(f) for f in fields).rstrip(":")
+
+    def kw(self) -> dict[str, int | None]:
+        """The kernels' keyword arguments (``ept`` only where it is set: ``moe.down``'s)."""
+        out: dict[str, int | None] = dict(bn=self.bn, num_warps=self.warps, maxnreg=self.regs)
+        return out if self.ept is None else {**out, "ept": self.ept}
+
+
+# Each launch's cut, measured on an H200 with the profile tool's --sweep
+# (``python -m strata.bench.profile``) on the Qwen3-30B-A3B shapes; the kernels take any values,
+# the interpreter its own (``kernels.dot``). ``STRATA_DECODE_TUNE`` overrides them (``tunes``).
 # down: 4 rows, not 8: the same speed from VRAM (295.9 against 295.7 tok/s with every expert
 # cached), and its reads of experts in RAM over PCIe go at 47 GB/s, not 37 (more reads in
-# flight; ``python -m strata.bench.moe_sweep``). One value for both, so residency never
-# changes a kernel's arithmetic.
-TUNED: dict[str, tuple[int, int | None]] = {
-    "qkv": (4, 8),
-    "o": (8, None),
-    "router": (2, None),
-    "head": (4, 8),
-    "gate_up": (4, None),
-    "down": (4, None),
+# flight; ``python -m strata.bench.moe_sweep``).
+TUNED: dict[str, Tune] = {
+    "qkv": Tune(4, 8),
+    "o": Tune(8),
+    "router": Tune(2),
+    "head": Tune(4, 8),
+    "gate_up": Tune(4),
+    "down": Tune(4),
 }
+TUNE_ENV = "STRATA_DECODE_TUNE"
+
+
+def tunes(text: str | None, device: torch.device) -> dict[str, Tune]:
+    """The decode launches' cuts: ``TUNED`` on a GPU (the interpreter: few, wide programs),
+    with ``text`` (``STRATA_DECODE_TUNE``) overriding some, as ``op=bn:warps:regs:ept`` joined
+    by commas, an empty or left-out field the default (``down=4:8:128:2,o=4:8``): a developer's
+    knob for measuring a cut end to end in ``strata bench`` without editing the table. A bad
+    value is refused on any device, naming it."""
+    out = dict(TUNED)
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        op, sep, spec = item.strip().partition("=")
+        if not sep or op not in TUNED:
+            raise ValueError(f"{TUNE_ENV}: {item.strip()!r} is not op=bn:warps:regs:ept with op "
+                             f"one of {', '.join(TUNED)}")  # fmt: skip
+        parts = spec.split(":")
+        if len(parts) > 4 or not parts[0].strip().isdigit():
+            raise ValueError(f"{TUNE_ENV}: {item.strip()!r}: want bn[:warps[:regs[:ept]]], "
+                             "bn a number")  # fmt: skip
+        try:
+            bn, warps, regs, ept = (int(p) if p.strip() else None for p in [*parts, "", "", ""][:4])
+        except ValueError:
+            raise ValueError(f"{TUNE_ENV}: {item.strip()!r}: the fields are numbers") from None
+        assert bn is not None
+        if bn < 1 or bn & (bn - 1) or bn > 64:
+            raise ValueError(f"{TUNE_ENV}: {op} rows per program {bn}: a power of two up to 64")
+        if warps is not None and warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{TUNE_ENV}: {op} warps {warps}: 1, 2, 4, 8 or 16")
+        if regs is not None and not 16 <= regs <= 255:
+            raise ValueError(f"{TUNE_ENV}: {op} register cap {regs}: 16 to 255")
+        if ept is not None and op != "down":
+            raise ValueError(f"{TUNE_ENV}: {op}: experts side by side are down's alone")
+        out[op] = Tune(bn, warps, regs, ept)
+    return out if device.type == "cuda" else {k: Tune(_INTERP_BN) for k in TUNED}
+
 
 PLAIN, AHEAD, CPU = "plain", "ahead", "cpu"
 
@@ -115,8 +178,8 @@ class DecodeOps:
         self.attend = DecodeAttention(
             a.n_head, a.n_head_kv, a.head_dim, kv.page, attention_splits(a.n_head_kv, dev), dev
         )
-        # the tuned block sizes on a GPU; the kernels' own defaults in the interpreter
-        self.tuned = TUNED if dev.type == "cuda" else {k: (_INTERP_BN, None) for k in TUNED}
+        # the tuned cuts on a GPU; the kernels' own defaults in the interpreter
+        self.tuned = tunes(os.environ.get(TUNE_ENV), dev)
         self.mats: dict[int, _Mats] = {}
         self.extras: dict[int, moe.ExpertExtras | None] = {}
         # the hybrids' DeltaNet layers, gated attention and shared expert (``gpu.delta``)
@@ -142,9 +205,8 @@ class DecodeOps:
         """y = W x, or y += W x (``residual``), with ``matvec``'s folds (``norm``, ``gate``,
         ``up``, ``h_out``, ``bias``, ``res_gate``, ``route``) in its one launch."""
         if m is not None:  # (a route runs in the same launch)
-            bn, warps = self.tuned[tune]
-            matvec(y, x, [m], norm, self.eps, residual, h_out, bn, warps, bias, route,
-                   gate, up, res_gate)  # fmt: skip
+            matvec(y, x, [m], norm, self.eps, residual, h_out, bias=bias, route=route,
+                   gate=gate, up=up, res_gate=res_gate, **self.tuned[tune].kw())  # fmt: skip
             return
         # a type without a kernel: dequantise and multiply (torch ops, captured all the same)
         h = rms_norm(x, norm, self.eps) if norm is not None else x
@@ -197,8 +259,7 @@ class DecodeOps:
         if self.hybrid is not None and own:
             return self.hybrid.attention(self, x, layer, w, spec)
         if m.qkv is not None:
-            bn, warps = self.tuned["qkv"]
-            matvec(b.qkv, x, m.qkv, w.norm, self.eps, bn=bn, num_warps=warps, bias=m.qkv_bias)
+            matvec(b.qkv, x, m.qkv, w.norm, self.eps, bias=m.qkv_bias, **self.tuned["qkv"].kw())
         else:
             b.h.copy_(rms_norm(x, w.norm, self.eps))
             at = 0
@@ -267,12 +328,10 @@ class DecodeOps:
         if j not in self.extras:  # gpt-oss: the experts' biases, the clamped SwiGLU
             self.extras[j] = expert_extras(w, spec, b.ids[j])
         ex = self.extras[j]
-        bn, warps = self.tuned["gate_up"]
-        moe.gate_up(b.act, b.h, b.eoffs[j], b.anchor, lay.gate, lay.up, lay.up_offset, bn, warps,
-                    ex)  # fmt: skip
-        bn, warps = self.tuned["down"]
-        moe.down(x, b.act, b.eoffs[j], b.wts[j], b.anchor, lay.down, lay.down_offset, bn, warps,
-                 ex)  # fmt: skip
+        moe.gate_up(b.act, b.h, b.eoffs[j], b.anchor, lay.gate, lay.up, lay.up_offset,
+                    extras=ex, **self.tuned["gate_up"].kw())  # fmt: skip
+        moe.down(x, b.act, b.eoffs[j], b.wts[j], b.anchor, lay.down, lay.down_offset,
+                 extras=ex, **self.tuned["down"].kw())  # fmt: skip
         if cpu:
             p.cpu.take(j)
         if w.shared is not None:

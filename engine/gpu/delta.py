@@ -226,12 +226,11 @@ class HybridDecode:
                 ops._dense(out[at : at + n], x, w, None, norm)
                 at += n
             return
-        bn, warps = ops.tuned[tune]
         at = 0
         for i in range(0, len(ms), 3):
             group = ms[i : i + 3]
             n = sum(m.rows for m in group)
-            matvec(out[at : at + n], x, group, norm, self.eps, bn=bn, num_warps=warps)
+            matvec(out[at : at + n], x, group, norm, self.eps, **ops.tuned[tune].kw())
             at += n
 
     def delta_net(self, ops, x: torch.Tensor, layer: int, w: DeltaNetWeights,
@@ -280,8 +279,7 @@ class HybridDecode:
         act = self.sh[F_]
         ms = _mats([w.gate, w.up])
         if ms is not None:
-            bn, warps = ops.tuned["gate_up"]
-            matvec(act, h, ms, bn=bn, num_warps=warps)
+            matvec(act, h, ms, **ops.tuned["gate_up"].kw())
         else:
             ops._dense(act[:F_], h, w.gate, None)
             ops._dense(act[F_:], h, w.up, None)

@@ -367,6 +367,15 @@ def step_warps(t: int, tail: int) -> int:
     return warps_for(triton.next_power_of_2(t + tail))
 
 
+def launch_regs(maxnreg: int | None) -> dict[str, int]:
+    """A launch's register cap as Triton's launch option (none: the compiler's choice)."""
+    if maxnreg is None:
+        return {}
+    if not 16 <= maxnreg <= 255:
+        raise ValueError(f"a register cap of {maxnreg}: want 16 to 255 a thread")
+    return {"maxnreg": maxnreg}
+
+
 def plane_offsets(offsets: tuple[int, ...]) -> tuple[int, int, int, int]:
     """A layout's offsets after the first plane, padded to the four ``dot_rows`` takes."""
     rest = tuple(offsets[1:])
@@ -382,6 +391,7 @@ __all__ = [
     "XIN_SWIGLU",
     "dot_rows",
     "dot_rows2",
+    "launch_regs",
     "plane_offsets",
     "rms_scale",
     "sigmoid_dot",

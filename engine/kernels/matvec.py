@@ -29,6 +29,7 @@ from strata.engine.kernels.dot import (
     XIN_PLAIN,
     XIN_SWIGLU,
     dot_rows,
+    launch_regs,
     plane_offsets,
     rms_scale,
     sigmoid_dot,
@@ -186,6 +187,7 @@ def matvec(
     gate: torch.Tensor | None = None,
     up: torch.Tensor | None = None,
     res_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    maxnreg: int | None = None,
 ) -> None:
     """y[...] = W_i x for each matrix in ``mats`` (their rows side by side in ``y``), or
     y += W x with ``residual``; x is RMSNorm'd with the weight ``norm`` first when given, and
@@ -196,7 +198,8 @@ def matvec(
     ``res_gate`` (h, v), with the residual: y += σ(h · v) · (W x) (a shared expert's gate).
     ``route``: y holds one matrix's router logits, and the same launch then routes as
     ``moe.route(y, ...)`` does, bit for bit (its ``ticket`` counts the programs).
-    ``num_warps`` (None: one thread per unit of a step) and ``bn`` are tuning knobs."""
+    ``num_warps`` (None: one thread per unit of a step), ``bn`` and ``maxnreg`` (a register
+    cap a thread; None: the compiler's choice) are tuning knobs."""
     if not 1 <= len(mats) <= 3:
         raise ValueError(f"matvec takes 1 to 3 matrices, got {len(mats)}")
     K = x.numel()
@@ -258,6 +261,7 @@ def matvec(
         STORE_H=h_out is not None, BN=bn, HAS_BIAS=bias is not None, RES_GATE=res_gate is not None,
         ROUTE=route is not None,
         num_warps=num_warps or max(step_warps(*t) for t in st[: len(mats)]), **rconsts,
+        **launch_regs(maxnreg),
     )  # fmt: skip
 
 

@@ -41,6 +41,7 @@ from strata.engine.kernels.dot import (
     float_tile,
     k_input,
     k_tile,
+    launch_regs,
     plane_offsets,
     q8_tile,
     step_warps,
@@ -490,9 +491,11 @@ class ExpertExtras:
 
 def gate_up(act: torch.Tensor, h: torch.Tensor, eoffs: torch.Tensor, base: torch.Tensor,
             gate: RepackedLayout, up: RepackedLayout, up_off: int, bn: int = BN_GATE_UP,
-            num_warps: int | None = None, extras: ExpertExtras | None = None) -> None:  # fmt: skip
+            num_warps: int | None = None, extras: ExpertExtras | None = None,
+            maxnreg: int | None = None) -> None:  # fmt: skip
     """act: [k, F] float32 <- SiLU(gate_i h) * (up_i h) for the expert whose slot is at
-    base + eoffs[i] (with ``extras``: + its gate and up biases, the clamped SwiGLU)."""
+    base + eoffs[i] (with ``extras``: + its gate and up biases, the clamped SwiGLU).
+    ``bn``, ``num_warps`` and ``maxnreg`` (a register cap) are tuning knobs."""
     k, F, D = eoffs.numel(), gate.rows, gate.cols
     units, tail = steps(int(gate.qtype), D)
     x = extras
@@ -508,18 +511,24 @@ def gate_up(act: torch.Tensor, h: torch.Tensor, eoffs: torch.Tensor, base: torch
         x.gate if bias else h, x.up if bias else h,  # type: ignore[union-attr]
         TG=int(gate.qtype), TU=int(up.qtype), BN=bn, T=units, TAIL=tail, BIAS=bias,
         OAI=x is not None and x.oai is not None, ALPHA=alpha, LIMIT=limit,
-        num_warps=num_warps or step_warps(units, tail),
+        num_warps=num_warps or step_warps(units, tail), **launch_regs(maxnreg),
     )  # fmt: skip
 
 
 def down(x: torch.Tensor, act: torch.Tensor, eoffs: torch.Tensor, wts: torch.Tensor,
          base: torch.Tensor, lay: RepackedLayout, down_off: int, bn: int = BN_DOWN,
-         num_warps: int | None = None, extras: ExpertExtras | None = None) -> None:  # fmt: skip
+         num_warps: int | None = None, extras: ExpertExtras | None = None,
+         maxnreg: int | None = None, ept: int | None = None) -> None:  # fmt: skip
     """x: [D] += sum over i of wts[i] * (down_i act[i]), expert i's slot at base + eoffs[i]
-    (with ``extras``' down biases: wts[i] * (down_i act[i] + bias[ids[i]]))."""
+    (with ``extras``' down biases: wts[i] * (down_i act[i] + bias[ids[i]])). ``bn``,
+    ``num_warps``, ``maxnreg`` (a register cap) and ``ept`` (experts side by side in a step, a
+    power of two; None: as many as a step of 256 threads holds) are tuning knobs."""
     k, D, F = eoffs.numel(), lay.rows, lay.cols
     per, tail = steps(int(lay.qtype), F)  # units of one expert per step, and the last
-    ept = max(1, min(triton.next_power_of_2(k), MAX_UNITS // per))  # experts side by side
+    most = max(1, min(triton.next_power_of_2(k), MAX_UNITS // per))  # experts side by side
+    if ept is not None and (ept < 1 or ept & (ept - 1) or ept > most):
+        raise ValueError(f"{ept} experts side by side: want a power of two up to {most}")
+    ept = ept or most
     bd = extras.down if extras is not None else None
     if bd is not None and bd.shape[1:] != (D,):
         raise ValueError(f"down biases {tuple(bd.shape)} for experts of {D} rows")
@@ -528,6 +537,7 @@ def down(x: torch.Tensor, act: torch.Tensor, eoffs: torch.Tensor, wts: torch.Ten
         eoffs if extras is None else extras.ids, x if bd is None else bd,
         K=k, TD=int(lay.qtype), BN=bn, TS=per, EPT=ept, BIAS=bd is not None, TAIL=tail,
         KP=triton.next_power_of_2(k), num_warps=num_warps or warps_for(per * ept),
+        **launch_regs(maxnreg),
     )  # fmt: skip
 
 

@@ -447,6 +447,25 @@ def test_gate_up_and_down_match_the_reference_expert_sum(k, tg, td, rng) -> None
     assert rel_err(x - x0, want) < TOL
 
 
+@pytest.mark.parametrize("ept", [1, 2, 4])
+def test_down_takes_fewer_experts_side_by_side_and_a_register_cap(ept, rng) -> None:
+    """The cuts ``Tune`` offers (``gpu.decode``): experts side by side in a step, a register
+    cap (compiled on a GPU; the interpreter takes and ignores it) give the same sum."""
+    E, D, F, k = 6, 256, 256, 4
+    ex = Experts(E, D, F, Q.Q4_K, Q.Q6_K, rng)
+    ids = torch.tensor([5, 0, 2, 3], dtype=torch.int32, device=DEVICE)
+    wts, act = torch.rand(k, device=DEVICE), torch.randn(k, F, device=DEVICE)
+    eoffs = ex.table[ids.long()]
+    want = sum(ex.dense[e][2] @ act[i].cpu() * float(wts[i]) for i, e in enumerate(ids.tolist()))
+    x = torch.zeros(D, device=DEVICE)
+    moe.down(x, act, eoffs, wts, ex.anchor, ex.down, ex.down_off, ept=ept, maxnreg=128)
+    assert rel_err(x, want) < TOL
+    with pytest.raises(ValueError, match="3 experts side by side: want a power of two up to 4"):
+        moe.down(x, act, eoffs, wts, ex.anchor, ex.down, ex.down_off, ept=3)
+    with pytest.raises(ValueError, match="a register cap of 300: want 16 to 255"):
+        moe.down(x, act, eoffs, wts, ex.anchor, ex.down, ex.down_off, maxnreg=300)
+
+
 @pytest.mark.gpu
 def test_moe_on_the_30b_models_expert_shapes(rng) -> None:
     if DEVICE.type != "cuda":
