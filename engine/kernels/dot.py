@@ -41,7 +41,7 @@ import triton.language as tl
 from strata.engine.quant.format import Q8 as Q8_KIND
 from strata.engine.quant.format import UNIT32
 from strata.engine.quant.formats import FORMATS
-from strata.engine.quant.unit_kernels import K_UNITS, nl_level, u_float, unit_dot
+from strata.engine.quant.unit_kernels import K_UNITS, nl_level, u_float, unit_bytes, unit_dot
 
 Q = gguf.GGMLQuantizationType
 # GGML type ids the kernels dispatch on (constexpr), from gguf's table.
@@ -135,7 +135,8 @@ def _unit_at(r, u, NK: tl.constexpr):
 
 
 @triton.jit
-def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constexpr, xl, xh, sx):
+def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constexpr, xl, xh, sx,
+           w0=None, uf=None, FLAT: tl.constexpr = False):  # fmt: skip
     """One tile of a type with units of 32 elements: rows r (BN) x units u (T of them, counted
     from their rows' start; a row has NK; wp: [T] pointers to each unit's matrix) dotted with
     the input tile: [BN, T]. Byte 16u + k of the quants holds elements 32u + k and 32u + 16 + k.
@@ -143,16 +144,15 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     Q4_K, Q5_K, IQ4_XS: one scale (and min) per unit, at u; Q5_K's fifth bits: bits k and
     16 + k of the uint32 word u; IQ4_XS: nibbles index the 16 levels (``nl_level``). Q4_0: a
     unit is a block, its d at u. Q6_K: the bytes hold the low 4 bits, bits 4(u % 2) (+ 2) of qh byte
-    16(u // 2) + k the high 2, and the scales sit at 16(u // 8) + u % 8 (+ 8)."""
+    16(u // 2) + k the high 2, and the scales sit at 16(u // 8) + u % 8 (+ 8).
+    FLAT, w0, uf: the quants' loads as ``unit_bytes`` makes them flat."""
     nb: tl.constexpr = NK // K_UNITS  # 256-element blocks per row (the K-quants and IQ4_XS)
     k = tl.arange(0, 16)
-    m3 = rmask[:, None, None] & um[None, :, None]
     m2 = rmask[:, None] & um[None, :]
-    wp3 = wp[None, :, None]
-    q_at = (r * (NK * 16))[:, None, None] + (16 * u)[None, :, None] + k[None, None, :]
+    qr = r * (NK * 16)  # a row's quants
     db = (r * nb)[:, None] + (u // K_UNITS)[None, :]  # [BN, T]: each unit's 256-block
     if QT == Q4_K:
-        q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
+        q = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
         dl = tl.sum(u_float(q & 15, 0.0) * xl[None, :, :], 2)  # [BN, T]
         dh = tl.sum(u_float(q >> 4, 0.0) * xh[None, :, :], 2)
         s_at = _unit_at(r, u, NK)
@@ -163,7 +163,7 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         # sum of q * (d sc) - dm mn over the unit = (d sc) (q . x) - (dm mn) sum(x)
         out = (d * sc) * (dl + dh) - (dm * mn) * sx[None, :]
     elif QT == Q5_K:
-        q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
+        q = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
         s_at = _unit_at(r, u, NK)
         hp = (wp[None, :] + o1).to(tl.pointer_type(tl.uint32))
         hw = tl.load(hp + s_at, mask=m2, other=0).to(tl.int32, bitcast=True)  # [BN, T]
@@ -179,7 +179,7 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         dm = tl.load(ddp + 1, mask=m2, other=0).to(tl.float32)
         out = (d * sc) * (dl + dh) - (dm * mn) * sx[None, :]
     elif QT == IQ4_XS:
-        q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
+        q = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
         s_at = _unit_at(r, u, NK)
         dl = tl.sum(nl_level(q & 15) * xl[None, :, :], 2)  # (masked: d is 0)
         dh = tl.sum(nl_level(q >> 4) * xh[None, :, :], 2)
@@ -187,7 +187,7 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         d = tl.load(_f16_plane(wp[None, :], o2) + db, mask=m2, other=0).to(tl.float32)
         out = (d * sc.to(tl.float32)) * (dl + dh)
     elif QT == Q4_0:
-        q = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
+        q = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
         dl = tl.sum(u_float(q & 15, 0.0) * xl[None, :, :], 2)
         dh = tl.sum(u_float(q >> 4, 0.0) * xh[None, :, :], 2)
         s_at = _unit_at(r, u, NK)
@@ -195,9 +195,9 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         # sum of d (q - 8) x over the block = d (q . x - 8 sum(x))
         out = d * ((dl + dh) - 8.0 * sx[None, :])
     elif QT == Q6_K:
-        ql = tl.load(wp3 + q_at, mask=m3, other=0).to(tl.int32)
-        h_at = (r * (NK * 8))[:, None, None] + (16 * (u // 2))[None, :, None] + k[None, None, :]
-        qh = tl.load(wp3 + o1 + h_at, mask=m3, other=0).to(tl.int32)
+        ql = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
+        qh = unit_bytes(wp, w0, uf, o1 + r * (NK * 8), u, um, rmask, 16, 2, 16, NK, FLAT)
+        qh = qh.to(tl.int32)
         sh = (4 * (u % 2))[None, :, None]
         lo = (ql & 15) | (((qh >> sh) & 3) << 4)
         hi = (ql >> 4) | (((qh >> (sh + 2)) & 3) << 4)
@@ -209,20 +209,17 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         d = tl.load(_f16_plane(wp[None, :], o3) + db, mask=m2, other=0).to(tl.float32)
         out = d * (s_lo.to(tl.float32) * dl + s_hi.to(tl.float32) * dh)
     else:  # the gathered types: their tiles in quant.unit_kernels
-        out = unit_dot(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT, xl, xh, sx)
+        out = unit_dot(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT, xl, xh, sx, w0, uf, FLAT)
     return out
 
 
 @triton.jit
-def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.constexpr):
-    """Q8_0, units of 16 elements (half a block; the input of unit u from offset xo): [BN, T]."""
+def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.constexpr,
+            w0=None, uf=None, FLAT: tl.constexpr = False):  # fmt: skip
+    """Q8_0, units of 16 elements (half a block; the input of unit u from offset xo): [BN, T].
+    FLAT, w0, uf: as ``unit_bytes``."""
     k = tl.arange(0, 16)
-    m3 = rmask[:, None, None] & um[None, :, None]
-    q = tl.load(
-        wp[None, :, None] + (r * K)[:, None, None] + (16 * u)[None, :, None] + k[None, None, :],
-        mask=m3,
-        other=0,
-    )
+    q = unit_bytes(wp, w0, uf, r * K, u, um, rmask, 16, 1, 16, K // 16, FLAT)
     f = u_float(q.to(tl.int8, bitcast=True).to(tl.int32) + 128, 128.0)
     xv = xin(x, nw, rms, xo[:, None] + k[None, :], um[:, None], XIN)
     db = (r * (K // 32))[:, None] + (u // 2)[None, :]
@@ -232,34 +229,39 @@ def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.c
 
 @triton.jit
 def float_tile(wp, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, QT: tl.constexpr,
-             XIN: tl.constexpr):  # fmt: skip
-    """Plain floats, units of 8 elements: [BN, T]."""
+               XIN: tl.constexpr, w0=None, uf=None, FLAT: tl.constexpr = False):  # fmt: skip
+    """Plain floats, units of 8 elements: [BN, T]. FLAT, w0, uf: as ``unit_bytes``."""
     k = tl.arange(0, 8)
-    m3 = rmask[:, None, None] & um[None, :, None]
-    at = (r * K)[:, None, None] + (8 * u)[None, :, None] + k[None, None, :]
-    if QT == F32:
-        v = tl.load(wp[None, :, None].to(tl.pointer_type(tl.float32)) + at, mask=m3, other=0.0)
-    elif QT == F16:
-        v = tl.load(wp[None, :, None].to(tl.pointer_type(tl.float16)) + at, mask=m3, other=0.0)
+    v = unit_bytes(wp, w0, uf, r * K, u, um, rmask, 8, 1, 8, K // 8, FLAT, QT)
+    if QT == F16:
         v = v.to(tl.float32)
-    else:  # BF16: the top half of an f32
-        v = tl.load(wp[None, :, None].to(tl.pointer_type(tl.uint16)) + at, mask=m3, other=0)
+    elif QT == BF16:  # the top half of an f32
         v = (v.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     xv = xin(x, nw, rms, xo[:, None] + k[None, :], um[:, None], XIN)
     return tl.sum(v * xv[None, :, :], 2)
 
 
 @triton.jit
-def _row_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K: tl.constexpr, x, nw, rms,
+def _row_tile(w, o1, o2, o3, o4, r, rmask, u0, T: tl.constexpr, K: tl.constexpr, x, nw, rms,
               QT: tl.constexpr, XIN: tl.constexpr):  # fmt: skip
-    """Rows r x units u of the ``QT`` matrix dotted with the input: [BN, len(u)]."""
+    """Rows r x units u0 .. u0 + T - 1 of the ``QT`` matrix at w dotted with the input: [BN, T]
+    (its quants loaded flat: ``unit_bytes``)."""
+    NU: tl.constexpr = K // (
+        16 if QT == Q8_0 else 8 if QT == F32 or QT == F16 or QT == BF16 else 32
+    )
+    u = u0 + tl.arange(0, T)
+    um = u < NU
+    wp = w + tl.zeros([T], tl.int32)
     if QT == Q8_0:
-        return q8_tile(wp, o1, r, rmask, u, um, K, x, nw, rms, 16 * u, XIN)
+        uf = u0 + tl.arange(0, T * 16) // 16
+        return q8_tile(wp, o1, r, rmask, u, um, K, x, nw, rms, 16 * u, XIN, w, uf, True)
     elif QT == F32 or QT == F16 or QT == BF16:
-        return float_tile(wp, r, rmask, u, um, K, x, nw, rms, 8 * u, QT, XIN)
+        uf = u0 + tl.arange(0, T * 8) // 8
+        return float_tile(wp, r, rmask, u, um, K, x, nw, rms, 8 * u, QT, XIN, w, uf, True)
     else:  # units of 32 elements
+        uf = u0 + tl.arange(0, T * 16) // 16
         xl, xh, sx = k_input(x, nw, rms, 32 * u, um, XIN)
-        return k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, xl, xh, sx)
+        return k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, xl, xh, sx, w, uf, True)
 
 
 @triton.jit
@@ -275,17 +277,14 @@ def dot_rows(w, o1, o2, o3, o4, rows, rmask, K: tl.constexpr, x, nw, rms, QT: tl
         16 if QT == Q8_0 else 8 if QT == F32 or QT == F16 or QT == BF16 else 32
     )
     FULL: tl.constexpr = NU // T if TAIL > 0 else (NU + T - 1) // T  # steps of T
-    t = tl.arange(0, T)
-    wp = w + tl.zeros([T], tl.int32)
     acc = tl.zeros([BN, T], tl.float32)
     for i in tl.static_range(FULL):
-        u = i * T + t
-        acc += _row_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NU, K, x, nw, rms, QT, XIN)
+        acc += _row_tile(w, o1, o2, o3, o4, r, rmask, i * T, T, K, x, nw, rms, QT, XIN)
     out = tl.sum(acc, 1)
     if TAIL > 0:
-        u = FULL * T + tl.arange(0, TAIL)
-        wt = w + tl.zeros([TAIL], tl.int32)
-        out += tl.sum(_row_tile(wt, o1, o2, o3, o4, r, rmask, u, u < NU, K, x, nw, rms, QT, XIN), 1)
+        out += tl.sum(
+            _row_tile(w, o1, o2, o3, o4, r, rmask, FULL * T, TAIL, K, x, nw, rms, QT, XIN), 1
+        )
     return out
 
 
@@ -307,8 +306,11 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
         for i in tl.static_range(FULL):
             u = i * T + t
             xl, xh, sx = k_input(x, x, 1.0, 32 * u, u < NK, False)
-            acc_a += k_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK, NK, QT, xl, xh, sx)
-            acc_b += k_tile(vp, p1, p2, p3, p4, r, rmask, u, u < NK, NK, QT, xl, xh, sx)
+            uf = i * T + tl.arange(0, T * 16) // 16
+            acc_a += k_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK, NK, QT, xl, xh, sx,
+                            w, uf, True)  # fmt: skip
+            acc_b += k_tile(vp, p1, p2, p3, p4, r, rmask, u, u < NK, NK, QT, xl, xh, sx,
+                            v, uf, True)  # fmt: skip
         a = tl.sum(acc_a, 1)
         c = tl.sum(acc_b, 1)
         if TAIL > 0:
@@ -316,8 +318,11 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
             wt = w + tl.zeros([TAIL], tl.int32)
             vt = v + tl.zeros([TAIL], tl.int32)
             xl, xh, sx = k_input(x, x, 1.0, 32 * u, u < NK, False)
-            a += tl.sum(k_tile(wt, o1, o2, o3, o4, r, rmask, u, u < NK, NK, QT, xl, xh, sx), 1)
-            c += tl.sum(k_tile(vt, p1, p2, p3, p4, r, rmask, u, u < NK, NK, QT, xl, xh, sx), 1)
+            uf = FULL * T + tl.arange(0, TAIL * 16) // 16
+            a += tl.sum(k_tile(wt, o1, o2, o3, o4, r, rmask, u, u < NK, NK, QT, xl, xh, sx,
+                               w, uf, True), 1)  # fmt: skip
+            c += tl.sum(k_tile(vt, p1, p2, p3, p4, r, rmask, u, u < NK, NK, QT, xl, xh, sx,
+                               v, uf, True), 1)  # fmt: skip
     else:
         a = dot_rows(w, o1, o2, o3, o4, rows, rmask, K, x, x, 1.0, QT, False, BN, T, TAIL)
         c = dot_rows(v, p1, p2, p3, p4, rows, rmask, K, x, x, 1.0, QT, False, BN, T, TAIL)

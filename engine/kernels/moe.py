@@ -183,18 +183,45 @@ def _gate_up_kernel(
     tl.store(act + k * F + rows, glu(g, u, OAI, ALPHA, LIMIT), mask=ok)
 
 
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+# down's quants as flat tiles (``unit_bytes``' FLAT), on the Triton releases that spread a 3-D
+# tile's rows over the lanes. Compiled for sm_90, Qwen3-30B-A3B's down (Q4_K, 8 warps): under
+# 3.6, 180 registers a thread as 3-D tiles, 104 flat; under 3.9, 90 and 1,120 instructions a
+# warp as 3-D tiles, 128 and 1,432 flat (each lane's expert offset a load of its own).
+DOWN_FLAT = _release(triton.__version__) < (3, 9)
+
+
+@triton.jit
+def _flat_units(eoffs, base, down_off, e0, u0, N: tl.constexpr, EPT: tl.constexpr,
+                W: tl.constexpr, K: tl.constexpr):  # fmt: skip
+    """For ``unit_bytes``' FLAT loads of a step of EPT chosen experts from e0 side by side, N
+    units of each from u0 (W elements a unit): each lane's expert's down matrix and unit,
+    ([EPT N W] pointers, [EPT N W] units). Lanes of experts past the k chosen point at the
+    last chosen one's slot, with a unit past any row's end (masked: nothing is read)."""
+    jf = tl.arange(0, EPT * N * W)
+    kk = e0 + jf // (N * W)
+    wf = base + tl.multiple_of(tl.load(eoffs + tl.minimum(kk, K - 1)), 256) + down_off
+    return wf, tl.where(kk < K, u0 + (jf // W) % N, 1 << 24)
+
+
 @triton.jit
 def _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, um, F: tl.constexpr,
-                TD: tl.constexpr):  # fmt: skip
+                TD: tl.constexpr, wf, uf, FLAT: tl.constexpr):  # fmt: skip
     """Units u of the chosen experts kk (their slots' down matrices at wp, weights wt) dotted
-    with their act rows, times the weights: [BN, len(u)]."""
+    with their act rows, times the weights: [BN, len(u)]. FLAT, wf, uf: the quants as flat
+    tiles, the step's lanes (``_flat_units``)."""
     if TD != Q8_0 and TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
         xl, xh, sx = k_input(act, act, 1.0, kk * F + 32 * u, um, False)
-        y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, xl, xh, sx)
+        y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, xl, xh, sx, wf, uf, FLAT)
     elif TD == Q8_0:
-        y = q8_tile(wp, d1, r, ok, u, um, F, act, act, 1.0, kk * F + 16 * u, False)
+        y = q8_tile(wp, d1, r, ok, u, um, F, act, act, 1.0, kk * F + 16 * u, False, wf, uf, FLAT)
     else:
-        y = float_tile(wp, r, ok, u, um, F, act, act, 1.0, kk * F + 8 * u, TD, False)
+        xo = kk * F + 8 * u
+        y = float_tile(wp, r, ok, u, um, F, act, act, 1.0, xo, TD, False, wf, uf, FLAT)
     return y * wt[None, :]
 
 
@@ -202,7 +229,7 @@ def _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, um, F: tl.constex
 def _down_kernel(
     act, eoffs, wts, base, x, F: tl.constexpr, D, down_off, d1, d2, d3, d4, ids, bd,
     K: tl.constexpr, TD: tl.constexpr, BN: tl.constexpr, TS: tl.constexpr, EPT: tl.constexpr,
-    BIAS: tl.constexpr, KP: tl.constexpr, TAIL: tl.constexpr = 0,
+    BIAS: tl.constexpr, KP: tl.constexpr, TAIL: tl.constexpr = 0, FLAT: tl.constexpr = False,
 ):  # fmt: skip
     # a step's units: EPT experts side by side, TS units of each (then, with TAIL, the rest of
     # each expert's row in a step of TAIL units each); the sum over experts and units is one
@@ -214,6 +241,7 @@ def _down_kernel(
         16 if TD == Q8_0 else 8 if TD == F32 or TD == F16 or TD == BF16 else 32
     )
     FULL: tl.constexpr = NU // TS if TAIL > 0 else (NU + TS - 1) // TS  # steps of TS
+    W: tl.constexpr = 8 if TD == F32 or TD == F16 or TD == BF16 else 16  # elements a lane row
     t = tl.arange(0, EPT * TS)
     c = t % TS
     acc = tl.zeros([BN, EPT * TS], tl.float32)
@@ -225,7 +253,11 @@ def _down_kernel(
         wt = tl.load(wts + kk, mask=em, other=0.0)
         for i in tl.static_range(FULL):
             u = i * TS + c
-            acc += _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, em & (u < NU), F, TD)
+            wf, uf = wp, u  # (unread unless FLAT)
+            if FLAT:
+                wf, uf = _flat_units(eoffs, base, down_off, e0, i * TS, TS, EPT, W, K)
+            acc += _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, em & (u < NU), F, TD,
+                               wf, uf, FLAT)  # fmt: skip
     out = tl.sum(acc, 1)
     if TAIL > 0:
         t2 = tl.arange(0, EPT * TAIL)
@@ -237,8 +269,28 @@ def _down_kernel(
             off = tl.load(eoffs + kk, mask=em, other=0)
             wp = base + tl.multiple_of(off, 256) + down_off
             wt = tl.load(wts + kk, mask=em, other=0.0)
+            wf, uf = wp, c2
+            if FLAT:
+                wf, uf = _flat_units(eoffs, base, down_off, e0, FULL * TS, TAIL, EPT, W, K)
             acc2 += _down_units(
-                act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, c2, em & (c2 < NU), F, TD
+                act,
+                wp,
+                wt,
+                kk,
+                em,
+                d1,
+                d2,
+                d3,
+                d4,
+                r,
+                ok,
+                c2,
+                em & (c2 < NU),
+                F,
+                TD,
+                wf,
+                uf,
+                FLAT,
             )
         out += tl.sum(acc2, 1)
     if BIAS:  # + each chosen expert's down bias ([E, D], by its id) times its weight
@@ -518,11 +570,14 @@ def gate_up(act: torch.Tensor, h: torch.Tensor, eoffs: torch.Tensor, base: torch
 def down(x: torch.Tensor, act: torch.Tensor, eoffs: torch.Tensor, wts: torch.Tensor,
          base: torch.Tensor, lay: RepackedLayout, down_off: int, bn: int = BN_DOWN,
          num_warps: int | None = None, extras: ExpertExtras | None = None,
-         maxnreg: int | None = None, ept: int | None = None) -> None:  # fmt: skip
+         maxnreg: int | None = None, ept: int | None = None,
+         flat: bool | None = None) -> None:  # fmt: skip
     """x: [D] += sum over i of wts[i] * (down_i act[i]), expert i's slot at base + eoffs[i]
     (with ``extras``' down biases: wts[i] * (down_i act[i] + bias[ids[i]])). ``bn``,
     ``num_warps``, ``maxnreg`` (a register cap) and ``ept`` (experts side by side in a step, a
-    power of two; None: as many as a step of 256 threads holds) are tuning knobs."""
+    power of two; None: as many as a step of 256 threads holds) are tuning knobs. ``flat``:
+    the quants as flat tiles (``unit_bytes``; None: where the Triton release wants them,
+    ``DOWN_FLAT``); the same sums either way."""
     k, D, F = eoffs.numel(), lay.rows, lay.cols
     per, tail = steps(int(lay.qtype), F)  # units of one expert per step, and the last
     most = max(1, min(triton.next_power_of_2(k), MAX_UNITS // per))  # experts side by side
@@ -537,7 +592,7 @@ def down(x: torch.Tensor, act: torch.Tensor, eoffs: torch.Tensor, wts: torch.Ten
         eoffs if extras is None else extras.ids, x if bd is None else bd,
         K=k, TD=int(lay.qtype), BN=bn, TS=per, EPT=ept, BIAS=bd is not None, TAIL=tail,
         KP=triton.next_power_of_2(k), num_warps=num_warps or warps_for(per * ept),
-        **launch_regs(maxnreg),
+        FLAT=DOWN_FLAT if flat is None else flat, **launch_regs(maxnreg),
     )  # fmt: skip
 
 

@@ -33,6 +33,9 @@ Q2_K: tl.constexpr = tl.constexpr(int(Q.Q2_K))
 Q3_K: tl.constexpr = tl.constexpr(int(Q.Q3_K))
 IQ3_XXS: tl.constexpr = tl.constexpr(int(Q.IQ3_XXS))
 IQ3_S: tl.constexpr = tl.constexpr(int(Q.IQ3_S))
+F32: tl.constexpr = tl.constexpr(int(Q.F32))  # (the plain floats: ``unit_bytes``'s pointers)
+F16: tl.constexpr = tl.constexpr(int(Q.F16))
+BF16: tl.constexpr = tl.constexpr(int(Q.BF16))
 
 # The types ``unit_halves`` decodes: the gathered ones, less Q8_0 / Q4_0 and the plain floats,
 # which the kernels read with tiles of their own.
@@ -60,6 +63,69 @@ IQ3S_SG: tl.constexpr = tl.constexpr(grids.IQ3_S.field("sg").at - grids.IQ3_S.fi
 IQ3S_SC: tl.constexpr = tl.constexpr(grids.IQ3_S.field("sc").at - grids.IQ3_S.field("qh").at)
 K_UNITS: tl.constexpr = tl.constexpr(gguf.QK_K // 32)  # units in a 256-element block
 assert all(f.units == K_UNITS for f in (kquants.Q2_K, kquants.Q3_K, grids.IQ3_S, grids.IQ3_XXS))
+
+
+@triton.jit
+def _elements(p, QT: tl.constexpr):
+    """A matrix's uint8 pointer as one to its elements: the floats' own, else bytes."""
+    if QT == F32:
+        return p.to(tl.pointer_type(tl.float32))
+    elif QT == F16:
+        return p.to(tl.pointer_type(tl.float16))
+    elif QT == BF16:
+        return p.to(tl.pointer_type(tl.uint16))
+    else:
+        return p
+
+
+@triton.jit
+def _unit_offset(u, STEP: tl.constexpr, UDIV: tl.constexpr, STEP2: tl.constexpr,
+                 UDIV2: tl.constexpr):  # fmt: skip
+    """STEP * (u // UDIV) + STEP2 * ((u // UDIV2) % 2), the terms that are 0 or 1 left out."""
+    if UDIV > 1:
+        u_s = u // UDIV
+    else:
+        u_s = u
+    if STEP2 > 0:
+        return u_s * STEP + ((u // UDIV2) % 2) * STEP2
+    else:
+        return u_s * STEP
+
+
+@triton.jit
+def unit_bytes(wp, w0, uf, at_r, u, um, rmask, STEP: tl.constexpr, UDIV: tl.constexpr,
+               W: tl.constexpr, NU: tl.constexpr, FLAT: tl.constexpr, QT: tl.constexpr = -1,
+               STEP2: tl.constexpr = 0, UDIV2: tl.constexpr = 1):  # fmt: skip
+    """[BN, T, W]: the W elements (bytes; the floats' own for F32, F16, BF16: ``QT``) at
+    at_r[r] + STEP * (u // UDIV) + STEP2 * ((u // UDIV2) % 2) + k (k < W) of each row r and
+    unit u, from the unit's matrix (wp: [T] pointers), masked by rmask and um.
+
+    FLAT: loaded as a [BN, T * W] tile whose W elements of a unit are contiguous, then
+    reshaped; w0 the matrix (a pointer, or [T * W] of them: each lane's unit's), uf [T * W]
+    each lane's unit (u[lane // W], written so the compiler sees it constant over W lanes),
+    the units past NU masked (w0 must point into a matrix even where um is false: the
+    callers' other masks and weights make those lanes count 0). Loaded as [BN, T, W], the rows
+    and the units are alike to Triton's layout choice (neither contiguous), and releases break
+    that tie differently: 3.9 gives each thread all BN rows of its unit, as the kernels
+    intend; 3.6 spreads the rows over the lanes, so every thread holds the input of BN units
+    (compiled for sm_90: 252 registers a thread for Qwen3-30B-A3B's gate/up, not 84). Flat,
+    the units are the contiguous dimension in both."""
+    if FLAT:
+        T: tl.constexpr = u.shape[0]
+        BN: tl.constexpr = at_r.shape[0]
+        at = (
+            at_r[:, None]
+            + (_unit_offset(uf, STEP, UDIV, STEP2, UDIV2) + tl.arange(0, T * W) % W)[None, :]
+        )
+        m = rmask[:, None] & (uf < NU)[None, :]
+        v = tl.load(_elements(w0, QT) + at, mask=m, other=0)
+        return tl.reshape(v, [BN, T, W])
+    else:
+        k = tl.arange(0, W)
+        uo = _unit_offset(u, STEP, UDIV, STEP2, UDIV2)
+        p = _elements(wp, QT)[None, :, None] + at_r[:, None, None] + uo[None, :, None]
+        m3 = rmask[:, None, None] & um[None, :, None]
+        return tl.load(p + k[None, None, :], mask=m3, other=0)
 
 
 @triton.jit
@@ -339,25 +405,34 @@ def _fsum(q, x):
 
 
 @triton.jit
-def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexpr, xl, xh, sx):
+def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexpr, xl, xh, sx,
+             w0=None, uf=None, FLAT: tl.constexpr = False):  # fmt: skip
     """The decode kernels' tile of a gathered type: rows r [BN] x units u [T] dotted with the
     input halves xl, xh ([T, 16]: elements 32u + k and 32u + 16 + k; sx [T] their sums) ->
     [BN, T]. The scales come out of the sums where the type allows (a scale times an integer
     dot product, minus or plus a min times the input's sum); the grid types dequantise the tile
-    (``unit_halves``) and multiply."""
+    (``unit_halves``) and multiply. FLAT, w0, uf: the quants' loads as ``unit_bytes`` makes
+    them (the grid types' stay 3-D)."""
     k = tl.arange(0, 16)[None, None, :]
     m3 = rm[:, None, None] & um[None, :, None]
     m2 = rm[:, None] & um[None, :]
-    wp3 = wp[None, :, None]
     wp2 = wp[None, :]
     if QT == Q2_K or QT == Q3_K:
         blk2 = (r * (NK // K_UNITS))[:, None] + u[None, :] // K_UNITS  # [BN, T]
         j2 = (u % K_UNITS)[None, :]
-        blk = blk2[:, :, None]
         j = j2[:, :, None]
-        at = blk * K2_QS + 32 * (j // 4) + k
-        q_lo = (_u8(wp3, at, m3) >> (2 * (j % 4))) & 3
-        q_hi = (_u8(wp3, at + 16, m3) >> (2 * (j % 4))) & 3
+        if FLAT:  # the 32 bytes of units 4i .. 4i + 3 of a block, each unit its 2 bits
+            qr = r * (NK // K_UNITS * K2_QS)
+            q_lo = unit_bytes(wp, w0, uf, qr, u, um, rm, K2_QS, K_UNITS, 16, NK, True, -1, 32, 4)
+            q_hi = unit_bytes(
+                wp, w0, uf, qr + 16, u, um, rm, K2_QS, K_UNITS, 16, NK, True, -1, 32, 4
+            )
+            q_lo = (q_lo.to(tl.int32) >> (2 * (j % 4))) & 3
+            q_hi = (q_hi.to(tl.int32) >> (2 * (j % 4))) & 3
+        else:
+            at = blk2[:, :, None] * K2_QS + 32 * (j // 4) + k
+            q_lo = (_u8(wp[None, :, None], at, m3) >> (2 * (j % 4))) & 3
+            q_hi = (_u8(wp[None, :, None], at + 16, m3) >> (2 * (j % 4))) & 3
         if QT == Q2_K:
             sc_lo = _u8(wp2 + o1, blk2 * Q2K_SC + 2 * j2, m2)
             sc_hi = _u8(wp2 + o1, blk2 * Q2K_SC + 2 * j2 + 1, m2)
@@ -369,8 +444,16 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
             out += d * ((sc_hi & 15).to(tl.float32) * _fsum(q_hi, xh))
             out -= dm * ((sc_lo >> 4).to(tl.float32) * s_lo + (sc_hi >> 4).to(tl.float32) * s_hi)
         else:  # Q3_K: q - 4 where the hmask bit is 0
-            h_lo = (_u8(wp3 + o1, blk * Q3K_HM + k, m3) >> j) & 1
-            h_hi = (_u8(wp3 + o1, blk * Q3K_HM + 16 + k, m3) >> j) & 1
+            if FLAT:
+                hr = o1 + r * (NK // K_UNITS * Q3K_HM)
+                h_lo = unit_bytes(wp, w0, uf, hr, u, um, rm, Q3K_HM, K_UNITS, 16, NK, True)
+                h_hi = unit_bytes(wp, w0, uf, hr + 16, u, um, rm, Q3K_HM, K_UNITS, 16, NK, True)
+                h_lo = (h_lo.to(tl.int32) >> j) & 1
+                h_hi = (h_hi.to(tl.int32) >> j) & 1
+            else:
+                blk = blk2[:, :, None]
+                h_lo = (_u8(wp[None, :, None] + o1, blk * Q3K_HM + k, m3) >> j) & 1
+                h_hi = (_u8(wp[None, :, None] + o1, blk * Q3K_HM + 16 + k, m3) >> j) & 1
             d = _f16(wp2 + o3, blk2, m2)
             # (q | 4 h) - 4, as in unit_halves: no narrow conversion (I2F.S16)
             lo = tl.sum(u_float(q_lo | (h_lo << 2), 4.0) * xl[None, :, :], 2)
@@ -382,11 +465,18 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
         out = tl.sum(lo * xl[None, :, :], 2) + tl.sum(hi * xh[None, :, :], 2)
     else:  # blocks of 32: a unit is a block
         blk2 = (r * NK)[:, None] + u[None, :]
-        q = _u8(wp3, blk2[:, :, None] * Q4_BYTES + k, m3)
+        if FLAT:
+            q = unit_bytes(wp, w0, uf, r * (NK * Q4_BYTES), u, um, rm, Q4_BYTES, 1, 16, NK, True)
+            q = q.to(tl.int32)
+        else:
+            q = _u8(wp[None, :, None], blk2[:, :, None] * Q4_BYTES + k, m3)
         q_lo = q & 15
         q_hi = q >> 4
         if QT == Q5_0 or QT == Q5_1:
-            h = _u32(wp3 + o1, blk2[:, :, None], m3)
+            if FLAT:  # (a [BN, T] load: units contiguous)
+                h = _u32(wp2 + o1, blk2, m2)[:, :, None]
+            else:
+                h = _u32(wp[None, :, None] + o1, blk2[:, :, None], m3)
             q_lo = q_lo | (((h >> k) & 1) << 4).to(tl.int32)
             q_hi = q_hi | (((h >> (k + 16)) & 1) << 4).to(tl.int32)
         if QT == IQ4_NL:  # a scale times the levels' dot product

@@ -442,9 +442,10 @@ def test_gate_up_and_down_match_the_reference_expert_sum(k, tg, td, rng) -> None
     want = torch.stack(ys).sum(0)
     # a residual of the output's own magnitude: a larger one would cancel the digits compared
     x0 = torch.randn(D, device=DEVICE) * float(want.abs().max())
-    x = x0.clone()
-    moe.down(x, act, eoffs, wts, ex.anchor, ex.down, ex.down_off)
-    assert rel_err(x - x0, want) < TOL
+    for flat in (False, True):  # the quants as 3-D or as flat tiles (``unit_bytes``); with k = 3
+        x = x0.clone()  # a step holds a fourth expert's lanes, which must count 0
+        moe.down(x, act, eoffs, wts, ex.anchor, ex.down, ex.down_off, flat=flat)
+        assert rel_err(x - x0, want) < TOL, f"flat={flat}"
 
 
 @pytest.mark.parametrize("ept", [1, 2, 4])

@@ -205,9 +205,10 @@ def run_experts(ex: Experts, chosen: list[int], D: int, F: int) -> None:
         ys.append((dn @ a) * float(wts[i]))
     want = torch.stack(ys).sum(0)
     x0 = torch.randn(D, device=DEVICE) * float(want.abs().max())
-    x = x0.clone()
-    moe.down(x, act, eoffs, wts, ex.arena, ex.down, ex.down_off)
-    assert rel_err(x - x0, want) < TOL
+    for flat in (False, True):  # the quants as 3-D or as flat tiles (``unit_bytes``)
+        x = x0.clone()
+        moe.down(x, act, eoffs, wts, ex.arena, ex.down, ex.down_off, flat=flat)
+        assert rel_err(x - x0, want) < TOL, f"flat={flat}"
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # SiLU of -big
