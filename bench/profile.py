@@ -369,8 +369,9 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
 # bytes, for the small dense matrices of a decode step
 CONFIGS = ((1, None), (2, None), (4, None), (8, None), (4, 8), (8, 8), (16, 4), (16, 8), (32, 8))
 # and with a register cap (``Tune.regs``): a kernel compiled to most of the register file runs
-# one or two programs a multiprocessor (the H200's Triton 3.6 gave the experts' kernels 246-255
-# registers a thread), too few loads in flight for the memory; a cap trades spills for programs
+# one or two programs a multiprocessor, too few loads in flight for the memory (the H200's
+# Triton 3.6 gave the experts' kernels 246-255 registers a thread before the quants were loaded
+# as flat tiles: ``unit_kernels.unit_bytes``); a cap trades spills for programs
 MATVEC_CAPPED = (Tune(8, None, 128), Tune(4, 8, 128), Tune(16, 8, 128))
 MOE_CAPPED = (Tune(4, None, 128), Tune(4, None, 96), Tune(2, None, 128), Tune(8, None, 128))
 # down's experts side by side in a step (fewer: fewer threads a program, more programs)
