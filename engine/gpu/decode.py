@@ -228,6 +228,14 @@ class DecodeOps:
         if route is not None:
             route.alone(y)
 
+    def cuts_changed(self) -> str:
+        """The decode path line's note of the cuts ``STRATA_DECODE_TUNE`` changed ("" if none,
+        and in the interpreter, which keeps its own)."""
+        changed = [f"{k}={t}" for k, t in self.tuned.items() if t != TUNED[k]]
+        if not changed or self.p.buf.anchor.device.type != "cuda":
+            return ""
+        return f"; cuts from {TUNE_ENV}: {', '.join(changed)}"
+
     def _mats(self, j: int, w: AttentionWeights | None = None) -> _Mats:
         if j not in self.mats:
             assert w is not None

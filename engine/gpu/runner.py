@@ -28,7 +28,7 @@ from strata.engine.gpu.buffers import ExpertGeometry, StepBuffers
 from strata.engine.gpu.chunk import ChunkOps, ChunkParts, ChunkPath
 from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.cpu_share import CPU_SHARE_CANDIDATES, CpuShare, CpuShareFault
-from strata.engine.gpu.decode import AHEAD, CPU, PLAIN, TUNE_ENV, TUNED, DecodeOps, DecodeParts
+from strata.engine.gpu.decode import AHEAD, CPU, PLAIN, DecodeOps, DecodeParts
 from strata.engine.gpu.delta import begin_hybrid_step, keep_state
 from strata.engine.gpu.oss import cpu_extras
 from strata.engine.gpu.sampled import SampledSteps
@@ -528,10 +528,7 @@ class GpuRunner(StageRunner):
             how += f"; the CPU computes {self.cpu.share:.0%} of the chosen experts in RAM"
             if not self.cpu_sharing:
                 how += " (none is in RAM now: every expert has a VRAM slot)"
-        changed = [f"{k}={t}" for k, t in self.ops.tuned.items() if t != TUNED[k]]
-        if changed and self.device.type == "cuda":
-            how += f"; cuts from {TUNE_ENV}: {', '.join(changed)}"
-        return f"fused Triton kernels, {how}"
+        return f"fused Triton kernels, {how}{self.ops.cuts_changed()}"
 
     def prefill_path(self) -> str:
         if self.prefill is not None:

@@ -59,3 +59,21 @@ def test_a_bad_override_names_what_is_wrong(text: str, says: str) -> None:
     with pytest.raises(ValueError) as e:
         tunes(text, CUDA)
     assert "STRATA_DECODE_TUNE" in str(e.value) and says in str(e.value)
+
+
+def test_the_decode_path_line_names_the_cuts_an_override_changed() -> None:
+    from types import SimpleNamespace
+
+    from strata.engine.gpu.decode import DecodeOps
+
+    def ops(tuned: dict[str, Tune], device: torch.device) -> SimpleNamespace:
+        anchor = SimpleNamespace(device=device)
+        return SimpleNamespace(tuned=tuned, p=SimpleNamespace(buf=SimpleNamespace(anchor=anchor)))
+
+    changed = tunes("down=2::128:2", CUDA)
+    assert DecodeOps.cuts_changed(ops(changed, CUDA)) == (  # type: ignore[arg-type]
+        "; cuts from STRATA_DECODE_TUNE: down=2::128:2"
+    )
+    assert DecodeOps.cuts_changed(ops(dict(TUNED), CUDA)) == ""  # type: ignore[arg-type]
+    cpu = torch.device("cpu")
+    assert DecodeOps.cuts_changed(ops(tunes(None, cpu), cpu)) == ""  # type: ignore[arg-type]
