@@ -68,8 +68,8 @@ assert {Q.Q8_0} == {q for q, f in FORMATS.items() if f.kernel == Q8_KIND}
 # What the kernels' input is (``XIN``, a constexpr; ``nw`` the second vector it reads): x as it
 # is; RMSNorm'd, x * rms * nw; gated, x * σ(nw) (gated attention's output); SwiGLU'd,
 # SiLU(x) * nw (an FFN's activation, x its gate half and nw its up half). False and True are
-# XIN_PLAIN and XIN_NORM. The gate and SwiGLU are written as the element-wise kernels wrote them, so
-# they round alike.
+# XIN_PLAIN and XIN_NORM. The gate and the SwiGLU are written as the element-wise launches they
+# replaced wrote them, so they round alike.
 XIN_PLAIN: tl.constexpr = tl.constexpr(0)
 XIN_NORM: tl.constexpr = tl.constexpr(1)
 XIN_GATE: tl.constexpr = tl.constexpr(2)

@@ -103,8 +103,8 @@ def unit_bytes(wp, w0, uf, at_r, u, um, rmask, STEP: tl.constexpr, UDIV: tl.cons
     FLAT: loaded as a [BN, T * W] tile whose W elements of a unit are contiguous, then
     reshaped; w0 the matrix (a pointer, or [T * W] of them: each lane's unit's), uf [T * W]
     each lane's unit (u[lane // W], written so the compiler sees it constant over W lanes),
-    the units past NU masked (w0 must point into a matrix even where um is false: the
-    callers' other masks and weights make those lanes count 0). Loaded as [BN, T, W], the rows
+    the units past NU masked (a caller masks a lane by giving it such a unit). Loaded as
+    [BN, T, W], the rows
     and the units are alike to Triton's layout choice (neither contiguous), and releases break
     that tie differently: 3.9 gives each thread all BN rows of its unit, as the kernels
     intend; 3.6 spreads the rows over the lanes, so every thread holds the input of BN units
