@@ -104,12 +104,11 @@ def unit_bytes(wp, w0, uf, at_r, u, um, rmask, STEP: tl.constexpr, UDIV: tl.cons
     reshaped; w0 the matrix (a pointer, or [T * W] of them: each lane's unit's), uf [T * W]
     each lane's unit (u[lane // W], written so the compiler sees it constant over W lanes),
     the units past NU masked (a caller masks a lane by giving it such a unit). Loaded as
-    [BN, T, W], the rows
-    and the units are alike to Triton's layout choice (neither contiguous), and releases break
-    that tie differently: 3.9 gives each thread all BN rows of its unit, as the kernels
-    intend; 3.6 spreads the rows over the lanes, so every thread holds the input of BN units
-    (compiled for sm_90: 252 registers a thread for Qwen3-30B-A3B's gate/up, not 84). Flat,
-    the units are the contiguous dimension in both."""
+    [BN, T, W], the rows and the units are alike to Triton's layout choice (neither
+    contiguous), and releases break that tie differently: 3.9 gives each thread all BN rows of
+    its unit, as the kernels intend; 3.6 spreads the rows over the lanes, so every thread holds
+    the input of BN units (compiled for sm_90: 252 registers a thread for Qwen3-30B-A3B's
+    gate/up, not 84). Flat, the units are the contiguous dimension in both."""
     if FLAT:
         T: tl.constexpr = u.shape[0]
         BN: tl.constexpr = at_r.shape[0]
