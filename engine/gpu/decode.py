@@ -96,7 +96,8 @@ TUNE_ENV = "STRATA_DECODE_TUNE"
 def tunes(text: str | None, device: torch.device) -> dict[str, Tune]:
     """The decode launches' cuts: ``TUNED`` on a GPU (the interpreter: few, wide programs),
     with ``text`` (``STRATA_DECODE_TUNE``) overriding some, as ``op=bn:warps:regs:ept`` joined
-    by commas, an empty or left-out field the default (``down=4:8:128:2,o=4:8``): a developer's
+    by commas, an empty or left-out field unset (``Tune``'s None, not the table's value:
+    ``down=4:8:128:2,o=4:8``), the op's whole cut replaced: a developer's
     knob for measuring a cut end to end in ``strata bench`` without editing the table. A bad
     value is refused on any device, naming it."""
     out = dict(TUNED)
