@@ -329,9 +329,21 @@ class GGUFIndex:
 
     # -- experts --------------------------------------------------------------------------------
 
+    def _trunk_layers(self) -> int | None:
+        """The layers the forward runs where the file appends next-token-prediction (MTP)
+        blocks after them (``nextn_predict_layers``, as llama.cpp's converter writes Qwen3.5
+        and Qwen3-Next), else None. Bad values are left to the model's reader, which names
+        them."""
+        n_mtp, n_layer = self.key("nextn_predict_layers", 0), self.key("block_count", None)
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (n_mtp, n_layer))
+        return n_layer - n_mtp if ok and 0 < n_mtp < n_layer else None
+
     def _expert_map(self) -> dict[tuple[int, int], ExpertBlob]:
+        """The routed experts by (layer, expert). A prediction block's experts are not among
+        them: the forward never runs that block, so no cache, host tier or count holds them."""
         blobs: dict[tuple[int, int], ExpertBlob] = {}
         layers: dict[int, dict[str, TensorInfo]] = {}
+        trunk = self._trunk_layers()
         for t in self.tensors.values():
             parts = t.name.split(".")
             # blk.{l}.ffn_{kind}_exps.weight
@@ -343,7 +355,7 @@ class GGUFIndex:
                 and (parts[3] == "weight")
             ):
                 kind = parts[2].removeprefix("ffn_").removesuffix("_exps")
-                if kind in EXPERT_KINDS:
+                if kind in EXPERT_KINDS and (trunk is None or int(parts[1]) < trunk):
                     layers.setdefault(int(parts[1]), {})[kind] = t
         for layer, kinds in sorted(layers.items()):
             missing = [k for k in EXPERT_KINDS if k not in kinds]

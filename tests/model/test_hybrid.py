@@ -194,6 +194,27 @@ def test_the_next_turn_after_a_reasoning_reply_reuses_all_but_its_last_message(c
     assert relative_error(logits.numpy(), whole.numpy()) < 1e-5
 
 
+def test_a_prediction_blocks_experts_are_not_the_models(tmp_path: Path) -> None:
+    """The MTP block's experts are never routed to: the index leaves them out, so the cache
+    and its host tier hold the trunk's alone (holding them cost a Qwen3.6 file 0.49 GiB of
+    slots, and a shrink that moved one to RAM found no layer for it in the GPU's tables)."""
+    from strata.engine.gguf_index import GGUFIndex
+
+    spec = HybridSpec("qwen35moe", n_layer=2, n_mtp=1, n_ff_exp=256, n_ff_shexp=256)
+    path = write_hybrid(tmp_path / "mtp.gguf", spec)
+    index = GGUFIndex(path)
+    assert "blk.2.ffn_gate_exps.weight" in index.tensors  # the block is in the file
+    assert {layer for layer, _ in index.experts} == {0, 1}
+    assert len(index.experts) == 2 * spec.n_expert
+    engine = Engine.load(path, EngineOptions(kv_cache_type="f32", threads=2, context_length=64,
+                                             cache_mib=64))  # fmt: skip
+    try:
+        cache = engine.sequences.stages[0].provider
+        assert {layer for layer, _ in cache.keys} == {0, 1}
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_file_with_a_prediction_block_runs_its_trunk(arch, tmp_path: Path, llama_cpp_ref):
     """llama.cpp's converter appends the next-token-prediction (MTP) block to the layers
