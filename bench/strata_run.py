@@ -244,12 +244,24 @@ class StrataBench:
         cache.resize(slots)
         return time.perf_counter() - t0
 
+    def _retime_share(self) -> None:
+        """An automatic CPU share timed for this budget's experts in RAM, as a load with this
+        cache would time it (the row's ``cpu.tuned_ms_per_step``); the engine loaded with the
+        cache whole had nothing in RAM to time."""
+        from strata.engine.fast_path import retime_cpu_share
+
+        stages = [st for st in self.engine.sequences.stages if st.on_gpu]
+        if stages:
+            self.progress("timing the CPU's share of the experts in RAM")
+            retime_cpu_share(stages, self.settings.engine)
+
     def measure(self, budget: Budget, slots: int) -> Row:
         s = self.settings
         cache = self.engine.cache
         n_experts = len(self.engine.index.experts)
         row: Row = {"budget": budget.label, "total_experts": n_experts}
         row["resize_s"] = self.resize_to(slots)
+        self._retime_share()
         # what the cache holds after the resize (a grow that finds too little memory stops short)
         row["cache_experts"] = cache.n_slots if cache is not None else 0
         row["cache_bytes"] = cache.arena.mapped_bytes if cache is not None else 0

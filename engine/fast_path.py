@@ -179,5 +179,24 @@ def configure_gpu(runners: Sequence, model: MoEModel, options: EngineOptions,
                 r.tune_cpu_share()
 
 
+def retime_cpu_share(runners: Sequence, options: EngineOptions) -> None:
+    """The automatic ``cpu_share`` timed again where experts are in RAM now: the share a load
+    with this cache would have chosen (``configure_gpu`` times it at load, and a cache whole at
+    load has nothing to time, which leaves the start's share). Run where no sequence's K/V
+    matters (the timed steps write rows of the first page), after a resize: the bench, at each
+    budget. A share the options fix, copies ahead, a runner without experts in RAM: nothing."""
+    if options.cpu_share is not None or options.prefetch_experts:
+        return
+    for r in runners:
+        if r.device.type != "cuda" or r.tables.host_count == 0:
+            continue
+        with r.on():
+            if not r.cpu.on:  # timed to 0 before: the pool and the CPU mode's graph again
+                r.set_cpu_share(AUTO_CPU_SHARE_START, options.threads or default_threads())
+                if not options.enforce_eager:
+                    r.capture()
+            r.tune_cpu_share()
+
+
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".splitlines()[0]

@@ -465,3 +465,55 @@ def test_the_next_request_of_a_sampler_shape_reuses_its_state_and_draws_its_own(
     assert again == alone
     if runner.gpu.sampled.kept:  # (a GPU with graphs: the interpreter runs them eagerly)
         assert s3.state is s2.state
+
+
+class _Runner:
+    """What ``retime_cpu_share`` asks of a GPU runner, recording what it was told."""
+
+    def __init__(self, in_ram: int, pool: bool) -> None:
+        self.device = torch.device("cuda")  # (a device object: nothing runs on it)
+        self.tables = type("Tables", (), {"host_count": in_ram})()
+        self.cpu = type("Share", (), {"on": pool})()
+        self.calls: list[tuple] = []
+
+    def on(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def set_cpu_share(self, share: float, threads: int) -> None:
+        self.calls.append(("set", share, threads))
+        self.cpu.on = True
+
+    def capture(self) -> None:
+        self.calls.append(("capture",))
+
+    def tune_cpu_share(self) -> None:
+        self.calls.append(("tune",))
+
+
+def test_the_automatic_cpu_share_is_timed_again_for_the_experts_in_ram_now() -> None:
+    """After a resize (the bench's budgets) an automatic share is timed for what is in RAM now:
+    a pool turned off by an earlier timing starts again, with the CPU mode's graph, before the
+    timing; a share the options fix, copies ahead, nothing in RAM or a CPU runner: nothing."""
+    auto = EngineOptions(threads=3)
+    r = _Runner(in_ram=10, pool=True)
+    fast_path.retime_cpu_share([r], auto)
+    assert r.calls == [("tune",)]
+    r = _Runner(in_ram=10, pool=False)
+    fast_path.retime_cpu_share([r], auto)
+    assert r.calls == [("set", fast_path.AUTO_CPU_SHARE_START, 3), ("capture",), ("tune",)]
+    r = _Runner(in_ram=10, pool=False)
+    fast_path.retime_cpu_share([r], replace(auto, enforce_eager=True))
+    assert r.calls == [("set", fast_path.AUTO_CPU_SHARE_START, 3), ("tune",)]
+    for options, runner in [
+        (replace(auto, cpu_share=0.25), _Runner(10, True)),
+        (replace(auto, cpu_share=None, prefetch_experts=2), _Runner(10, True)),
+        (auto, _Runner(0, True)),
+    ]:
+        fast_path.retime_cpu_share([runner], options)
+        assert runner.calls == []
+    cpu_runner = _Runner(10, True)
+    cpu_runner.device = torch.device("cpu")
+    fast_path.retime_cpu_share([cpu_runner], auto)
+    assert cpu_runner.calls == []
