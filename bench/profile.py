@@ -163,6 +163,43 @@ def _gpu_kernels(prof: Any) -> tuple[dict[str, list[float]], int, float]:
     return per, n_kernels, busy
 
 
+def _kernel_times(prof: Any) -> dict[str, list[float]]:
+    """Each kernel name's launches' GPU us, in the order they ran."""
+    events = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if t > 0:
+            events.append((e.time_range.start, e.name, t))
+    per: dict[str, list[float]] = defaultdict(list)
+    for _, name, t in sorted(events):
+        per[name].append(t)
+    return per
+
+
+def launch_roles(times: dict[str, list[float]], steps: int, n_layer: int) -> list[dict[str, Any]]:
+    """The launches of a kernel that runs ``a`` times in every one of ``n_layer`` layers (and
+    ``b`` more times after them) told apart by their place in the layer: role j < a is the j-th
+    launch of that kernel in a layer (the matvecs of a Qwen3 layer: q/k/v, o, the router), role
+    ``after i`` the i-th after the last layer (the head). us per step for each role, so a kernel
+    name's sum splits into the operations it serves. Kernels that run fewer times than there are
+    layers, or not the same number of times each step, are left out."""
+    rows = []
+    for name, ts in times.items():
+        per, rest = divmod(len(ts), steps)
+        if rest or per < n_layer:
+            continue
+        a = per // n_layer
+        sums: dict[str, float] = defaultdict(float)
+        for i, t in enumerate(ts):
+            j = i % per
+            sums[f"{j % a} of {a} a layer" if j < a * n_layer else f"after {j - a * n_layer}"] += t
+        for role, us in sums.items():
+            rows.append({"name": name[:80], "role": role, "us_per_step": us / steps})
+    return rows
+
+
 def prefill_speed(engine: Any, sizes: list[int], reps: int = 3) -> list[dict[str, Any]]:
     """tok/s of prompts of each size through ``Runner.feed`` (as the bench's pp test), and a
     profile of one: kernels per prompt and the GPU time per kernel."""
@@ -224,6 +261,9 @@ def profile_steps(engine: Any, steps: int = 5) -> dict[str, Any]:
         wall = time.perf_counter() - t0
     per, n_kernels, busy = _gpu_kernels(prof)
     nbytes = _kernel_bytes(engine) if dec is not None else {}
+    shape = engine.sequences.model.shape
+    # a hybrid's layers run different kernels: a launch's place in its layer says nothing there
+    roles = [] if shape.recurrent else launch_roles(_kernel_times(prof), steps, shape.n_layer)
     kernels = []
     for name, (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
         row = {"name": name[:80], "per_step": count / steps, "us_per_step": us / steps}
@@ -237,6 +277,7 @@ def profile_steps(engine: Any, steps: int = 5) -> dict[str, Any]:
         "gpu_busy_ms_per_step": busy / steps / 1e3,
         "gpu_busy_share": busy / 1e6 / wall,
         "kernels": kernels,
+        "roles": roles,
     }
 
 
@@ -480,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         for k in pr["kernels"][:14]:
             bw = f"{k['gb_s']:8.0f} GB/s" if "gb_s" in k else ""
             print(f"  {k['per_step']:6.1f}x {k['us_per_step']:9.1f} us {bw}  {k['name']}")
+        for k in pr["roles"]:
+            print(f"  {k['us_per_step']:9.1f} us  {k['name']} ({k['role']})")
     try:
         result["compiled"] = compiled_kernels()
         for k in result["compiled"]:

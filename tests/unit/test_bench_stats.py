@@ -177,3 +177,22 @@ def test_plot_without_matplotlib_names_the_package(monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     with pytest.raises(report.PlotUnavailable, match="matplotlib"):
         report.require_matplotlib()
+
+
+def test_the_profiles_launch_roles_split_a_kernel_by_its_place_in_the_layer() -> None:
+    """Two steps of a 2-layer model: a matvec three times a layer and once after the layers
+    (the head), attention once a layer; a kernel that runs once a step is left out."""
+    from strata.bench.profile import launch_roles
+
+    step = [1.0, 2.0, 3.0, 1.5, 2.5, 3.5, 10.0]  # (q/k/v, o, router) x 2 layers, the head
+    times = {"_matvec_kernel": step + step, "_attn_kernel": [4.0, 5.0] * 2, "_advance": [1.0] * 2}
+    got = {(r["name"], r["role"]): r["us_per_step"] for r in launch_roles(times, 2, 2)}
+    assert got == {
+        ("_matvec_kernel", "0 of 3 a layer"): 2.5,
+        ("_matvec_kernel", "1 of 3 a layer"): 4.5,
+        ("_matvec_kernel", "2 of 3 a layer"): 6.5,
+        ("_matvec_kernel", "after 0"): 10.0,
+        ("_attn_kernel", "0 of 1 a layer"): 9.0,
+    }
+    # not the same count every step: no roles
+    assert launch_roles({"_matvec_kernel": step + step[:-1]}, 2, 2) == []
