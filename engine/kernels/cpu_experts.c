@@ -490,13 +490,22 @@ INLINE void blk_q2_k(const uint8_t *const *p, int b, const float *x, const float
     (void)xs;
     const uint8_t *qs = p[0] + 64 * b, *sc = p[1] + 16 * b;
     const float d = ld_f16(p[2] + 2 * b), dm = ld_f16(p[3] + 2 * b);
+    /* the 16 groups' scales and mins, made as vectors (not 64 scalar conversions a block) */
+    float ds[16], ms[16];
+    for (int h = 0; h < 16; h += 8) {
+        const v8b s = ldb8(sc + h);
+        const v8f lo = __builtin_convertvector(__builtin_convertvector(s & 15, v8i), v8f);
+        const v8f hi = __builtin_convertvector(__builtin_convertvector(s >> 4, v8i), v8f);
+        const v8f dsv = d * lo, msv = dm * hi;
+        memcpy(ds + h, &dsv, sizeof dsv);
+        memcpy(ms + h, &msv, sizeof msv);
+    }
     x += 256 * b;
 #pragma GCC unroll 8
     for (int u = 0; u < 8; u++) {
         const uint8_t *q = qs + 32 * (u / 4);
         const int sh = 2 * (u % 4);
-        const float d0 = d * (float)(sc[2 * u] & 15), d1 = d * (float)(sc[2 * u + 1] & 15);
-        const float m0 = dm * (float)(sc[2 * u] >> 4), m1 = dm * (float)(sc[2 * u + 1] >> 4);
+        const float d0 = ds[2 * u], d1 = ds[2 * u + 1], m0 = ms[2 * u], m1 = ms[2 * u + 1];
         for (int j = 0; j < 16; j += H) {
             const vf w0 = d0 * b2f(shr16(ldb(q + j), sh) & 3) - m0;
             const vf w1 = d1 * b2f(shr16(ldb(q + 16 + j), sh) & 3) - m1;
@@ -512,10 +521,18 @@ INLINE void blk_q3_k(const uint8_t *const *p, int b, const float *x, const float
     (void)xs;
     const uint8_t *qs = p[0] + 64 * b, *hm = p[1] + 32 * b, *sc = p[2] + 12 * b;
     const float d = ld_f16(p[3] + 2 * b);
+    /* the 16 scales as two vectors of 8 (not 16 scalar assemblies a block): groups 0-7 take
+     * the low nibbles of sc[0..7], 8-15 the high; the high bits of group g are bits 2 (g / 4)
+     * of sc[8 + g % 4] */
+    const v8i a = __builtin_convertvector(ldb8(sc), v8i);
+    const uint8_t hb[8] = {sc[8], sc[9], sc[10], sc[11], sc[8], sc[9], sc[10], sc[11]};
+    const v8i h = __builtin_convertvector(ldb8(hb), v8i);
+    const v8i s0 = ((a & 15) | ((h >> (v8i){0, 0, 0, 0, 2, 2, 2, 2}) & 3) << 4) - 32;
+    const v8i s1 = ((a >> 4) | ((h >> (v8i){4, 4, 4, 4, 6, 6, 6, 6}) & 3) << 4) - 32;
     float ds[16];
-    for (int g = 0; g < 16; g++)
-        ds[g] = d * (float)((((sc[g % 8] >> (4 * (g / 8))) & 15) |
-                             ((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4) - 32);
+    const v8f f0 = d * __builtin_convertvector(s0, v8f), f1 = d * __builtin_convertvector(s1, v8f);
+    memcpy(ds, &f0, sizeof f0);
+    memcpy(ds + 8, &f1, sizeof f1);
     x += 256 * b;
 #pragma GCC unroll 8
     for (int u = 0; u < 8; u++) {
