@@ -112,6 +112,22 @@ def test_matvec_matches_dequantise_then_multiply(types, with_norm, rng) -> None:
         assert rel_err(h, rms_norm(x, norm, 1e-6)) < 1e-6, wrong_rows(h, rms_norm(x, norm, 1e-6))
 
 
+@pytest.mark.parametrize("bn", [1, 4, 8])
+@pytest.mark.parametrize("warps", [1, 4])
+@pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "rmsnorm"])
+def test_a_q8_0_matvec_at_every_cut(bn, warps, with_norm, rng) -> None:
+    """A lone Q8_0 matrix (ragged rows) at several rows a program and warps: on the H200 a lone
+    Q8_0 with the norm folded in failed at the default cut, and which cuts fail says where."""
+    K = 512
+    m = mat(Q.Q8_0, 37, K, rng)
+    x = torch.randn(K, device=DEVICE)
+    norm = torch.rand(K, device=DEVICE) + 0.5 if with_norm else None
+    y = nan(37)
+    matvec(y, x, [m], norm=norm, eps=1e-6, bn=bn, num_warps=warps)
+    want = matvec_reference(x, [m], norm, 1e-6)
+    assert rel_err(y, want) < TOL, wrong_rows(y, want)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.F32, Q.BF16], ids=lambda t: t.name)
 def test_matvec_on_a_dimension_not_a_multiple_of_the_inner_step(qtype, rng) -> None:
     K = 96  # three Q8_0 / Q4_0 blocks, not a multiple of eight blocks or of 256 floats
