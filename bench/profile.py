@@ -146,23 +146,6 @@ def _kernel_bytes(engine: Any) -> dict[str, float]:
     return {"_matvec_kernel": dense + head, "_gate_up_kernel": gate_up, "_down_kernel": down}
 
 
-def _gpu_kernels(prof: Any) -> tuple[dict[str, list[float]], int, float]:
-    """Per kernel name [launches, GPU us] of a profiler trace, the launches, the busy us."""
-    per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    n_kernels, busy = 0, 0.0
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        if t <= 0:
-            continue
-        per[e.name][0] += 1
-        per[e.name][1] += t
-        n_kernels += 1
-        busy += t
-    return per, n_kernels, busy
-
-
 def _kernel_times(prof: Any) -> dict[str, list[float]]:
     """Each kernel name's launches' GPU us, in the order they ran."""
     events = []
@@ -176,6 +159,12 @@ def _kernel_times(prof: Any) -> dict[str, list[float]]:
     for _, name, t in sorted(events):
         per[name].append(t)
     return per
+
+
+def _gpu_kernels(times: dict[str, list[float]]) -> tuple[dict[str, list[float]], int, float]:
+    """Per kernel name [launches, GPU us] of ``_kernel_times``, the launches, the busy us."""
+    per = {name: [len(ts), sum(ts)] for name, ts in times.items()}
+    return per, sum(n for n, _ in per.values()), sum(us for _, us in per.values())
 
 
 def launch_roles(times: dict[str, list[float]], steps: int, n_layer: int) -> list[dict[str, Any]]:
@@ -226,7 +215,7 @@ def prefill_speed(engine: Any, sizes: list[int], reps: int = 3) -> list[dict[str
             runner.feed(prompt)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-        per, n_kernels, busy = _gpu_kernels(prof)
+        per, n_kernels, busy = _gpu_kernels(_kernel_times(prof))
         top = sorted(per.items(), key=lambda kv: -kv[1][1])[:16]
         row = {
             "tokens": n,
@@ -259,11 +248,12 @@ def profile_steps(engine: Any, steps: int = 5) -> dict[str, Any]:
             tok = int(torch.argmax(runner.feed([tok])))
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    per, n_kernels, busy = _gpu_kernels(prof)
+    times = _kernel_times(prof)
+    per, n_kernels, busy = _gpu_kernels(times)
     nbytes = _kernel_bytes(engine) if dec is not None else {}
     shape = engine.sequences.model.shape
     # a hybrid's layers run different kernels: a launch's place in its layer says nothing there
-    roles = [] if shape.recurrent else launch_roles(_kernel_times(prof), steps, shape.n_layer)
+    roles = [] if shape.recurrent else launch_roles(times, steps, shape.n_layer)
     kernels = []
     for name, (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
         row = {"name": name[:80], "per_step": count / steps, "us_per_step": us / steps}

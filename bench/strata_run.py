@@ -248,12 +248,10 @@ class StrataBench:
         """An automatic CPU share timed for this budget's experts in RAM, as a load with this
         cache would time it (the row's ``cpu.tuned_ms_per_step``); the engine loaded with the
         cache whole had nothing in RAM to time."""
-        from strata.engine.fast_path import retime_cpu_share
+        from strata.engine.fast_path import time_cpu_share
 
         stages = [st for st in self.engine.sequences.stages if st.on_gpu]
-        if stages:
-            self.progress("timing the CPU's share of the experts in RAM")
-            retime_cpu_share(stages, self.settings.engine)
+        time_cpu_share(stages, self.settings.engine, self.progress)
 
     def measure(self, budget: Budget, slots: int) -> Row:
         s = self.settings

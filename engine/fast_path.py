@@ -172,26 +172,29 @@ def configure_gpu(runners: Sequence, model: MoEModel, options: EngineOptions,
     else:
         for r in runners:
             r.graph_reason = "enforce_eager is set"
-    if auto and any(r.cpu_sharing for r in runners):
-        step("timing the CPU's share of the experts in RAM")
-        for r in runners:
-            with r.on():
-                r.tune_cpu_share()
+    if auto:
+        time_cpu_share(runners, options, step)
 
 
-def retime_cpu_share(runners: Sequence, options: EngineOptions) -> None:
-    """The automatic ``cpu_share`` timed again where experts are in RAM now: the share a load
-    with this cache would have chosen (``configure_gpu`` times it at load, and a cache whole at
-    load has nothing to time, which leaves the start's share). Run where no sequence's K/V
-    matters (the timed steps write rows of the first page), after a resize: the bench, at each
-    budget. A share the options fix, copies ahead, a runner without experts in RAM: nothing."""
+def time_cpu_share(runners: Sequence, options: EngineOptions,
+                   step: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    """Time the automatic ``cpu_share`` for the experts in RAM now, on each runner that has
+    some: at load (``configure_gpu``), and again after a resize, where a load with that cache
+    would have chosen another share (a cache whole at load has nothing to time, and keeps the
+    start's); the bench does so at each budget. Run where no sequence's K/V matters (the timed
+    steps write rows of the first page). A pool that an earlier timing turned off (share 0)
+    starts again, with the CPU mode's graph, to be timed; one the machine refused (no C
+    compiler: ``cpu.reason``) is not asked again. A share the options fix, copies ahead, a
+    runner on the CPU or without experts in RAM: nothing. ``step`` hears of the timing."""
     if options.cpu_share is not None or options.prefetch_experts:
         return
-    for r in runners:
-        if r.device.type != "cuda" or r.tables.host_count == 0:
-            continue
+    todo = [r for r in runners if r.device.type == "cuda" and r.tables.host_count > 0]
+    todo = [r for r in todo if r.cpu.on or r.cpu.tuned]
+    if todo and step is not None:
+        step("timing the CPU's share of the experts in RAM")
+    for r in todo:
         with r.on():
-            if not r.cpu.on:  # timed to 0 before: the pool and the CPU mode's graph again
+            if not r.cpu.on:
                 r.set_cpu_share(AUTO_CPU_SHARE_START, options.threads or default_threads())
                 if not options.enforce_eager:
                     r.capture()

@@ -9,9 +9,11 @@ the ``gpu`` tests in ``tests/gpu/test_fast_decode_gpu.py`` go through ``Engine.l
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import pytest
@@ -468,17 +470,16 @@ def test_the_next_request_of_a_sampler_shape_reuses_its_state_and_draws_its_own(
 
 
 class _Runner:
-    """What ``retime_cpu_share`` asks of a GPU runner, recording what it was told."""
+    """What ``time_cpu_share`` asks of a GPU runner, recording what it was told. ``tuned``: an
+    earlier timing's results (a pool off with them was timed to 0; off without, refused)."""
 
-    def __init__(self, in_ram: int, pool: bool) -> None:
+    def __init__(self, in_ram: int, pool: bool, tuned: bool = False) -> None:
         self.device = torch.device("cuda")  # (a device object: nothing runs on it)
-        self.tables = type("Tables", (), {"host_count": in_ram})()
-        self.cpu = type("Share", (), {"on": pool})()
+        self.tables = SimpleNamespace(host_count=in_ram)
+        self.cpu = SimpleNamespace(on=pool, tuned={0.0: 1.0} if tuned else {})
         self.calls: list[tuple] = []
 
-    def on(self):
-        import contextlib
-
+    def on(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     def set_cpu_share(self, share: float, threads: int) -> None:
@@ -495,25 +496,29 @@ class _Runner:
 def test_the_automatic_cpu_share_is_timed_again_for_the_experts_in_ram_now() -> None:
     """After a resize (the bench's budgets) an automatic share is timed for what is in RAM now:
     a pool turned off by an earlier timing starts again, with the CPU mode's graph, before the
-    timing; a share the options fix, copies ahead, nothing in RAM or a CPU runner: nothing."""
+    timing; a share the options fix, copies ahead, nothing in RAM, a CPU runner or a pool the
+    machine refused: nothing (and no word of a timing)."""
     auto = EngineOptions(threads=3)
+    said: list[str] = []
     r = _Runner(in_ram=10, pool=True)
-    fast_path.retime_cpu_share([r], auto)
-    assert r.calls == [("tune",)]
-    r = _Runner(in_ram=10, pool=False)
-    fast_path.retime_cpu_share([r], auto)
+    fast_path.time_cpu_share([r], auto, said.append)
+    assert r.calls == [("tune",)] and said == ["timing the CPU's share of the experts in RAM"]
+    r = _Runner(in_ram=10, pool=False, tuned=True)
+    fast_path.time_cpu_share([r], auto)
     assert r.calls == [("set", fast_path.AUTO_CPU_SHARE_START, 3), ("capture",), ("tune",)]
-    r = _Runner(in_ram=10, pool=False)
-    fast_path.retime_cpu_share([r], replace(auto, enforce_eager=True))
+    r = _Runner(in_ram=10, pool=False, tuned=True)
+    fast_path.time_cpu_share([r], replace(auto, enforce_eager=True))
     assert r.calls == [("set", fast_path.AUTO_CPU_SHARE_START, 3), ("tune",)]
+    said.clear()
     for options, runner in [
         (replace(auto, cpu_share=0.25), _Runner(10, True)),
         (replace(auto, cpu_share=None, prefetch_experts=2), _Runner(10, True)),
         (auto, _Runner(0, True)),
+        (auto, _Runner(10, False)),  # refused here (no C compiler): not asked again
     ]:
-        fast_path.retime_cpu_share([runner], options)
+        fast_path.time_cpu_share([runner], options, said.append)
         assert runner.calls == []
     cpu_runner = _Runner(10, True)
     cpu_runner.device = torch.device("cpu")
-    fast_path.retime_cpu_share([cpu_runner], auto)
-    assert cpu_runner.calls == []
+    fast_path.time_cpu_share([cpu_runner], auto, said.append)
+    assert cpu_runner.calls == [] and said == []
