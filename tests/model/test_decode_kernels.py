@@ -342,6 +342,29 @@ def test_route_picks_the_reference_top_k_and_counts_them(k, norm) -> None:
     assert torch.equal(counts.cpu(), expected)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["softmax-first", "top-k-first"])
+def test_route_takes_equal_values_lowest_id_first_negative_and_zero_ones_too(late) -> None:
+    """The top k is one max a pick over (value, id) packed in an int64: equal values, a -0.0
+    and a +0.0 among them, go lowest id first, and negative logits order as floats do."""
+    E, k = 16, 7
+    logits = torch.full((E,), -5.0)
+    logits[[9, 5]] = torch.tensor([0.0, -0.0])  # equal: 5 first
+    logits[[7, 3]] = -1.0
+    logits[12] = -0.75
+    table = torch.arange(E, dtype=torch.int64, device=DEVICE) * 512
+    ids = torch.zeros(k, dtype=torch.int32, device=DEVICE)
+    eoffs = torch.zeros(k, dtype=torch.int64, device=DEVICE)
+    wts = nan(k)
+    counts = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    moe.route(logits.to(DEVICE), table, ids, wts, eoffs, counts, k, False, late=late)
+    want = [5, 9, 12, 3, 7, 0, 1]
+    assert ids.cpu().tolist() == want
+    vals = logits[want]
+    w = torch.softmax(vals, -1) if late else torch.softmax(logits, -1)[want]
+    assert (wts.cpu() - w).abs().max() < 1e-6
+    assert counts.cpu()[want].tolist() == [1] * k and int(counts.sum()) == k
+
+
 @pytest.mark.parametrize("p", [1, 3, 8])
 def test_predict_copies_ahead_the_top_p_with_ram_homes_only(p) -> None:
     E = 16
