@@ -23,9 +23,12 @@ instruction at an eighth of the issue rate.
 Every type with units of 32 elements (all but Q8_0 and the floats) shares ``k_tile``'s
 structure; IQ4_XS picks its levels out of packed words (``unit_kernels.nl_level``, no load).
 Q4_K, Q5_K, Q6_K, IQ4_XS and Q4_0 have inner loops of their own; the gathered types (Q4_1,
-Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, IQ3_XXS, IQ3_S) theirs in ``quant.unit_kernels.unit_dot``
-(factored where the type allows; the grid types dequantise the tile, grids read from the
-matrix's own tables).
+Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K) theirs in ``quant.unit_kernels.unit_dot`` (factored
+where the type allows). The grid types (IQ3_XXS, IQ3_S) are ``grid_tile``'s: a unit's grid
+rows are words read from the matrix's own table, and its tiles are [units, rows], the input
+a column at a time (compiled for sm_90, Qwen3-30B-A3B's gate/up, down and attention q take
+94, 48 and 56 registers a thread under Triton 3.6 as IQ3_S, where per-element gathers in
+[rows, units, 16] tiles took 255 with a 200-byte stack, 234 and 184).
 That is the same function as "dequantise, then multiply" up to float rounding; the callers'
 tests bound the difference.
 """
@@ -41,7 +44,19 @@ import triton.language as tl
 from strata.engine.quant.format import Q8 as Q8_KIND
 from strata.engine.quant.format import UNIT32
 from strata.engine.quant.formats import FORMATS
-from strata.engine.quant.unit_kernels import K_UNITS, nl_level, u_float, unit_bytes, unit_dot
+from strata.engine.quant.unit_kernels import (
+    IQ3S_HS,
+    IQ3S_QS,
+    IQ3S_SC,
+    IQ3S_SG,
+    IQ3XXS_SS,
+    K_UNITS,
+    SIGN_BIT,
+    nl_level,
+    u_float,
+    unit_bytes,
+    unit_dot,
+)
 
 Q = gguf.GGMLQuantizationType
 # GGML type ids the kernels dispatch on (constexpr), from gguf's table.
@@ -54,10 +69,26 @@ Q4_K: tl.constexpr = tl.constexpr(int(Q.Q4_K))
 Q5_K: tl.constexpr = tl.constexpr(int(Q.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(Q.Q6_K))
 IQ4_XS: tl.constexpr = tl.constexpr(int(Q.IQ4_XS))
+IQ3_XXS: tl.constexpr = tl.constexpr(int(Q.IQ3_XXS))
+IQ3_S: tl.constexpr = tl.constexpr(int(Q.IQ3_S))
 
 # Triton's interpreter (CI, on the CPU) runs a program at a time in Python: there, fewer and wider
 # programs test the same code in a fraction of the time. On a GPU the tuned sizes apply.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cols_from_env() -> bool:
+    """``STRATA_DECODE_COLS``: 1 reads Q4_K in the decode kernels with ``kcols_tile`` (tiles of
+    [units, rows], the input a column at a time), 0 or unset with ``k_tile``. A developer's
+    switch for an A/B on a GPU until the bench says which is faster; another value is refused
+    with its name."""
+    value = os.environ.get("STRATA_DECODE_COLS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"STRATA_DECODE_COLS={value!r}: want 1 (column tiles for Q4_K) or 0")
+    return value == "1"
+
+
+COLS: tl.constexpr = tl.constexpr(_cols_from_env())
 
 # the types whose units are 32 elements, k_tile's: every type but Q8_0 and the plain floats
 # (dot_rows and moe._down_kernel test those two inline); the gathered ones through unit_halves
@@ -214,6 +245,158 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
 
 
 @triton.jit
+def _word(p, at, m):
+    """int32 words at word offsets ``at`` from the byte pointers ``p``."""
+    return tl.load((p + 4 * at).to(tl.pointer_type(tl.int32)), mask=m, other=0)
+
+
+@triton.jit
+def _byte(p, at, m):
+    return tl.load(p + at, mask=m, other=0).to(tl.int32)
+
+
+@triton.jit
+def _grid_entry(acc, wp2, o3, q, high, i: tl.constexpr, H: tl.constexpr, m2, sw, x, nw, rms,
+                xo, um, XIN: tl.constexpr, QT: tl.constexpr):  # fmt: skip
+    """acc [T, BN] + grid entry H + i of each unit (its 4 elements, signed) times the input:
+    the entry's index is byte i of the word q (IQ3_S: its ninth bit, bit H + i of ``high``)."""
+    idx = (q >> (8 * i)) & 0xFF
+    if QT == IQ3_S:
+        idx |= ((high >> (H + i)) & 1) << 8
+    g = _word(wp2 + o3, idx, m2)  # the grid row: 4 byte values
+    for b in tl.static_range(4):  # element 4 (H + i) + b of the unit
+        mag = u_float((g >> (8 * b)) & 0xFF, 0.0)
+        neg = (sw << (31 - 4 * (H + i) - b)) & SIGN_BIT
+        v = (mag.to(tl.int32, bitcast=True) ^ neg).to(tl.float32, bitcast=True)
+        acc += v * xin(x, nw, rms, xo + 4 * (H + i) + b, um, XIN)[:, None]
+    return acc
+
+
+@triton.jit
+def grid_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constexpr, x, nw,
+              rms, xo, XIN: tl.constexpr):  # fmt: skip
+    """IQ3_XXS and IQ3_S: rows r [BN] x units u [T] (32 elements each, the input of unit u from
+    offset xo[u], transformed as ``xin``) dotted: [BN, T], as db * sum(grid * sign * x) a
+    unit. A unit's eight grid indices are two words, its grid rows eight word loads and its 32
+    signs one word, so no address is made per element. Computed as [T, BN] tiles and the
+    input a column at a time ([T]), so every tile has the units along the threads and a
+    thread's rows in its registers whatever the Triton release's layout choice (rows and units
+    tie; releases break ties toward the first dimension), then transposed."""
+    m2 = um[:, None] & rmask[None, :]
+    wp2 = wp[:, None]
+    blk = (r * (NK // K_UNITS))[None, :] + (u // K_UNITS)[:, None]  # [T, BN]
+    j = (u % K_UNITS)[:, None]
+    q0 = _word(wp2, blk * (IQ3S_QS // 4) + 2 * j, m2)  # 8 index bytes a unit (both types)
+    q1 = _word(wp2, blk * (IQ3S_QS // 4) + 2 * j + 1, m2)
+    if QT == IQ3_S:
+        hs = blk * IQ3S_HS
+        # the unit's byte of ninth bits out of its word (a byte load here, contiguous over the
+        # units, would be vectorised: 4 units a thread, and every tile's layout with it)
+        high = (_word(wp2 + o1, hs // 4 + j // 4, m2) >> (8 * (j % 4))) & 0xFF
+        sw = _word(wp2 + o1, (hs + IQ3S_SG) // 4 + j, m2)  # bit t: element t negative
+        s = (_byte(wp2 + o1, hs + IQ3S_SC + j // 2, m2) >> (4 * (j % 2))) & 0x0F
+        d = tl.load((wp2 + o2 + 2 * blk).to(tl.pointer_type(tl.float16)), mask=m2, other=0)
+        db = d.to(tl.float32) * (1 + 2 * s).to(tl.float32)
+    else:  # IQ3_XXS: the unit's word holds its scale and four sign patterns' indices
+        high = q0  # (unread)
+        w = _word(wp2 + o1, blk * (IQ3XXS_SS // 4) + j, m2)
+        d = tl.load((wp2 + o2 + 2 * blk).to(tl.pointer_type(tl.float16)), mask=m2, other=0)
+        db = d.to(tl.float32) * (0.5 + ((w >> 28) & 0x0F).to(tl.float32)) * 0.5
+        sw = _byte(wp2 + o4, w & 0x7F, m2)
+        sw |= _byte(wp2 + o4, (w >> 7) & 0x7F, m2) << 8
+        sw |= _byte(wp2 + o4, (w >> 14) & 0x7F, m2) << 16
+        sw |= _byte(wp2 + o4, (w >> 21) & 0x7F, m2) << 24
+    acc = tl.zeros(m2.shape, tl.float32)
+    for i in tl.static_range(4):
+        acc = _grid_entry(acc, wp2, o3, q0, high, i, 0, m2, sw, x, nw, rms, xo, um, XIN, QT)
+    for i in tl.static_range(4):
+        acc = _grid_entry(acc, wp2, o3, q1, high, i, 4, m2, sw, x, nw, rms, xo, um, XIN, QT)
+    return tl.trans(db * acc)
+
+
+@triton.jit
+def _words4(p, at, m2):
+    """The 4 words from word offset at ([T, BN]) of the byte pointers p ([T, 1]): one 16-byte
+    load, as four [T, BN] tensors."""
+    w = tl.load((p[:, :, None]).to(tl.pointer_type(tl.int32)) + at[:, :, None]
+                + tl.arange(0, 4)[None, None, :], mask=m2[:, :, None], other=0)  # fmt: skip
+    a, b = tl.split(tl.reshape(w, [w.shape[0], w.shape[1], 2, 2]))
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _byte_of_words(p, at, m2):
+    """The bytes at byte offsets at ([T, BN], 4-aligned planes) out of their words: a byte
+    load contiguous over the units would be vectorised, 4 units a thread."""
+    return (_word(p, at // 4, m2) >> (8 * (at % 4))) & 0xFF
+
+
+@triton.jit
+def _nibble_dots(acc, acc2, sx, q, q2, wi: tl.constexpr, x, nw, rms, xo, um,
+                 XIN: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+    """(acc, acc2, sx) [T, BN], [T, BN], [T] + the 8 elements of quant word wi (bytes 4 wi + b:
+    elements 4 wi + b in the low nibbles, 16 + 4 wi + b in the high) of one matrix (q), or of
+    two (TWO: q2 too, the same input), times the input, and the input's sum."""
+    for b in tl.static_range(4):
+        for hi in tl.static_range(2):
+            xc = xin(x, nw, rms, xo + 16 * hi + 4 * wi + b, um, XIN)
+            sx += xc
+            acc += u_float((q >> (8 * b + 4 * hi)) & 15, 0.0) * xc[:, None]
+            if TWO:
+                acc2 += u_float((q2 >> (8 * b + 4 * hi)) & 15, 0.0) * xc[:, None]
+    return acc, acc2, sx
+
+
+@triton.jit
+def _q4k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK: tl.constexpr):
+    """A Q4_K unit's d * scale and dmin * min ([T, BN] each)."""
+    s_at = rr * NK + uu
+    sc = _byte_of_words(wp2 + o1, s_at, m2).to(tl.float32)
+    mn = _byte_of_words(wp2 + o2, s_at, m2).to(tl.float32)
+    db = rr * (NK // K_UNITS) + uu // K_UNITS
+    d = tl.load(_f16_plane(wp2, o3) + db, mask=m2, other=0).to(tl.float32)
+    dm = tl.load(_f16_plane(wp2, o4) + db, mask=m2, other=0).to(tl.float32)
+    return d * sc, dm * mn
+
+
+@triton.jit
+def kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, x, nw, rms, xo,
+               XIN: tl.constexpr, vp=None, p1=0, p2=0, p3=0, p4=0,
+               TWO: tl.constexpr = False):  # fmt: skip
+    """Q4_K rows r [BN] x units u [T] dotted with the input (from offsets xo, as ``xin``):
+    [BN, T] (TWO: and the same of a second Q4_K matrix at vp, planes p1..p4, in one pass over
+    the input). As ``grid_tile``, the tiles are [T, BN] and the input a column at a time: no
+    tile changes its layout (compiled for sm_90 under Triton 3.6, Qwen3-30B-A3B's gate/up has
+    7 barriers, not 33; 3.9 breaks the rows/units tie the other way, ``COLS``)."""
+    m2 = um[:, None] & rmask[None, :]
+    rr = r[None, :]
+    uu = u[:, None]
+    at = rr * (NK * 4) + 4 * uu
+    wp2 = wp[:, None]
+    q0, q1, q2, q3 = _words4(wp2, at, m2)
+    v0, v1, v2, v3 = q0, q1, q2, q3
+    if TWO:
+        vp2 = vp[:, None]
+        v0, v1, v2, v3 = _words4(vp2, at, m2)
+    acc = tl.zeros(m2.shape, tl.float32)
+    acc2 = tl.zeros(m2.shape, tl.float32)
+    sx = tl.zeros(u.shape, tl.float32)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q0, v0, 0, x, nw, rms, xo, um, XIN, TWO)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q1, v1, 1, x, nw, rms, xo, um, XIN, TWO)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q2, v2, 2, x, nw, rms, xo, um, XIN, TWO)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q3, v3, 3, x, nw, rms, xo, um, XIN, TWO)
+    ds, dm = _q4k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK)
+    out = tl.trans(ds * acc - dm * sx[:, None])
+    out2 = out
+    if TWO:
+        ds2, dm2 = _q4k_scale(vp2, p1, p2, p3, p4, rr, uu, m2, NK)
+        out2 = tl.trans(ds2 * acc2 - dm2 * sx[:, None])
+    return out, out2
+
+
+@triton.jit
 def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.constexpr,
             w0=None, uf=None, FLAT: tl.constexpr = False):  # fmt: skip
     """Q8_0, units of 16 elements (half a block; the input of unit u from offset xo): [BN, T].
@@ -258,6 +441,10 @@ def _row_tile(w, o1, o2, o3, o4, r, rmask, u0, T: tl.constexpr, K: tl.constexpr,
     elif QT == F32 or QT == F16 or QT == BF16:
         uf = u0 + tl.arange(0, T * 8) // 8
         return float_tile(wp, r, rmask, u, um, K, x, nw, rms, 8 * u, QT, XIN, w, uf, True)
+    elif QT == IQ3_XXS or QT == IQ3_S:
+        return grid_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u, XIN)
+    elif QT == Q4_K and COLS:
+        return kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, x, nw, rms, 32 * u, XIN)[0]
     else:  # units of 32 elements
         uf = u0 + tl.arange(0, T * 16) // 16
         xl, xh, sx = k_input(x, nw, rms, 32 * u, um, XIN)
@@ -294,8 +481,33 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
               TAIL: tl.constexpr = 0):  # fmt: skip
     """``dot_rows`` of two matrices of one type (at w and v) with the same input, in one pass
     when their units are 32 elements (each input tile loaded once): ([BN], [BN])."""
-    if QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16:  # units of 32 elements
+    if QT == Q4_K and COLS:  # ``kcols_tile``, both matrices in one pass
         r = rows.to(tl.int64)
+        NK2: tl.constexpr = K // 32
+        STEPS: tl.constexpr = NK2 // T if TAIL > 0 else (NK2 + T - 1) // T
+        t = tl.arange(0, T)
+        wp = w + tl.zeros([T], tl.int32)
+        vp = v + tl.zeros([T], tl.int32)
+        acc_a = tl.zeros([BN, T], tl.float32)
+        acc_b = tl.zeros([BN, T], tl.float32)
+        for i in tl.static_range(STEPS):
+            u = i * T + t
+            ya, yb = kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK2, NK2, x, x, 1.0, 32 * u,
+                                False, vp, p1, p2, p3, p4, True)  # fmt: skip
+            acc_a += ya
+            acc_b += yb
+        a = tl.sum(acc_a, 1)
+        c = tl.sum(acc_b, 1)
+        if TAIL > 0:
+            u = STEPS * T + tl.arange(0, TAIL)
+            wt = w + tl.zeros([TAIL], tl.int32)
+            vt = v + tl.zeros([TAIL], tl.int32)
+            ya, yb = kcols_tile(wt, o1, o2, o3, o4, r, rmask, u, u < NK2, NK2, x, x, 1.0, 32 * u,
+                                False, vt, p1, p2, p3, p4, True)  # fmt: skip
+            a += tl.sum(ya, 1)
+            c += tl.sum(yb, 1)
+    elif QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16 and QT != IQ3_XXS and QT != IQ3_S:
+        r = rows.to(tl.int64)  # units of 32 elements, ``k_tile``'s
         NK: tl.constexpr = K // 32
         FULL: tl.constexpr = NK // T if TAIL > 0 else (NK + T - 1) // T
         t = tl.arange(0, T)

@@ -31,16 +31,22 @@ import triton.language as tl
 from strata.engine.kernels.cpu_experts import request_ids_offset, request_offsets
 from strata.engine.kernels.dot import (
     BF16,
+    COLS,
     F16,
     F32,
     INTERPRETED,
+    IQ3_S,
+    IQ3_XXS,
     MAX_UNITS,
+    Q4_K,
     Q8_0,
     dot_rows,
     dot_rows2,
     float_tile,
+    grid_tile,
     k_input,
     k_tile,
+    kcols_tile,
     launch_regs,
     plane_offsets,
     q8_tile,
@@ -228,7 +234,13 @@ def _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, um, F: tl.constex
     """Units u of the chosen experts kk (their slots' down matrices at wp, weights wt) dotted
     with their act rows, times the weights: [BN, len(u)]. FLAT, wf, uf: the quants as flat
     tiles, the step's lanes (``_flat_units``)."""
-    if TD != Q8_0 and TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
+    if TD == IQ3_XXS or TD == IQ3_S:
+        y = grid_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, act, act, 1.0, kk * F + 32 * u,
+                      False)  # fmt: skip
+    elif TD == Q4_K and COLS:
+        y = kcols_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, act, act, 1.0, kk * F + 32 * u,
+                       False)[0]  # fmt: skip
+    elif TD != Q8_0 and TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
         xl, xh, sx = k_input(act, act, 1.0, kk * F + 32 * u, um, False)
         y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, xl, xh, sx, wf, uf, FLAT)
     elif TD == Q8_0:

@@ -1,6 +1,7 @@
 """Triton decoders of the gathered types' repacked planes: one function per format that every
 kernel reading those types shares (the dequantiser here in ``repack_kernels``, the prompt-chunk
-GEMM of ``kernels.gemm``) and ``unit_dot``, the decode dot products' tile (``kernels.dot``).
+GEMM of ``kernels.gemm``) and ``unit_dot``, the decode dot products' tile (``kernels.dot``;
+the grid types' decode tile is ``kernels.dot.grid_tile``, on the constants here).
 
 ``unit_halves`` gives the values of units ``u`` (32 elements each, counted from a row's start)
 of rows ``r`` as two float32 tiles ``[BN, T, 16]``: elements 32u + k (the low half) and
@@ -409,9 +410,9 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
     """The decode kernels' tile of a gathered type: rows r [BN] x units u [T] dotted with the
     input halves xl, xh ([T, 16]: elements 32u + k and 32u + 16 + k; sx [T] their sums) ->
     [BN, T]. The scales come out of the sums where the type allows (a scale times an integer
-    dot product, minus or plus a min times the input's sum); the grid types dequantise the tile
-    (``unit_halves``) and multiply. FLAT, w0, uf: the quants' loads as ``unit_bytes`` makes
-    them (the grid types' stay 3-D)."""
+    dot product, minus or plus a min times the input's sum). The grid types are not here: the
+    decode kernels read them with ``kernels.dot.grid_tile``. FLAT, w0, uf: the quants' loads
+    as ``unit_bytes`` makes them."""
     k = tl.arange(0, 16)[None, None, :]
     m3 = rm[:, None, None] & um[None, :, None]
     m2 = rm[:, None] & um[None, :]
@@ -459,9 +460,6 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
             hi = tl.sum(u_float(q_hi | (h_hi << 2), 4.0) * xh[None, :, :], 2)
             out = d * (_q3k_scale(wp2, o2, blk2, 2 * j2, m2) * lo)
             out += d * (_q3k_scale(wp2, o2, blk2, 2 * j2 + 1, m2) * hi)
-    elif QT == IQ3_XXS or QT == IQ3_S:
-        lo, hi = unit_halves(wp, o1, o2, o3, o4, r, rm, u, um, NK, QT)
-        out = tl.sum(lo * xl[None, :, :], 2) + tl.sum(hi * xh[None, :, :], 2)
     else:  # blocks of 32: a unit is a block
         blk2 = (r * NK)[:, None] + u[None, :]
         if FLAT:

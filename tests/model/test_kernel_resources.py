@@ -9,7 +9,8 @@ engine then read prompts on the reference path: gpt-oss's F32 test file did); a 
 most of an SM runs one block per SM (MXFP4 and IQ4_NL did, at 160-280 KiB, while their levels
 were loads from a table); a stack is registers spilled to local memory, loads and stores in the
 loop that the tensor cores wait on. Three forms per type with the engine's tiles: the
-dense product, the experts' gate and up (two weight tiles a step) and their down."""
+dense product, the experts' gate and up (two weight tiles a step) and their down. And the decode
+kernels of the grid types (``strata.bench.decode_resources``), which once spilled."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ _kernel:
 """
 
 
-def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: int = 900,
+         tool: str = "kernel_resources") -> subprocess.CompletedProcess:  # fmt: skip
     import triton
 
     from strata.bench.kernel_resources import tools_missing
@@ -59,7 +61,7 @@ def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     if missing := tools_missing():
         pytest.skip(f"this Triton's CUDA backend has no {' or '.join(missing)} to read binaries")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "strata.bench.kernel_resources", *args]
+    cmd = [sys.executable, "-m", f"strata.bench.{tool}", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -156,3 +158,33 @@ def test_the_main_loop_is_the_widest_backward_branch() -> None:
     assert resource_usage(text) == (168, 16)
     with pytest.raises(RuntimeError, match="no REG:/STACK:"):
         resource_usage("Resource usage:\n")
+
+
+def test_the_grid_types_decode_kernels_keep_their_registers() -> None:
+    """``decode_resources`` compiles the engine's decode launches as the GPU path makes them:
+    the grid types' tiles (``kernels.dot.grid_tile``) once took 255 registers and spilled."""
+    run = _run("--json", "--types", "IQ3_S,IQ3_XXS", "--forms", "gate_up,down",
+               tool="decode_resources")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(run.stdout)
+    assert [(r["qtype"], r["form"], r["shape"]) for r in rows] == [
+        ("IQ3_S", "gate_up", "768x2048"), ("IQ3_S", "down", "2048x768"),
+        ("IQ3_XXS", "gate_up", "768x2048"), ("IQ3_XXS", "down", "2048x768"),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["stack"] == 0 and r["regs"] < 255, r
+        assert r["instructions"] > 0 and r["barriers"] >= 0, r
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--types", "Q4_X"), "'Q4_X' is not a weight type the kernels read"),
+        (("--forms", "attention"), "'attention' is not a decode form (gate_up, down, qkv, o)"),
+        (("--shape", "2048,700,4096"), "D and F must be positive multiples of 256"),
+        (("--shape", "2048,768"), "want D,F,Q, three whole numbers"),
+    ],
+)
+def test_the_decode_check_refuses_what_it_cannot_compile(args, message) -> None:
+    run = _run(*args, timeout=120, tool="decode_resources")
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
