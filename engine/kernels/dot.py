@@ -78,13 +78,14 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _cols_from_env() -> bool:
-    """``STRATA_DECODE_COLS``: 1 reads Q4_K in the decode kernels with ``kcols_tile`` (tiles of
-    [units, rows], the input a column at a time), 0 or unset with ``k_tile``. A developer's
+    """``STRATA_DECODE_COLS``: 1 reads Q4_K and Q8_0 in the decode kernels with ``kcols_tile``
+    and ``q8cols_tile`` (tiles of [units, rows], the input a column at a time), 0 or unset with
+    ``k_tile`` and ``q8_tile``. A developer's
     switch for an A/B on a GPU until the bench says which is faster; another value is refused
     with its name."""
     value = os.environ.get("STRATA_DECODE_COLS", "0")
     if value not in ("0", "1"):
-        raise ValueError(f"STRATA_DECODE_COLS={value!r}: want 1 (column tiles for Q4_K) or 0")
+        raise ValueError(f"STRATA_DECODE_COLS={value!r}: want 1 (column tiles) or 0")
     return value == "1"
 
 
@@ -397,6 +398,33 @@ def kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, x, nw, rms
 
 
 @triton.jit
+def q8cols_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.constexpr):
+    """Q8_0 (units of 16 elements, half a block) as ``kcols_tile`` reads Q4_K: a unit's 16
+    bytes are four words from one 16-byte load, the input a column at a time. [BN, T]."""
+    m2 = um[:, None] & rmask[None, :]
+    rr = r[None, :]
+    uu = u[:, None]
+    wp2 = wp[:, None]
+    q0, q1, q2, q3 = _words4(wp2, rr * (K // 4) + 4 * uu, m2)
+    acc = tl.zeros(m2.shape, tl.float32)
+    acc = _int8_dots(acc, q0, 0, x, nw, rms, xo, um, XIN)
+    acc = _int8_dots(acc, q1, 1, x, nw, rms, xo, um, XIN)
+    acc = _int8_dots(acc, q2, 2, x, nw, rms, xo, um, XIN)
+    acc = _int8_dots(acc, q3, 3, x, nw, rms, xo, um, XIN)
+    d = tl.load(_f16_plane(wp2, o_d) + rr * (K // 32) + uu // 2, mask=m2, other=0)
+    return tl.trans(d.to(tl.float32) * acc)
+
+
+@triton.jit
+def _int8_dots(acc, q, wi: tl.constexpr, x, nw, rms, xo, um, XIN: tl.constexpr):
+    """acc [T, BN] + the 4 signed bytes of quant word wi (elements 4 wi + b) times the input."""
+    for b in tl.static_range(4):
+        v = (q << (24 - 8 * b)) >> 24  # byte b, sign-extended
+        acc += u_float(v + 128, 128.0) * xin(x, nw, rms, xo + 4 * wi + b, um, XIN)[:, None]
+    return acc
+
+
+@triton.jit
 def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.constexpr,
             w0=None, uf=None, FLAT: tl.constexpr = False):  # fmt: skip
     """Q8_0, units of 16 elements (half a block; the input of unit u from offset xo): [BN, T].
@@ -435,7 +463,9 @@ def _row_tile(w, o1, o2, o3, o4, r, rmask, u0, T: tl.constexpr, K: tl.constexpr,
     u = u0 + tl.arange(0, T)
     um = u < NU
     wp = w + tl.zeros([T], tl.int32)
-    if QT == Q8_0:
+    if QT == Q8_0 and COLS:
+        return q8cols_tile(wp, o1, r, rmask, u, um, K, x, nw, rms, 16 * u, XIN)
+    elif QT == Q8_0:
         uf = u0 + tl.arange(0, T * 16) // 16
         return q8_tile(wp, o1, r, rmask, u, um, K, x, nw, rms, 16 * u, XIN, w, uf, True)
     elif QT == F32 or QT == F16 or QT == BF16:

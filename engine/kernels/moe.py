@@ -50,6 +50,7 @@ from strata.engine.kernels.dot import (
     launch_regs,
     plane_offsets,
     q8_tile,
+    q8cols_tile,
     step_warps,
     steps,
     warps_for,
@@ -243,6 +244,8 @@ def _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, um, F: tl.constex
     elif TD != Q8_0 and TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
         xl, xh, sx = k_input(act, act, 1.0, kk * F + 32 * u, um, False)
         y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, xl, xh, sx, wf, uf, FLAT)
+    elif TD == Q8_0 and COLS:
+        y = q8cols_tile(wp, d1, r, ok, u, um, F, act, act, 1.0, kk * F + 16 * u, False)
     elif TD == Q8_0:
         y = q8_tile(wp, d1, r, ok, u, um, F, act, act, 1.0, kk * F + 16 * u, False, wf, uf, FLAT)
     else:

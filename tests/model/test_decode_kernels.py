@@ -127,11 +127,13 @@ def column_tiles(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # SiLU of -big
-def test_q4_k_column_tiles_match_the_reference(column_tiles, rng) -> None:
-    # the norm folded in and its output; the residual; a row of 88 units (a step of 64 and
-    # one of 32); an expert's gate and up in one pass, its down over shuffled slots
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+def test_column_tiles_match_the_reference(qtype, column_tiles, rng) -> None:
+    # the norm folded in and its output; the residual; a row that ends in a narrower step
+    # (Q4_K: 88 units, 64 + 32; Q8_0: 176 of 16, 128 + 32 + ...); an expert's gate and up,
+    # its down over shuffled slots
     K = 512
-    m = mat(Q.Q4_K, 37, K, rng)
+    m = mat(qtype, 37, K, rng)
     x = torch.randn(K, device=DEVICE)
     norm = torch.rand(K, device=DEVICE) + 0.5
     y, h = nan(37), nan(K)
@@ -143,13 +145,13 @@ def test_q4_k_column_tiles_match_the_reference(column_tiles, rng) -> None:
     y = y0.clone()
     matvec(y, x, [m], residual=True)
     assert rel_err(y - y0, matvec_reference(x, [m])) < TOL
-    m = mat(Q.Q4_K, 9, 88 * 32, rng)
+    m = mat(qtype, 9, 88 * 32, rng)
     x = torch.randn(88 * 32, device=DEVICE)
     y = nan(9)
     matvec(y, x, [m])
     assert rel_err(y, matvec_reference(x, [m])) < TOL
     E, D, F, k = 5, 256, 512, 3
-    ex = Experts(E, D, F, Q.Q4_K, Q.Q4_K, rng)
+    ex = Experts(E, D, F, qtype, qtype, rng)
     ids = torch.tensor([E - 1, 0, 2], dtype=torch.int32, device=DEVICE)
     eoffs = ex.table[ids.long()]
     wts, h = torch.rand(k, device=DEVICE), torch.randn(D, device=DEVICE)
@@ -170,7 +172,7 @@ def test_the_column_switch_refuses_what_it_does_not_know(monkeypatch) -> None:
     from strata.engine.kernels import dot
 
     monkeypatch.setenv("STRATA_DECODE_COLS", "yes")
-    with pytest.raises(ValueError, match=r"STRATA_DECODE_COLS='yes': want 1 \(column tiles"):
+    with pytest.raises(ValueError, match=r"STRATA_DECODE_COLS='yes': want 1 \(column tiles\) or 0"):
         dot._cols_from_env()
     monkeypatch.setenv("STRATA_DECODE_COLS", "1")
     assert dot._cols_from_env()
