@@ -16,7 +16,8 @@
  * rows of `cols` elements; plane p of row r starts at
  *     matrix + planes[p] + r * (cols / elements per block) * (plane p's bytes per block)
  * except a fixed plane (a table: IQ4_XS's, IQ4_NL's and MXFP4's levels, the IQ3 grids), which
- * is once per matrix at matrix + planes[p]. The TYPES table below repeats each type's block and
+ * is once per matrix at matrix + planes[p] (the IQ3 grids' plane is not read here: the grid
+ * types read float copies of the same values, strata_set_grids). The TYPES table below repeats each type's block and
  * plane sizes; strata_type_layout hands them to Python, which checks them against the types'
  * descriptions when it loads the library. A
  * "unit" is 32 consecutive elements of a row: in every 4-bit plane, byte 16 u + k holds element
@@ -549,20 +550,46 @@ INLINE void blk_q3_k(const uint8_t *const *p, int b, const float *x, const float
     }
 }
 
-/* The grid types: four elements are one grid row (4 bytes), eight share a sign byte; eight
- * values are made at once (two rows, the sign bits onto the floats' sign bits) and multiplied
- * with x. Their sums go into the chains' v8f partner, c->m, negated (acc_sum subtracts it). */
+/* The grid types: four elements are one grid row, eight share a sign byte. The rows are read
+ * from float32 copies of the grids (strata_set_grids, from the types' descriptions at load,
+ * once per process: every matrix's own table plane holds the same bytes), 16 bytes a row, so
+ * eight values are two loads joined in a register, with no conversion; the sign bits go onto
+ * the floats' sign bits, and a unit's scale multiplies its sum once. Their sums go into the
+ * chains' v8f partner, c->m, negated (acc_sum subtracts it). */
 typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef float uv4f __attribute__((vector_size(16), aligned(1), may_alias));
 
-INLINE v8f grid8(float db, const uint8_t *r0, const uint8_t *r1, uint32_t signs) {
-    uint8_t rows[8];
-    memcpy(rows, r0, 4);
-    memcpy(rows + 4, r1, 4);
-    v8b b;
-    memcpy(&b, rows, 8);
-    const v8f g = __builtin_convertvector(__builtin_convertvector(b, v8i), v8f);
-    const v8u neg = (((v8u){0} + signs) >> (v8u){0, 1, 2, 3, 4, 5, 6, 7} & 1) << 31;
-    return (v8f)((v8u)(db * g) ^ neg);
+static float grid_iq3_xxs[256 * 4], grid_iq3_s[512 * 4];
+static atomic_int grids_set;
+
+/* Copy the float32 grids of IQ3_XXS (256 rows of 4) and IQ3_S (512 rows): 1 if their sizes
+ * are these, else 0 and the grid types stay unsupported. */
+int strata_set_grids(const float *iq3_xxs, int xxs_rows, const float *iq3_s, int s_rows) {
+    if (xxs_rows != 256 || s_rows != 512) return 0;
+    memcpy(grid_iq3_xxs, iq3_xxs, sizeof grid_iq3_xxs);
+    memcpy(grid_iq3_s, iq3_s, sizeof grid_iq3_s);
+    atomic_store(&grids_set, 1);
+    return 1;
+}
+
+/* two vectors of 4 as one of 8 (vinsertf128 on x86); compilers without the builtin get the
+ * same through memory */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define JOIN4(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7)
+#else
+INLINE v8f JOIN4(v4f a, v4f b) {
+    v8f g;
+    memcpy(&g, &a, sizeof a);
+    memcpy((char *)&g + sizeof a, &b, sizeof b);
+    return g;
+}
+#endif
+
+INLINE v8f grid8(const float *r0, const float *r1, uint32_t signs) {
+    const v4f a = *(const uv4f *)r0, b = *(const uv4f *)r1;
+    const v8f g = JOIN4(a, b);
+    const v8u neg = ((v8u){0} + signs) << (v8u){31, 30, 29, 28, 27, 26, 25, 24} & 0x80000000u;
+    return (v8f)((v8u)g ^ neg);
 }
 
 /* IQ3_XXS (256; qs 64 grid indices, ss 32 = a u32 per 32 elements, d 2, grid 256 x 4 bytes,
@@ -571,19 +598,20 @@ INLINE v8f grid8(float db, const uint8_t *r0, const uint8_t *r1, uint32_t signs)
 INLINE void blk_iq3_xxs(const uint8_t *const *p, int b, const float *x, const float *xs,
                         acc_t *c) {
     (void)xs;
-    const uint8_t *qs = p[0] + 64 * b, *ss = p[1] + 32 * b, *grid = p[3], *ks = p[4];
+    const uint8_t *qs = p[0] + 64 * b, *ss = p[1] + 32 * b, *ks = p[4];
     const float d = ld_f16(p[2] + 2 * b);
     x += 256 * b;
     v8f t = {0};
     for (int j = 0; j < 8; j++) {
         const uint32_t word = ld_u32(ss + 4 * j);
-        const float db = d * (0.5f + (float)(word >> 28)) * 0.5f;
         const uint8_t *q = qs + 8 * j;
+        v8f u = {0};
         for (int i = 0; i < 4; i++) {
             const uint32_t sg = ks[(word >> (7 * i)) & 127];
-            t += grid8(db, grid + 4 * q[2 * i], grid + 4 * q[2 * i + 1], sg) *
+            u += grid8(grid_iq3_xxs + 4 * q[2 * i], grid_iq3_xxs + 4 * q[2 * i + 1], sg) *
                  ldf8(x + 32 * j + 8 * i);
         }
+        t += (d * (0.5f + (float)(word >> 28)) * 0.5f) * u;
     }
     c->m -= t;
 }
@@ -595,20 +623,21 @@ INLINE void blk_iq3_xxs(const uint8_t *const *p, int b, const float *x, const fl
 INLINE void blk_iq3_s(const uint8_t *const *p, int b, const float *x, const float *xs,
                       acc_t *c) {
     (void)xs;
-    const uint8_t *qs = p[0] + 64 * b, *hs = p[1] + 44 * b, *grid = p[3];
+    const uint8_t *qs = p[0] + 64 * b, *hs = p[1] + 44 * b;
     const float d = ld_f16(p[2] + 2 * b);
     x += 256 * b;
     v8f t = {0};
     for (int j = 0; j < 8; j++) {
-        const float db = d * (float)(1 + 2 * ((hs[40 + j / 2] >> (4 * (j % 2))) & 15));
         const uint8_t *q = qs + 8 * j;
         const uint32_t high = hs[j];
+        v8f u = {0};
         for (int i = 0; i < 4; i++) {
             const int i0 = q[2 * i] | ((high >> (2 * i)) & 1) << 8;
             const int i1 = q[2 * i + 1] | ((high >> (2 * i + 1)) & 1) << 8;
-            t += grid8(db, grid + 4 * i0, grid + 4 * i1, hs[8 + 4 * j + i]) *
+            u += grid8(grid_iq3_s + 4 * i0, grid_iq3_s + 4 * i1, hs[8 + 4 * j + i]) *
                  ldf8(x + 32 * j + 8 * i);
         }
+        t += (d * (float)(1 + 2 * ((hs[40 + j / 2] >> (4 * (j % 2))) & 15))) * u;
     }
     c->m -= t;
 }
@@ -767,7 +796,10 @@ int strata_type_layout(int32_t qtype, int32_t *out) {
 }
 
 /* 1 if the library computes matrices of GGML type qtype. */
-int strata_supported(int32_t qtype) { return type_info(qtype) != NULL; }
+int strata_supported(int32_t qtype) {
+    if ((qtype == T_IQ3_XXS || qtype == T_IQ3_S) && !atomic_load(&grids_set)) return 0;
+    return type_info(qtype) != NULL;
+}
 
 /* sizeof(strata_job): the Python wrapper checks its ctypes mirror against it. */
 size_t strata_job_bytes(void) { return sizeof(strata_job); }

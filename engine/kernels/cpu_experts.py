@@ -38,11 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 
 from strata.engine import cpuinfo
 from strata.engine.quant.expert_layout import KernelSlotLayout
 from strata.engine.quant.formats import FORMATS
+from strata.engine.quant.grids import IQ3_S_GRID, IQ3_XXS_GRID
 from strata.engine.quant.repack import PLANES, RepackedLayout
 from strata.paths import cache_dir
 
@@ -187,7 +189,17 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.strata_job_bytes.argtypes, lib.strata_job_bytes.restype = [], ctypes.c_size_t
     lib.strata_pool_stats.argtypes = [vp, ctypes.POINTER(ctypes.c_int64)]
     lib.strata_pool_stats.restype = None
+    fp = ctypes.POINTER(ctypes.c_float)
+    lib.strata_set_grids.argtypes, lib.strata_set_grids.restype = [fp, i32, fp, i32], ctypes.c_int
     return lib
+
+
+def _set_grids(lib: ctypes.CDLL) -> bool:
+    """Hand the library the grid types' grids as float32 rows of 4 (from their descriptions,
+    ``quant.grids``): it reads those, not each matrix's byte plane of the same values."""
+    rows = [np.frombuffer(g, dtype=np.uint8).astype(np.float32) for g in (IQ3_XXS_GRID, IQ3_S_GRID)]
+    ptrs = [r.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) for r in rows]
+    return bool(lib.strata_set_grids(ptrs[0], rows[0].size // 4, ptrs[1], rows[1].size // 4))
 
 
 _lock = threading.Lock()
@@ -214,6 +226,8 @@ def library() -> ctypes.CDLL:
                 raise CpuExpertsUnavailable(
                     f"{path} reads types unlike their descriptions: {wrong}"
                 )
+            if not _set_grids(lib):
+                raise CpuExpertsUnavailable(f"{path} refused the grids of IQ3_XXS and IQ3_S")
             _lib = lib
         return _lib
 

@@ -139,6 +139,21 @@ def test_supported_types_are_the_library_s_and_gguf_s_ids(lib) -> None:
     assert cpu_experts.layout_mismatches(lib) == ""  # block and plane sizes as described
 
 
+def test_the_grids_are_handed_in_once_and_a_wrong_size_is_refused(lib, rng) -> None:
+    """The grid types read float32 copies of their grids (``_set_grids``, at load); a call
+    with other sizes is refused and leaves them as they were."""
+    assert lib.strata_supported(int(Q.IQ3_S)) and lib.strata_supported(int(Q.IQ3_XXS))
+    zeros = np.zeros(512 * 4, dtype=np.float32)
+    p = zeros.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    assert lib.strata_set_grids(p, 255, p, 512) == 0
+    assert lib.strata_set_grids(p, 256, p, 511) == 0
+    ex = experts(Q.IQ3_S, Q.IQ3_XXS, 256, 256, 3, rng)
+    job = CpuExperts(2).job(ex.layout, kmax=2, pin=False)
+    fill(job, ex, [2, 0], base=ex.arena.data_ptr(), seed=3)
+    job.run()
+    assert rel_err(job.y, ex.reference([2, 0], job.wts, job.h)) < TOL, "the grids changed"
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
 def test_a_job_matches_the_dequantised_reference(qtype: Q, rng) -> None:
