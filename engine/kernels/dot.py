@@ -78,9 +78,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _cols_from_env() -> bool:
-    """``STRATA_DECODE_COLS``: 1 reads Q4_K and Q8_0 in the decode kernels with ``kcols_tile``
-    and ``q8cols_tile`` (tiles of [units, rows], the input a column at a time), 0 or unset with
-    ``k_tile`` and ``q8_tile``. A developer's
+    """``STRATA_DECODE_COLS``: 1 reads Q4_K, Q6_K and Q8_0 in the decode kernels with
+    ``kcols_tile``, ``k6cols_tile`` and ``q8cols_tile`` (tiles of [units, rows], the input a
+    column at a time), 0 or unset with ``k_tile`` and ``q8_tile``. A developer's
     switch for an A/B on a GPU until the bench says which is faster; another value is refused
     with its name."""
     value = os.environ.get("STRATA_DECODE_COLS", "0")
@@ -398,6 +398,47 @@ def kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, x, nw, rms
 
 
 @triton.jit
+def _q6_dots(dl, dh, ql, qh, sh, wi: tl.constexpr, x, nw, rms, xo, um, XIN: tl.constexpr):
+    """(dl, dh) [T, BN] + Q6_K word wi's 8 elements (4 wi + b in the low half, 16 + 4 wi + b in
+    the high) times the input: the low 4 bits from the ql word, the high 2 from the qh word at
+    bit sh (+ 2 for the high half), minus 32."""
+    for b in tl.static_range(4):
+        lw = ql >> (8 * b)
+        hw = qh >> (8 * b)
+        lo = (lw & 15) | (((hw >> sh) & 3) << 4)
+        hi = ((lw >> 4) & 15) | (((hw >> (sh + 2)) & 3) << 4)
+        dl += u_float(lo, 32.0) * xin(x, nw, rms, xo + 4 * wi + b, um, XIN)[:, None]
+        dh += u_float(hi, 32.0) * xin(x, nw, rms, xo + 16 + 4 * wi + b, um, XIN)[:, None]
+    return dl, dh
+
+
+@triton.jit
+def k6cols_tile(wp, o1, o2, o3, r, rmask, u, um, NK: tl.constexpr, x, nw, rms, xo,
+                XIN: tl.constexpr):  # fmt: skip
+    """Q6_K as ``kcols_tile`` reads Q4_K: [BN, T]. A unit's low bits are four words (bytes
+    16 u + k), its high bits four words shared with the unit beside it (bits 4 (u % 2) and
+    + 2 of qh bytes 16 (u // 2) + k), its two scales bytes of their words."""
+    m2 = um[:, None] & rmask[None, :]
+    rr = r[None, :]
+    uu = u[:, None]
+    wp2 = wp[:, None]
+    q0, q1, q2, q3 = _words4(wp2, rr * (NK * 4) + 4 * uu, m2)
+    h0, h1, h2, h3 = _words4(wp2 + o1, rr * (NK * 2) + 4 * (uu // 2), m2)
+    sh = 4 * (uu % 2)
+    dl = tl.zeros(m2.shape, tl.float32)
+    dh = tl.zeros(m2.shape, tl.float32)
+    dl, dh = _q6_dots(dl, dh, q0, h0, sh, 0, x, nw, rms, xo, um, XIN)
+    dl, dh = _q6_dots(dl, dh, q1, h1, sh, 1, x, nw, rms, xo, um, XIN)
+    dl, dh = _q6_dots(dl, dh, q2, h2, sh, 2, x, nw, rms, xo, um, XIN)
+    dl, dh = _q6_dots(dl, dh, q3, h3, sh, 3, x, nw, rms, xo, um, XIN)
+    s6 = rr * (NK * 2) + 16 * (uu // K_UNITS) + uu % K_UNITS
+    s_lo = _byte_of_words(wp2 + o2, s6, m2).to(tl.int8).to(tl.float32)
+    s_hi = _byte_of_words(wp2 + o2, s6 + 8, m2).to(tl.int8).to(tl.float32)
+    d = tl.load(_f16_plane(wp2, o3) + rr * (NK // K_UNITS) + uu // K_UNITS, mask=m2, other=0)
+    return tl.trans(d.to(tl.float32) * (s_lo * dl + s_hi * dh))
+
+
+@triton.jit
 def q8cols_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.constexpr):
     """Q8_0 (units of 16 elements, half a block) as ``kcols_tile`` reads Q4_K: a unit's 16
     bytes are four words from one 16-byte load, the input a column at a time. [BN, T]."""
@@ -475,6 +516,8 @@ def _row_tile(w, o1, o2, o3, o4, r, rmask, u0, T: tl.constexpr, K: tl.constexpr,
         return grid_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u, XIN)
     elif QT == Q4_K and COLS:
         return kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, x, nw, rms, 32 * u, XIN)[0]
+    elif QT == Q6_K and COLS:
+        return k6cols_tile(wp, o1, o2, o3, r, rmask, u, um, K // 32, x, nw, rms, 32 * u, XIN)
     else:  # units of 32 elements
         uf = u0 + tl.arange(0, T * 16) // 16
         xl, xh, sx = k_input(x, nw, rms, 32 * u, um, XIN)
@@ -536,7 +579,8 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
                                 False, vt, p1, p2, p3, p4, True)  # fmt: skip
             a += tl.sum(ya, 1)
             c += tl.sum(yb, 1)
-    elif QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16 and QT != IQ3_XXS and QT != IQ3_S:
+    elif QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16 and QT != IQ3_XXS and QT != IQ3_S \
+            and not (QT == Q6_K and COLS):  # fmt: skip
         r = rows.to(tl.int64)  # units of 32 elements, ``k_tile``'s
         NK: tl.constexpr = K // 32
         FULL: tl.constexpr = NK // T if TAIL > 0 else (NK + T - 1) // T

@@ -39,11 +39,13 @@ from strata.engine.kernels.dot import (
     IQ3_XXS,
     MAX_UNITS,
     Q4_K,
+    Q6_K,
     Q8_0,
     dot_rows,
     dot_rows2,
     float_tile,
     grid_tile,
+    k6cols_tile,
     k_input,
     k_tile,
     kcols_tile,
@@ -241,6 +243,9 @@ def _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, um, F: tl.constex
     elif TD == Q4_K and COLS:
         y = kcols_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, act, act, 1.0, kk * F + 32 * u,
                        False)[0]  # fmt: skip
+    elif TD == Q6_K and COLS:
+        y = k6cols_tile(wp, d1, d2, d3, r, ok, u, um, F // 32, act, act, 1.0, kk * F + 32 * u,
+                        False)  # fmt: skip
     elif TD != Q8_0 and TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
         xl, xh, sx = k_input(act, act, 1.0, kk * F + 32 * u, um, False)
         y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, xl, xh, sx, wf, uf, FLAT)
