@@ -245,6 +245,45 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     return out
 
 
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+# The column tiles' orientation. Triton lays a tile's threads along its most contiguous
+# dimension; between two of equal contiguity (a tile's rows and its units, in gathers and
+# scale loads) 3.6 takes the first and 3.9 the last. The tiles put the units there, so each
+# thread holds its unit of every row: [units, rows] before 3.9, [rows, units] from it.
+UNITS_FIRST: tl.constexpr = tl.constexpr(_release(triton.__version__) < (3, 9))
+
+
+@triton.jit
+def _per_unit(v):
+    """[T] along the column tiles' unit dimension."""
+    if UNITS_FIRST:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def _per_row(v):
+    """[BN] along the column tiles' row dimension."""
+    if UNITS_FIRST:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def _as_rows_units(t):
+    """A column tile as [BN, T], the form the kernels sum."""
+    if UNITS_FIRST:
+        return tl.trans(t)
+    else:
+        return t
+
+
 @triton.jit
 def _word(p, at, m):
     """int32 words at word offsets ``at`` from the byte pointers ``p``."""
@@ -259,7 +298,7 @@ def _byte(p, at, m):
 @triton.jit
 def _grid_entry(acc, wp2, o3, q, high, i: tl.constexpr, H: tl.constexpr, m2, sw, x, nw, rms,
                 xo, um, XIN: tl.constexpr, QT: tl.constexpr):  # fmt: skip
-    """acc [T, BN] + grid entry H + i of each unit (its 4 elements, signed) times the input:
+    """acc (a column tile) + grid entry H + i of each unit (its 4 elements, signed) times the input:
     the entry's index is byte i of the word q (IQ3_S: its ninth bit, bit H + i of ``high``)."""
     idx = (q >> (8 * i)) & 0xFF
     if QT == IQ3_S:
@@ -269,7 +308,7 @@ def _grid_entry(acc, wp2, o3, q, high, i: tl.constexpr, H: tl.constexpr, m2, sw,
         mag = u_float((g >> (8 * b)) & 0xFF, 0.0)
         neg = (sw << (31 - 4 * (H + i) - b)) & SIGN_BIT
         v = (mag.to(tl.int32, bitcast=True) ^ neg).to(tl.float32, bitcast=True)
-        acc += v * xin(x, nw, rms, xo + 4 * (H + i) + b, um, XIN)[:, None]
+        acc += v * _per_unit(xin(x, nw, rms, xo + 4 * (H + i) + b, um, XIN))
     return acc
 
 
@@ -279,14 +318,14 @@ def grid_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.cons
     """IQ3_XXS and IQ3_S: rows r [BN] x units u [T] (32 elements each, the input of unit u from
     offset xo[u], transformed as ``xin``) dotted: [BN, T], as db * sum(grid * sign * x) a
     unit. A unit's eight grid indices are two words, its grid rows eight word loads and its 32
-    signs one word, so no address is made per element. Computed as [T, BN] tiles and the
-    input a column at a time ([T]), so every tile has the units along the threads and a
-    thread's rows in its registers whatever the Triton release's layout choice (rows and units
-    tie; releases break ties toward the first dimension), then transposed."""
-    m2 = um[:, None] & rmask[None, :]
-    wp2 = wp[:, None]
-    blk = (r * (NK // K_UNITS))[None, :] + (u // K_UNITS)[:, None]  # [T, BN]
-    j = (u % K_UNITS)[:, None]
+    signs one word, so no address is made per element. Computed as column tiles (units by rows,
+    oriented as ``UNITS_FIRST`` says) with the input a column at a time ([T]), so every tile
+    has the units along the threads and a thread's rows in its registers, and no tile changes
+    its layout."""
+    m2 = _per_unit(um) & _per_row(rmask)
+    wp2 = _per_unit(wp)
+    blk = _per_row(r * (NK // K_UNITS)) + _per_unit(u // K_UNITS)
+    j = _per_unit(u % K_UNITS)
     q0 = _word(wp2, blk * (IQ3S_QS // 4) + 2 * j, m2)  # 8 index bytes a unit (both types)
     q1 = _word(wp2, blk * (IQ3S_QS // 4) + 2 * j + 1, m2)
     if QT == IQ3_S:
@@ -312,13 +351,13 @@ def grid_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.cons
         acc = _grid_entry(acc, wp2, o3, q0, high, i, 0, m2, sw, x, nw, rms, xo, um, XIN, QT)
     for i in tl.static_range(4):
         acc = _grid_entry(acc, wp2, o3, q1, high, i, 4, m2, sw, x, nw, rms, xo, um, XIN, QT)
-    return tl.trans(db * acc)
+    return _as_rows_units(db * acc)
 
 
 @triton.jit
 def _words4(p, at, m2):
-    """The 4 words from word offset at ([T, BN]) of the byte pointers p ([T, 1]): one 16-byte
-    load, as four [T, BN] tensors."""
+    """The 4 words from word offsets at (a column tile) of the byte pointers p (one a unit): one
+    16-byte load, as four tiles of at's shape."""
     w = tl.load((p[:, :, None]).to(tl.pointer_type(tl.int32)) + at[:, :, None]
                 + tl.arange(0, 4)[None, None, :], mask=m2[:, :, None], other=0)  # fmt: skip
     a, b = tl.split(tl.reshape(w, [w.shape[0], w.shape[1], 2, 2]))
@@ -329,7 +368,7 @@ def _words4(p, at, m2):
 
 @triton.jit
 def _byte_of_words(p, at, m2):
-    """The bytes at byte offsets at ([T, BN], 4-aligned planes) out of their words: a byte
+    """The bytes at byte offsets at (a column tile; 4-aligned planes) out of their words: a byte
     load contiguous over the units would be vectorised, 4 units a thread."""
     return (_word(p, at // 4, m2) >> (8 * (at % 4))) & 0xFF
 
@@ -337,22 +376,22 @@ def _byte_of_words(p, at, m2):
 @triton.jit
 def _nibble_dots(acc, acc2, sx, q, q2, wi: tl.constexpr, x, nw, rms, xo, um,
                  XIN: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
-    """(acc, acc2, sx) [T, BN], [T, BN], [T] + the 8 elements of quant word wi (bytes 4 wi + b:
+    """(acc, acc2, sx) (column tiles and [T]) + the 8 elements of quant word wi (bytes 4 wi + b:
     elements 4 wi + b in the low nibbles, 16 + 4 wi + b in the high) of one matrix (q), or of
     two (TWO: q2 too, the same input), times the input, and the input's sum."""
     for b in tl.static_range(4):
         for hi in tl.static_range(2):
             xc = xin(x, nw, rms, xo + 16 * hi + 4 * wi + b, um, XIN)
             sx += xc
-            acc += u_float((q >> (8 * b + 4 * hi)) & 15, 0.0) * xc[:, None]
+            acc += u_float((q >> (8 * b + 4 * hi)) & 15, 0.0) * _per_unit(xc)
             if TWO:
-                acc2 += u_float((q2 >> (8 * b + 4 * hi)) & 15, 0.0) * xc[:, None]
+                acc2 += u_float((q2 >> (8 * b + 4 * hi)) & 15, 0.0) * _per_unit(xc)
     return acc, acc2, sx
 
 
 @triton.jit
 def _q4k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK: tl.constexpr):
-    """A Q4_K unit's d * scale and dmin * min ([T, BN] each)."""
+    """A Q4_K unit's d * scale and dmin * min (column tiles)."""
     s_at = rr * NK + uu
     sc = _byte_of_words(wp2 + o1, s_at, m2).to(tl.float32)
     mn = _byte_of_words(wp2 + o2, s_at, m2).to(tl.float32)
@@ -368,18 +407,18 @@ def kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, x, nw, rms
                TWO: tl.constexpr = False):  # fmt: skip
     """Q4_K rows r [BN] x units u [T] dotted with the input (from offsets xo, as ``xin``):
     [BN, T] (TWO: and the same of a second Q4_K matrix at vp, planes p1..p4, in one pass over
-    the input). As ``grid_tile``, the tiles are [T, BN] and the input a column at a time: no
-    tile changes its layout (compiled for sm_90 under Triton 3.6, Qwen3-30B-A3B's gate/up has
-    7 barriers, not 33; 3.9 breaks the rows/units tie the other way, ``COLS``)."""
-    m2 = um[:, None] & rmask[None, :]
-    rr = r[None, :]
-    uu = u[:, None]
+    the input). As ``grid_tile``: column tiles, the input a column at a time, no tile changes
+    its layout (compiled for sm_90 under Triton 3.6, Qwen3-30B-A3B's gate/up has 7 barriers,
+    not 33; ``COLS``)."""
+    m2 = _per_unit(um) & _per_row(rmask)
+    rr = _per_row(r)
+    uu = _per_unit(u)
     at = rr * (NK * 4) + 4 * uu
-    wp2 = wp[:, None]
+    wp2 = _per_unit(wp)
     q0, q1, q2, q3 = _words4(wp2, at, m2)
     v0, v1, v2, v3 = q0, q1, q2, q3
     if TWO:
-        vp2 = vp[:, None]
+        vp2 = _per_unit(vp)
         v0, v1, v2, v3 = _words4(vp2, at, m2)
     acc = tl.zeros(m2.shape, tl.float32)
     acc2 = tl.zeros(m2.shape, tl.float32)
@@ -389,26 +428,26 @@ def kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, x, nw, rms
     acc, acc2, sx = _nibble_dots(acc, acc2, sx, q2, v2, 2, x, nw, rms, xo, um, XIN, TWO)
     acc, acc2, sx = _nibble_dots(acc, acc2, sx, q3, v3, 3, x, nw, rms, xo, um, XIN, TWO)
     ds, dm = _q4k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK)
-    out = tl.trans(ds * acc - dm * sx[:, None])
+    out = _as_rows_units(ds * acc - dm * _per_unit(sx))
     out2 = out
     if TWO:
         ds2, dm2 = _q4k_scale(vp2, p1, p2, p3, p4, rr, uu, m2, NK)
-        out2 = tl.trans(ds2 * acc2 - dm2 * sx[:, None])
+        out2 = _as_rows_units(ds2 * acc2 - dm2 * _per_unit(sx))
     return out, out2
 
 
 @triton.jit
 def _q6_dots(dl, dh, ql, qh, sh, wi: tl.constexpr, x, nw, rms, xo, um, XIN: tl.constexpr):
-    """(dl, dh) [T, BN] + Q6_K word wi's 8 elements (4 wi + b in the low half, 16 + 4 wi + b in
-    the high) times the input: the low 4 bits from the ql word, the high 2 from the qh word at
-    bit sh (+ 2 for the high half), minus 32."""
+    """(dl, dh) (column tiles) + Q6_K word wi's 8 elements (4 wi + b in the low half,
+    16 + 4 wi + b in the high) times the input: the low 4 bits from the ql word, the high 2
+    from the qh word at bit sh (+ 2 for the high half), minus 32."""
     for b in tl.static_range(4):
         lw = ql >> (8 * b)
         hw = qh >> (8 * b)
         lo = (lw & 15) | (((hw >> sh) & 3) << 4)
         hi = ((lw >> 4) & 15) | (((hw >> (sh + 2)) & 3) << 4)
-        dl += u_float(lo, 32.0) * xin(x, nw, rms, xo + 4 * wi + b, um, XIN)[:, None]
-        dh += u_float(hi, 32.0) * xin(x, nw, rms, xo + 16 + 4 * wi + b, um, XIN)[:, None]
+        dl += u_float(lo, 32.0) * _per_unit(xin(x, nw, rms, xo + 4 * wi + b, um, XIN))
+        dh += u_float(hi, 32.0) * _per_unit(xin(x, nw, rms, xo + 16 + 4 * wi + b, um, XIN))
     return dl, dh
 
 
@@ -418,10 +457,10 @@ def k6cols_tile(wp, o1, o2, o3, r, rmask, u, um, NK: tl.constexpr, x, nw, rms, x
     """Q6_K as ``kcols_tile`` reads Q4_K: [BN, T]. A unit's low bits are four words (bytes
     16 u + k), its high bits four words shared with the unit beside it (bits 4 (u % 2) and
     + 2 of qh bytes 16 (u // 2) + k), its two scales bytes of their words."""
-    m2 = um[:, None] & rmask[None, :]
-    rr = r[None, :]
-    uu = u[:, None]
-    wp2 = wp[:, None]
+    m2 = _per_unit(um) & _per_row(rmask)
+    rr = _per_row(r)
+    uu = _per_unit(u)
+    wp2 = _per_unit(wp)
     q0, q1, q2, q3 = _words4(wp2, rr * (NK * 4) + 4 * uu, m2)
     h0, h1, h2, h3 = _words4(wp2 + o1, rr * (NK * 2) + 4 * (uu // 2), m2)
     sh = 4 * (uu % 2)
@@ -435,17 +474,17 @@ def k6cols_tile(wp, o1, o2, o3, r, rmask, u, um, NK: tl.constexpr, x, nw, rms, x
     s_lo = _byte_of_words(wp2 + o2, s6, m2).to(tl.int8).to(tl.float32)
     s_hi = _byte_of_words(wp2 + o2, s6 + 8, m2).to(tl.int8).to(tl.float32)
     d = tl.load(_f16_plane(wp2, o3) + rr * (NK // K_UNITS) + uu // K_UNITS, mask=m2, other=0)
-    return tl.trans(d.to(tl.float32) * (s_lo * dl + s_hi * dh))
+    return _as_rows_units(d.to(tl.float32) * (s_lo * dl + s_hi * dh))
 
 
 @triton.jit
 def q8cols_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.constexpr):
     """Q8_0 (units of 16 elements, half a block) as ``kcols_tile`` reads Q4_K: a unit's 16
     bytes are four words from one 16-byte load, the input a column at a time. [BN, T]."""
-    m2 = um[:, None] & rmask[None, :]
-    rr = r[None, :]
-    uu = u[:, None]
-    wp2 = wp[:, None]
+    m2 = _per_unit(um) & _per_row(rmask)
+    rr = _per_row(r)
+    uu = _per_unit(u)
+    wp2 = _per_unit(wp)
     q0, q1, q2, q3 = _words4(wp2, rr * (K // 4) + 4 * uu, m2)
     acc = tl.zeros(m2.shape, tl.float32)
     acc = _int8_dots(acc, q0, 0, x, nw, rms, xo, um, XIN)
@@ -453,15 +492,16 @@ def q8cols_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: 
     acc = _int8_dots(acc, q2, 2, x, nw, rms, xo, um, XIN)
     acc = _int8_dots(acc, q3, 3, x, nw, rms, xo, um, XIN)
     d = tl.load(_f16_plane(wp2, o_d) + rr * (K // 32) + uu // 2, mask=m2, other=0)
-    return tl.trans(d.to(tl.float32) * acc)
+    return _as_rows_units(d.to(tl.float32) * acc)
 
 
 @triton.jit
 def _int8_dots(acc, q, wi: tl.constexpr, x, nw, rms, xo, um, XIN: tl.constexpr):
-    """acc [T, BN] + the 4 signed bytes of quant word wi (elements 4 wi + b) times the input."""
+    """acc (a column tile) + the 4 signed bytes of quant word wi (elements 4 wi + b) times
+    the input."""
     for b in tl.static_range(4):
         v = (q << (24 - 8 * b)) >> 24  # byte b, sign-extended
-        acc += u_float(v + 128, 128.0) * xin(x, nw, rms, xo + 4 * wi + b, um, XIN)[:, None]
+        acc += u_float(v + 128, 128.0) * _per_unit(xin(x, nw, rms, xo + 4 * wi + b, um, XIN))
     return acc
 
 

@@ -41,6 +41,7 @@ from strata.engine.kernels.dot import (
     Q4_K,
     Q6_K,
     Q8_0,
+    _release,
     dot_rows,
     dot_rows2,
     float_tile,
@@ -204,11 +205,6 @@ def _gate_up_kernel(
         g += tl.load(bg + at, mask=ok, other=0.0)
         u += tl.load(bu + at, mask=ok, other=0.0)
     tl.store(act + k * F + rows, glu(g, u, OAI, ALPHA, LIMIT), mask=ok)
-
-
-def _release(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 # down's quants as flat tiles (``unit_bytes``' FLAT), on the Triton releases that spread a 3-D
