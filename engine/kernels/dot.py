@@ -78,7 +78,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _cols_from_env() -> bool:
-    """``STRATA_DECODE_COLS``: 1 reads Q4_K, Q6_K and Q8_0 in the decode kernels with
+    """``STRATA_DECODE_COLS``: 1 reads Q4_K, Q5_K, Q6_K and Q8_0 in the decode kernels with
     ``kcols_tile``, ``k6cols_tile`` and ``q8cols_tile`` (tiles of [units, rows], the input a
     column at a time), 0 or unset with ``k_tile`` and ``q8_tile``. A developer's
     switch for an A/B on a GPU until the bench says which is faster; another value is refused
@@ -374,64 +374,93 @@ def _byte_of_words(p, at, m2):
 
 
 @triton.jit
-def _nibble_dots(acc, acc2, sx, q, q2, wi: tl.constexpr, x, nw, rms, xo, um,
-                 XIN: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+def _nibble_dots(acc, acc2, sx, q, q2, h, h2, wi: tl.constexpr, x, nw, rms, xo, um,
+                 XIN: tl.constexpr, TWO: tl.constexpr, FIFTH: tl.constexpr):  # fmt: skip
     """(acc, acc2, sx) (column tiles and [T]) + the 8 elements of quant word wi (bytes 4 wi + b:
     elements 4 wi + b in the low nibbles, 16 + 4 wi + b in the high) of one matrix (q), or of
-    two (TWO: q2 too, the same input), times the input, and the input's sum."""
+    two (TWO: q2 too, the same input), times the input, and the input's sum. FIFTH (Q5_K):
+    element e's fifth bit is bit e of the unit's word h (h2)."""
     for b in tl.static_range(4):
-        for hi in tl.static_range(2):
+        for hi in tl.static_range(2):  # element 16 hi + 4 wi + b of the unit
             xc = xin(x, nw, rms, xo + 16 * hi + 4 * wi + b, um, XIN)
             sx += xc
-            acc += u_float((q >> (8 * b + 4 * hi)) & 15, 0.0) * _per_unit(xc)
+            v = (q >> (8 * b + 4 * hi)) & 15
+            if FIFTH:
+                v |= ((h >> (16 * hi + 4 * wi + b)) & 1) << 4
+            acc += u_float(v, 0.0) * _per_unit(xc)
             if TWO:
-                acc2 += u_float((q2 >> (8 * b + 4 * hi)) & 15, 0.0) * _per_unit(xc)
+                v2 = (q2 >> (8 * b + 4 * hi)) & 15
+                if FIFTH:
+                    v2 |= ((h2 >> (16 * hi + 4 * wi + b)) & 1) << 4
+                acc2 += u_float(v2, 0.0) * _per_unit(xc)
     return acc, acc2, sx
 
 
 @triton.jit
-def _q4k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK: tl.constexpr):
-    """A Q4_K unit's d * scale and dmin * min (column tiles)."""
+def _k_fifth(wp2, o1, rr, uu, m2, NK: tl.constexpr, QT: tl.constexpr):
+    """Q5_K's word of fifth bits a unit (a column tile; Q4_K: zeros, unread)."""
     s_at = rr * NK + uu
-    sc = _byte_of_words(wp2 + o1, s_at, m2).to(tl.float32)
-    mn = _byte_of_words(wp2 + o2, s_at, m2).to(tl.float32)
+    if QT == Q5_K:
+        # (a word a unit, contiguous over the units: said not to be, or it is vectorised)
+        return _word(wp2 + o1, tl.max_contiguous(s_at, [1, 1]), m2)
+    else:
+        return s_at.to(tl.int32) * 0
+
+
+@triton.jit
+def _k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK: tl.constexpr, QT: tl.constexpr):
+    """A Q4_K or Q5_K unit's d * scale and dmin * min (column tiles)."""
+    s_at = rr * NK + uu
     db = rr * (NK // K_UNITS) + uu // K_UNITS
-    d = tl.load(_f16_plane(wp2, o3) + db, mask=m2, other=0).to(tl.float32)
-    dm = tl.load(_f16_plane(wp2, o4) + db, mask=m2, other=0).to(tl.float32)
+    if QT == Q5_K:
+        sc = _byte_of_words(wp2 + o2, s_at, m2).to(tl.float32)
+        mn = _byte_of_words(wp2 + o3, s_at, m2).to(tl.float32)
+        ddp = _f16_plane(wp2, o4) + 2 * db  # d, then dmin
+        d = tl.load(ddp, mask=m2, other=0).to(tl.float32)
+        dm = tl.load(ddp + 1, mask=m2, other=0).to(tl.float32)
+    else:
+        sc = _byte_of_words(wp2 + o1, s_at, m2).to(tl.float32)
+        mn = _byte_of_words(wp2 + o2, s_at, m2).to(tl.float32)
+        d = tl.load(_f16_plane(wp2, o3) + db, mask=m2, other=0).to(tl.float32)
+        dm = tl.load(_f16_plane(wp2, o4) + db, mask=m2, other=0).to(tl.float32)
     return d * sc, dm * mn
 
 
 @triton.jit
-def kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, x, nw, rms, xo,
-               XIN: tl.constexpr, vp=None, p1=0, p2=0, p3=0, p4=0,
+def kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constexpr, x, nw,
+               rms, xo, XIN: tl.constexpr, vp=None, p1=0, p2=0, p3=0, p4=0,
                TWO: tl.constexpr = False):  # fmt: skip
-    """Q4_K rows r [BN] x units u [T] dotted with the input (from offsets xo, as ``xin``):
-    [BN, T] (TWO: and the same of a second Q4_K matrix at vp, planes p1..p4, in one pass over
-    the input). As ``grid_tile``: column tiles, the input a column at a time, no tile changes
-    its layout (compiled for sm_90 under Triton 3.6, Qwen3-30B-A3B's gate/up has 7 barriers,
-    not 33; ``COLS``)."""
+    """Q4_K or Q5_K rows r [BN] x units u [T] dotted with the input (from offsets xo, as
+    ``xin``): [BN, T] (TWO: and the same of a second matrix of the type at vp, planes p1..p4,
+    in one pass over the input). As ``grid_tile``: column tiles, the input a column at a time,
+    no tile changes its layout (compiled for sm_90 under Triton 3.6, Qwen3-30B-A3B's Q4_K
+    gate/up has 7 barriers, not 33; ``COLS``)."""
     m2 = _per_unit(um) & _per_row(rmask)
     rr = _per_row(r)
     uu = _per_unit(u)
     at = rr * (NK * 4) + 4 * uu
     wp2 = _per_unit(wp)
     q0, q1, q2, q3 = _words4(wp2, at, m2)
+    h = _k_fifth(wp2, o1, rr, uu, m2, NK, QT)
     v0, v1, v2, v3 = q0, q1, q2, q3
+    h2 = h
     if TWO:
         vp2 = _per_unit(vp)
         v0, v1, v2, v3 = _words4(vp2, at, m2)
+        h2 = _k_fifth(vp2, p1, rr, uu, m2, NK, QT)
+    F: tl.constexpr = QT == Q5_K
     acc = tl.zeros(m2.shape, tl.float32)
     acc2 = tl.zeros(m2.shape, tl.float32)
     sx = tl.zeros(u.shape, tl.float32)
-    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q0, v0, 0, x, nw, rms, xo, um, XIN, TWO)
-    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q1, v1, 1, x, nw, rms, xo, um, XIN, TWO)
-    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q2, v2, 2, x, nw, rms, xo, um, XIN, TWO)
-    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q3, v3, 3, x, nw, rms, xo, um, XIN, TWO)
-    ds, dm = _q4k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q0, v0, h, h2, 0, x, nw, rms, xo, um, XIN, TWO, F)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q1, v1, h, h2, 1, x, nw, rms, xo, um, XIN, TWO, F)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q2, v2, h, h2, 2, x, nw, rms, xo, um, XIN, TWO, F)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q3, v3, h, h2, 3, x, nw, rms, xo, um, XIN, TWO, F)
+    ds, dm = _k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK, QT)
     out = _as_rows_units(ds * acc - dm * _per_unit(sx))
     out2 = out
     if TWO:
-        ds2, dm2 = _q4k_scale(vp2, p1, p2, p3, p4, rr, uu, m2, NK)
+        ds2, dm2 = _k_scale(vp2, p1, p2, p3, p4, rr, uu, m2, NK, QT)
         out2 = _as_rows_units(ds2 * acc2 - dm2 * _per_unit(sx))
     return out, out2
 
@@ -554,8 +583,9 @@ def _row_tile(w, o1, o2, o3, o4, r, rmask, u0, T: tl.constexpr, K: tl.constexpr,
         return float_tile(wp, r, rmask, u, um, K, x, nw, rms, 8 * u, QT, XIN, w, uf, True)
     elif QT == IQ3_XXS or QT == IQ3_S:
         return grid_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u, XIN)
-    elif QT == Q4_K and COLS:
-        return kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, x, nw, rms, 32 * u, XIN)[0]
+    elif (QT == Q4_K or QT == Q5_K) and COLS:
+        return kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u,
+                          XIN)[0]  # fmt: skip
     elif QT == Q6_K and COLS:
         return k6cols_tile(wp, o1, o2, o3, r, rmask, u, um, K // 32, x, nw, rms, 32 * u, XIN)
     else:  # units of 32 elements
@@ -594,7 +624,7 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
               TAIL: tl.constexpr = 0):  # fmt: skip
     """``dot_rows`` of two matrices of one type (at w and v) with the same input, in one pass
     when their units are 32 elements (each input tile loaded once): ([BN], [BN])."""
-    if QT == Q4_K and COLS:  # ``kcols_tile``, both matrices in one pass
+    if (QT == Q4_K or QT == Q5_K) and COLS:  # ``kcols_tile``, both matrices in one pass
         r = rows.to(tl.int64)
         NK2: tl.constexpr = K // 32
         STEPS: tl.constexpr = NK2 // T if TAIL > 0 else (NK2 + T - 1) // T
@@ -605,8 +635,8 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
         acc_b = tl.zeros([BN, T], tl.float32)
         for i in tl.static_range(STEPS):
             u = i * T + t
-            ya, yb = kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK2, NK2, x, x, 1.0, 32 * u,
-                                False, vp, p1, p2, p3, p4, True)  # fmt: skip
+            ya, yb = kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK2, NK2, QT, x, x, 1.0,
+                                32 * u, False, vp, p1, p2, p3, p4, True)  # fmt: skip
             acc_a += ya
             acc_b += yb
         a = tl.sum(acc_a, 1)
@@ -615,8 +645,8 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
             u = STEPS * T + tl.arange(0, TAIL)
             wt = w + tl.zeros([TAIL], tl.int32)
             vt = v + tl.zeros([TAIL], tl.int32)
-            ya, yb = kcols_tile(wt, o1, o2, o3, o4, r, rmask, u, u < NK2, NK2, x, x, 1.0, 32 * u,
-                                False, vt, p1, p2, p3, p4, True)  # fmt: skip
+            ya, yb = kcols_tile(wt, o1, o2, o3, o4, r, rmask, u, u < NK2, NK2, QT, x, x, 1.0,
+                                32 * u, False, vt, p1, p2, p3, p4, True)  # fmt: skip
             a += tl.sum(ya, 1)
             c += tl.sum(yb, 1)
     elif QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16 and QT != IQ3_XXS and QT != IQ3_S \

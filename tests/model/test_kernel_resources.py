@@ -49,8 +49,8 @@ _kernel:
 """
 
 
-def _run(*args: str, timeout: int = 900,
-         tool: str = "kernel_resources") -> subprocess.CompletedProcess:  # fmt: skip
+def _run(*args: str, timeout: int = 900, tool: str = "kernel_resources",
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     import triton
 
     from strata.bench.kernel_resources import tools_missing
@@ -60,9 +60,9 @@ def _run(*args: str, timeout: int = 900,
         pytest.skip(f"this Triton has no CUDA backend to compile with ({ptxas} is missing)")
     if missing := tools_missing():
         pytest.skip(f"this Triton's CUDA backend has no {' or '.join(missing)} to read binaries")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
     cmd = [sys.executable, "-m", f"strata.bench.{tool}", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=child, capture_output=True, text=True, timeout=timeout)
 
 
 def test_every_type_fits_without_spills() -> None:
@@ -174,6 +174,18 @@ def test_the_grid_types_decode_kernels_keep_their_registers() -> None:
     for r in rows:
         assert r["stack"] == 0 and r["regs"] < 255, r
         assert r["instructions"] > 0 and r["barriers"] >= 0, r
+
+
+def test_the_column_tiles_compile_for_the_gpu() -> None:
+    """The interpreter runs what a compile refuses (a constexpr assigned in an unrolled loop,
+    say): the column tiles (``STRATA_DECODE_COLS=1``) of each type, compiled, without spills."""
+    run = _run("--json", "--types", "Q4_K,Q5_K,Q6_K,Q8_0", "--forms", "gate_up,down,qkv",
+               tool="decode_resources", env={"STRATA_DECODE_COLS": "1"})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(run.stdout)
+    assert len(rows) == 12
+    for r in rows:
+        assert r["stack"] == 0 and r["barriers"] <= 8, r
 
 
 @pytest.mark.parametrize(
