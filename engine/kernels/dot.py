@@ -52,6 +52,8 @@ from strata.engine.quant.unit_kernels import (
     IQ3XXS_SS,
     K_UNITS,
     SIGN_BIT,
+    _e8m0_half,
+    mxfp4_signed,
     nl_level,
     u_float,
     unit_bytes,
@@ -70,6 +72,11 @@ Q5_K: tl.constexpr = tl.constexpr(int(Q.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(Q.Q6_K))
 IQ4_XS: tl.constexpr = tl.constexpr(int(Q.IQ4_XS))
 IQ3_XXS: tl.constexpr = tl.constexpr(int(Q.IQ3_XXS))
+Q4_1: tl.constexpr = tl.constexpr(int(Q.Q4_1))
+Q5_0: tl.constexpr = tl.constexpr(int(Q.Q5_0))
+Q5_1: tl.constexpr = tl.constexpr(int(Q.Q5_1))
+IQ4_NL: tl.constexpr = tl.constexpr(int(Q.IQ4_NL))
+MXFP4: tl.constexpr = tl.constexpr(int(Q.MXFP4))
 IQ3_S: tl.constexpr = tl.constexpr(int(Q.IQ3_S))
 
 # Triton's interpreter (CI, on the CPU) runs a program at a time in Python: there, fewer and wider
@@ -78,11 +85,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _cols_from_env() -> bool:
-    """``STRATA_DECODE_COLS``: 1 reads Q4_K, Q5_K, Q6_K and Q8_0 in the decode kernels with
-    ``kcols_tile``, ``k6cols_tile`` and ``q8cols_tile`` (tiles of [units, rows], the input a
-    column at a time), 0 or unset with ``k_tile`` and ``q8_tile``. A developer's
-    switch for an A/B on a GPU until the bench says which is faster; another value is refused
-    with its name."""
+    """``STRATA_DECODE_COLS``: 1 reads the nibble types (``NIBBLES``), Q6_K and Q8_0 in the
+    decode kernels with ``kcols_tile``, ``k6cols_tile`` and ``q8cols_tile`` (column tiles, the
+    input a column at a time), 0 or unset with ``k_tile``, ``unit_dot`` and ``q8_tile``. A
+    developer's switch for an A/B on a GPU until the bench says which is faster; another value
+    is refused with its name."""
     value = os.environ.get("STRATA_DECODE_COLS", "0")
     if value not in ("0", "1"):
         raise ValueError(f"STRATA_DECODE_COLS={value!r}: want 1 (column tiles) or 0")
@@ -370,16 +377,35 @@ def _words4(p, at, m2):
 def _byte_of_words(p, at, m2):
     """The bytes at byte offsets at (a column tile; 4-aligned planes) out of their words: a byte
     load contiguous over the units would be vectorised, 4 units a thread."""
-    return (_word(p, at // 4, m2) >> (8 * (at % 4))) & 0xFF
+    return ((_word(p, at // 4, m2) >> (8 * (at % 4)).to(tl.int32)) & 0xFF).to(tl.int32)
+
+
+# The types whose units are 16 bytes of nibbles (element k low, 16 + k high), the column tiles'
+# ``kcols_tile``: a bit per type id, so a kernel tests ``(NIBBLES >> QT) & 1`` at compile time
+_NIBBLE_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
+NIBBLES: tl.constexpr = tl.constexpr(sum(1 << int(t) for t in _NIBBLE_TYPES))
+
+
+@triton.jit
+def _nib_value(v, QT: tl.constexpr):
+    """A nibble's (or Q5's 5-bit) value as float32: its level for IQ4_NL, IQ4_XS and MXFP4
+    (times 2 for MXFP4: its scale is halved), else itself; the scale comes after the sum."""
+    if QT == IQ4_NL or QT == IQ4_XS:
+        return nl_level(v)
+    elif QT == MXFP4:
+        return mxfp4_signed(v)
+    else:
+        return u_float(v, 0.0)
 
 
 @triton.jit
 def _nibble_dots(acc, acc2, sx, q, q2, h, h2, wi: tl.constexpr, x, nw, rms, xo, um,
-                 XIN: tl.constexpr, TWO: tl.constexpr, FIFTH: tl.constexpr):  # fmt: skip
+                 XIN: tl.constexpr, TWO: tl.constexpr, QT: tl.constexpr):  # fmt: skip
     """(acc, acc2, sx) (column tiles and [T]) + the 8 elements of quant word wi (bytes 4 wi + b:
     elements 4 wi + b in the low nibbles, 16 + 4 wi + b in the high) of one matrix (q), or of
-    two (TWO: q2 too, the same input), times the input, and the input's sum. FIFTH (Q5_K):
+    two (TWO: q2 too, the same input), times the input, and the input's sum. Q5_K, Q5_0, Q5_1:
     element e's fifth bit is bit e of the unit's word h (h2)."""
+    FIFTH: tl.constexpr = QT == Q5_K or QT == Q5_0 or QT == Q5_1
     for b in tl.static_range(4):
         for hi in tl.static_range(2):  # element 16 hi + 4 wi + b of the unit
             xc = xin(x, nw, rms, xo + 16 * hi + 4 * wi + b, um, XIN)
@@ -387,43 +413,81 @@ def _nibble_dots(acc, acc2, sx, q, q2, h, h2, wi: tl.constexpr, x, nw, rms, xo, 
             v = (q >> (8 * b + 4 * hi)) & 15
             if FIFTH:
                 v |= ((h >> (16 * hi + 4 * wi + b)) & 1) << 4
-            acc += u_float(v, 0.0) * _per_unit(xc)
+            acc += _nib_value(v, QT) * _per_unit(xc)
             if TWO:
                 v2 = (q2 >> (8 * b + 4 * hi)) & 15
                 if FIFTH:
                     v2 |= ((h2 >> (16 * hi + 4 * wi + b)) & 1) << 4
-                acc2 += u_float(v2, 0.0) * _per_unit(xc)
+                acc2 += _nib_value(v2, QT) * _per_unit(xc)
     return acc, acc2, sx
 
 
 @triton.jit
+def _scattered(at, m2):
+    """Offsets at (a column tile, masked by m2) as the compiler may not prove contiguous over
+    the units: loads of one value a unit from consecutive addresses would otherwise be
+    vectorised, several units a thread, and every tile's layout would follow them. (A select
+    against a constant has no contiguity; ``tl.max_contiguous`` did not hold through every
+    use.)"""
+    return tl.where(m2, at, 0)
+
+
+@triton.jit
+def _per_unit_half(p, at, m2):
+    """Halves a unit at unit offsets at (contiguous over the units: said not to be, or they
+    would be vectorised, several units a thread), as float32."""
+    return tl.load(_f16_plane(p, 0) + _scattered(at, m2), mask=m2, other=0).to(tl.float32)
+
+
+@triton.jit
 def _k_fifth(wp2, o1, rr, uu, m2, NK: tl.constexpr, QT: tl.constexpr):
-    """Q5_K's word of fifth bits a unit (a column tile; Q4_K: zeros, unread)."""
+    """The word of fifth bits a unit of Q5_K, Q5_0 and Q5_1 (a column tile; else zeros,
+    unread)."""
     s_at = rr * NK + uu
-    if QT == Q5_K:
-        # (a word a unit, contiguous over the units: said not to be, or it is vectorised)
-        return _word(wp2 + o1, tl.max_contiguous(s_at, [1, 1]), m2)
+    if QT == Q5_K or QT == Q5_0 or QT == Q5_1:
+        return _word(wp2 + o1, _scattered(s_at, m2), m2)
     else:
         return s_at.to(tl.int32) * 0
 
 
 @triton.jit
 def _k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK: tl.constexpr, QT: tl.constexpr):
-    """A Q4_K or Q5_K unit's d * scale and dmin * min (column tiles)."""
+    """(a, c) of each unit (column tiles): its dot product is a * (values . x) + c * sum(x)."""
     s_at = rr * NK + uu
-    db = rr * (NK // K_UNITS) + uu // K_UNITS
-    if QT == Q5_K:
+    db = rr * (NK // K_UNITS) + uu // K_UNITS  # a unit's 256-block (the K-quants, IQ4_XS)
+    if QT == Q4_K:
+        sc = _byte_of_words(wp2 + o1, s_at, m2).to(tl.float32)
+        mn = _byte_of_words(wp2 + o2, s_at, m2).to(tl.float32)
+        d = tl.load(_f16_plane(wp2, o3) + db, mask=m2, other=0).to(tl.float32)
+        dm = tl.load(_f16_plane(wp2, o4) + db, mask=m2, other=0).to(tl.float32)
+        return d * sc, -(dm * mn)
+    elif QT == Q5_K:
         sc = _byte_of_words(wp2 + o2, s_at, m2).to(tl.float32)
         mn = _byte_of_words(wp2 + o3, s_at, m2).to(tl.float32)
         ddp = _f16_plane(wp2, o4) + 2 * db  # d, then dmin
         d = tl.load(ddp, mask=m2, other=0).to(tl.float32)
         dm = tl.load(ddp + 1, mask=m2, other=0).to(tl.float32)
-    else:
-        sc = _byte_of_words(wp2 + o1, s_at, m2).to(tl.float32)
-        mn = _byte_of_words(wp2 + o2, s_at, m2).to(tl.float32)
-        d = tl.load(_f16_plane(wp2, o3) + db, mask=m2, other=0).to(tl.float32)
-        dm = tl.load(_f16_plane(wp2, o4) + db, mask=m2, other=0).to(tl.float32)
-    return d * sc, dm * mn
+        return d * sc, -(dm * mn)
+    elif QT == IQ4_XS:
+        sc = _byte_of_words(wp2 + o1, s_at, m2).to(tl.int8).to(tl.float32)
+        d = tl.load(_f16_plane(wp2, o2) + db, mask=m2, other=0).to(tl.float32)
+        return d * sc, 0.0 * sc
+    elif QT == MXFP4:
+        d = _e8m0_half(_byte_of_words(wp2 + o1, s_at, m2))
+        return d, 0.0 * d
+    elif QT == Q4_0:  # d (q - 8): a unit is a block
+        d = _per_unit_half(wp2 + o1, s_at, m2)
+        return d, -8.0 * d
+    elif QT == Q4_1:  # d q + m
+        return _per_unit_half(wp2 + o1, s_at, m2), _per_unit_half(wp2 + o2, s_at, m2)
+    elif QT == Q5_0:  # d (q - 16)
+        d = _per_unit_half(wp2 + o2, s_at, m2)
+        return d, -16.0 * d
+    elif QT == Q5_1:
+        return _per_unit_half(wp2 + o2, s_at, m2), _per_unit_half(wp2 + o3, s_at, m2)
+    else:  # IQ4_NL: d * level
+        d = _per_unit_half(wp2 + o1, s_at, m2)
+        return d, 0.0 * d
 
 
 @triton.jit
@@ -448,20 +512,19 @@ def kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.con
         vp2 = _per_unit(vp)
         v0, v1, v2, v3 = _words4(vp2, at, m2)
         h2 = _k_fifth(vp2, p1, rr, uu, m2, NK, QT)
-    F: tl.constexpr = QT == Q5_K
     acc = tl.zeros(m2.shape, tl.float32)
     acc2 = tl.zeros(m2.shape, tl.float32)
     sx = tl.zeros(u.shape, tl.float32)
-    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q0, v0, h, h2, 0, x, nw, rms, xo, um, XIN, TWO, F)
-    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q1, v1, h, h2, 1, x, nw, rms, xo, um, XIN, TWO, F)
-    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q2, v2, h, h2, 2, x, nw, rms, xo, um, XIN, TWO, F)
-    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q3, v3, h, h2, 3, x, nw, rms, xo, um, XIN, TWO, F)
-    ds, dm = _k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK, QT)
-    out = _as_rows_units(ds * acc - dm * _per_unit(sx))
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q0, v0, h, h2, 0, x, nw, rms, xo, um, XIN, TWO, QT)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q1, v1, h, h2, 1, x, nw, rms, xo, um, XIN, TWO, QT)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q2, v2, h, h2, 2, x, nw, rms, xo, um, XIN, TWO, QT)
+    acc, acc2, sx = _nibble_dots(acc, acc2, sx, q3, v3, h, h2, 3, x, nw, rms, xo, um, XIN, TWO, QT)
+    a, c = _k_scale(wp2, o1, o2, o3, o4, rr, uu, m2, NK, QT)
+    out = _as_rows_units(a * acc + c * _per_unit(sx))
     out2 = out
     if TWO:
-        ds2, dm2 = _k_scale(vp2, p1, p2, p3, p4, rr, uu, m2, NK, QT)
-        out2 = _as_rows_units(ds2 * acc2 - dm2 * _per_unit(sx))
+        a2, c2 = _k_scale(vp2, p1, p2, p3, p4, rr, uu, m2, NK, QT)
+        out2 = _as_rows_units(a2 * acc2 + c2 * _per_unit(sx))
     return out, out2
 
 
@@ -583,7 +646,7 @@ def _row_tile(w, o1, o2, o3, o4, r, rmask, u0, T: tl.constexpr, K: tl.constexpr,
         return float_tile(wp, r, rmask, u, um, K, x, nw, rms, 8 * u, QT, XIN, w, uf, True)
     elif QT == IQ3_XXS or QT == IQ3_S:
         return grid_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u, XIN)
-    elif (QT == Q4_K or QT == Q5_K) and COLS:
+    elif (NIBBLES >> QT) & 1 and COLS:
         return kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u,
                           XIN)[0]  # fmt: skip
     elif QT == Q6_K and COLS:
@@ -624,7 +687,7 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
               TAIL: tl.constexpr = 0):  # fmt: skip
     """``dot_rows`` of two matrices of one type (at w and v) with the same input, in one pass
     when their units are 32 elements (each input tile loaded once): ([BN], [BN])."""
-    if (QT == Q4_K or QT == Q5_K) and COLS:  # ``kcols_tile``, both matrices in one pass
+    if (NIBBLES >> QT) & 1 and COLS:  # ``kcols_tile``, both matrices in one pass
         r = rows.to(tl.int64)
         NK2: tl.constexpr = K // 32
         STEPS: tl.constexpr = NK2 // T if TAIL > 0 else (NK2 + T - 1) // T

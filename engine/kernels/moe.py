@@ -38,8 +38,7 @@ from strata.engine.kernels.dot import (
     IQ3_S,
     IQ3_XXS,
     MAX_UNITS,
-    Q4_K,
-    Q5_K,
+    NIBBLES,
     Q6_K,
     Q8_0,
     _release,
@@ -237,7 +236,7 @@ def _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, um, F: tl.constex
     if TD == IQ3_XXS or TD == IQ3_S:
         y = grid_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, act, act, 1.0, kk * F + 32 * u,
                       False)  # fmt: skip
-    elif (TD == Q4_K or TD == Q5_K) and COLS:
+    elif (NIBBLES >> TD) & 1 and COLS:
         y = kcols_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, act, act, 1.0,
                        kk * F + 32 * u, False)[0]  # fmt: skip
     elif TD == Q6_K and COLS:

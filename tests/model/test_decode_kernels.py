@@ -126,8 +126,12 @@ def column_tiles(monkeypatch):
         monkeypatch.setattr(module, "COLS", tl.constexpr(True))
 
 
+COLUMN_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL,
+                Q.IQ4_XS, Q.MXFP4]  # fmt: skip
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # SiLU of -big
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", COLUMN_TYPES, ids=lambda t: t.name)
 def test_column_tiles_match_the_reference(qtype, column_tiles, rng) -> None:
     # the norm folded in and its output; the residual; a row that ends in a narrower step
     # (Q4_K: 88 units, 64 + 32; Q8_0: 176 of 16, 128 + 32 + ...); an expert's gate and up,
