@@ -50,7 +50,11 @@ from strata.engine.quant.unit_kernels import (
     IQ3S_SC,
     IQ3S_SG,
     IQ3XXS_SS,
+    K2_QS,
     K_UNITS,
+    Q2K_SC,
+    Q3K_HM,
+    Q3K_SC,
     SIGN_BIT,
     _e8m0_half,
     mxfp4_signed,
@@ -77,6 +81,8 @@ Q5_0: tl.constexpr = tl.constexpr(int(Q.Q5_0))
 Q5_1: tl.constexpr = tl.constexpr(int(Q.Q5_1))
 IQ4_NL: tl.constexpr = tl.constexpr(int(Q.IQ4_NL))
 MXFP4: tl.constexpr = tl.constexpr(int(Q.MXFP4))
+Q2_K: tl.constexpr = tl.constexpr(int(Q.Q2_K))
+Q3_K: tl.constexpr = tl.constexpr(int(Q.Q3_K))
 IQ3_S: tl.constexpr = tl.constexpr(int(Q.IQ3_S))
 
 # Triton's interpreter (CI, on the CPU) runs a program at a time in Python: there, fewer and wider
@@ -570,6 +576,84 @@ def k6cols_tile(wp, o1, o2, o3, r, rmask, u, um, NK: tl.constexpr, x, nw, rms, x
 
 
 @triton.jit
+def _crumb_dots(dq, sx, q, h, wi: tl.constexpr, sh, j, x, nw, rms, xo, um, XIN: tl.constexpr,
+                QT: tl.constexpr):  # fmt: skip
+    """(dq, sx) + 4 elements of a Q2_K / Q3_K half unit (column tiles; xo its first element):
+    element 4 wi + b is bits sh of byte b of the quant word q (Q3_K: its third bit, bit j of
+    byte b of the hmask word h; 0 means minus 4), times the input, and the input's sum."""
+    for b in tl.static_range(4):
+        xc = xin(x, nw, rms, xo + 4 * wi + b, um, XIN)
+        sx += xc
+        v = (q >> (8 * b + sh)) & 3
+        if QT == Q3_K:
+            v = u_float(v | (((h >> (8 * b + j)) & 1) << 2), 4.0)
+        else:
+            v = u_float(v, 0.0)
+        dq += v * _per_unit(xc)
+    return dq, sx
+
+
+@triton.jit
+def _crumb_half(wp2, o1, qat, hat, sh, j, m2, x, nw, rms, xo, um, XIN: tl.constexpr,
+                QT: tl.constexpr):  # fmt: skip
+    """A Q2_K / Q3_K half unit (16 elements from xo; its quants' 16 bytes at word offset qat,
+    Q3_K's hmask bytes at hat after o1): (its dot with the input, the input's sum)."""
+    q0, q1, q2, q3 = _words4(wp2, qat, m2)
+    h0, h1, h2, h3 = q0, q1, q2, q3
+    if QT == Q3_K:
+        h0, h1, h2, h3 = _words4(wp2 + o1, hat, m2)
+    dq = tl.zeros(m2.shape, tl.float32)
+    sx = tl.zeros(xo.shape, tl.float32)
+    dq, sx = _crumb_dots(dq, sx, q0, h0, 0, sh, j, x, nw, rms, xo, um, XIN, QT)
+    dq, sx = _crumb_dots(dq, sx, q1, h1, 1, sh, j, x, nw, rms, xo, um, XIN, QT)
+    dq, sx = _crumb_dots(dq, sx, q2, h2, 2, sh, j, x, nw, rms, xo, um, XIN, QT)
+    dq, sx = _crumb_dots(dq, sx, q3, h3, 3, sh, j, x, nw, rms, xo, um, XIN, QT)
+    return dq, sx
+
+
+@triton.jit
+def _q3k_scale6(wp2, o, blk, g, m2):
+    """Q3_K's signed 6-bit scale of group g (column tiles), its bytes out of their words."""
+    lo = (_byte_of_words(wp2 + o, blk * Q3K_SC + g % 8, m2) >> (4 * (g // 8))) & 0x0F
+    hi = (_byte_of_words(wp2 + o, blk * Q3K_SC + 8 + g % 4, m2) >> (2 * (g // 4))) & 0x03
+    return u_float((lo | (hi << 4)).to(tl.int32), 32.0)
+
+
+@triton.jit
+def k23cols_tile(wp, o1, o2, o3, r, rmask, u, um, NK: tl.constexpr, QT: tl.constexpr, x, nw,
+                 rms, xo, XIN: tl.constexpr):  # fmt: skip
+    """Q2_K and Q3_K as ``kcols_tile`` reads the nibble types: [BN, T]. Unit j of a block is
+    bits 2 (j % 4) of the 32 quant bytes 32 (j // 4) + k (two 16-byte loads, one a half unit;
+    Q3_K's third bits bit j of the block's 32 hmask bytes), a scale (and Q2_K's min) a half."""
+    m2 = _per_unit(um) & _per_row(rmask)
+    rr = _per_row(r)
+    uu = _per_unit(u)
+    wp2 = _per_unit(wp)
+    blk = rr * (NK // K_UNITS) + uu // K_UNITS
+    j = uu % K_UNITS
+    qat = blk * (K2_QS // 4) + 8 * (j // 4)  # the unit's 32 quant bytes, in words
+    hat = blk * (Q3K_HM // 4)
+    sh = (2 * (j % 4)).to(tl.int32)
+    jj = j.to(tl.int32)
+    d_lo, s_lo = _crumb_half(wp2, o1, qat, hat, sh, jj, m2, x, nw, rms, xo, um, XIN, QT)
+    d_hi, s_hi = _crumb_half(wp2, o1, qat + 4, hat + 4, sh, jj, m2, x, nw, rms, xo + 16, um,
+                             XIN, QT)  # fmt: skip
+    if QT == Q2_K:  # (d sc) q - dmin mn, a scale and a min a half unit (a byte each)
+        sc_lo = _byte_of_words(wp2 + o1, blk * Q2K_SC + 2 * j, m2)
+        sc_hi = _byte_of_words(wp2 + o1, blk * Q2K_SC + 2 * j + 1, m2)
+        d = tl.load(_f16_plane(wp2, o2) + blk, mask=m2, other=0).to(tl.float32)
+        dm = tl.load(_f16_plane(wp2, o3) + blk, mask=m2, other=0).to(tl.float32)
+        out = d * ((sc_lo & 15).to(tl.float32) * d_lo + (sc_hi & 15).to(tl.float32) * d_hi)
+        out -= dm * ((sc_lo >> 4).to(tl.float32) * _per_unit(s_lo)
+                     + (sc_hi >> 4).to(tl.float32) * _per_unit(s_hi))  # fmt: skip
+    else:  # Q3_K: d s q, a signed 6-bit scale a half unit
+        d = tl.load(_f16_plane(wp2, o3) + blk, mask=m2, other=0).to(tl.float32)
+        out = d * (_q3k_scale6(wp2, o2, blk, 2 * j, m2) * d_lo
+                   + _q3k_scale6(wp2, o2, blk, 2 * j + 1, m2) * d_hi)  # fmt: skip
+    return _as_rows_units(out)
+
+
+@triton.jit
 def q8cols_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.constexpr):
     """Q8_0 (units of 16 elements, half a block) as ``kcols_tile`` reads Q4_K: a unit's 16
     bytes are four words from one 16-byte load, the input a column at a time. [BN, T]."""
@@ -649,6 +733,8 @@ def _row_tile(w, o1, o2, o3, o4, r, rmask, u0, T: tl.constexpr, K: tl.constexpr,
     elif (NIBBLES >> QT) & 1 and COLS:
         return kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u,
                           XIN)[0]  # fmt: skip
+    elif (QT == Q2_K or QT == Q3_K) and COLS:
+        return k23cols_tile(wp, o1, o2, o3, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u, XIN)
     elif QT == Q6_K and COLS:
         return k6cols_tile(wp, o1, o2, o3, r, rmask, u, um, K // 32, x, nw, rms, 32 * u, XIN)
     else:  # units of 32 elements
@@ -713,7 +799,7 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
             a += tl.sum(ya, 1)
             c += tl.sum(yb, 1)
     elif QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16 and QT != IQ3_XXS and QT != IQ3_S \
-            and not (QT == Q6_K and COLS):  # fmt: skip
+            and not ((QT == Q6_K or QT == Q2_K or QT == Q3_K) and COLS):  # fmt: skip
         r = rows.to(tl.int64)  # units of 32 elements, ``k_tile``'s
         NK: tl.constexpr = K // 32
         FULL: tl.constexpr = NK // T if TAIL > 0 else (NK + T - 1) // T

@@ -39,6 +39,8 @@ from strata.engine.kernels.dot import (
     IQ3_XXS,
     MAX_UNITS,
     NIBBLES,
+    Q2_K,
+    Q3_K,
     Q6_K,
     Q8_0,
     _release,
@@ -47,6 +49,7 @@ from strata.engine.kernels.dot import (
     float_tile,
     grid_tile,
     k6cols_tile,
+    k23cols_tile,
     k_input,
     k_tile,
     kcols_tile,
@@ -239,6 +242,9 @@ def _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, um, F: tl.constex
     elif (NIBBLES >> TD) & 1 and COLS:
         y = kcols_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, act, act, 1.0,
                        kk * F + 32 * u, False)[0]  # fmt: skip
+    elif (TD == Q2_K or TD == Q3_K) and COLS:
+        y = k23cols_tile(wp, d1, d2, d3, r, ok, u, um, F // 32, TD, act, act, 1.0,
+                         kk * F + 32 * u, False)  # fmt: skip
     elif TD == Q6_K and COLS:
         y = k6cols_tile(wp, d1, d2, d3, r, ok, u, um, F // 32, act, act, 1.0, kk * F + 32 * u,
                         False)  # fmt: skip

@@ -127,7 +127,7 @@ def column_tiles(monkeypatch):
 
 
 COLUMN_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL,
-                Q.IQ4_XS, Q.MXFP4]  # fmt: skip
+                Q.IQ4_XS, Q.MXFP4, Q.Q2_K, Q.Q3_K]  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # SiLU of -big
