@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.engine.gguf_index import GGUFIndex
+from strata.engine.kernels.step import argmax_scratch
 from strata.engine.ops import ModelShape
 from strata.engine.quant.expert_layout import RUN_ALIGN, KernelSlotLayout, align, kernel_layout
 
@@ -72,6 +73,7 @@ class StepBuffers:
         # after the step, so the host can let the next step run while it reads this one
         self.ring = torch.zeros(2, dtype=i32, device=dev)
         self.step_no = torch.zeros(1, dtype=i32, device=dev)
+        self.argmax = argmax_scratch(dev)  # ``advance``'s running key and ticket
         cuda = dev.type == "cuda"
         self.ring_host = torch.zeros(2, dtype=i32, pin_memory=cuda)
         self.ring_done = [torch.cuda.Event() for _ in range(2)] if cuda else None

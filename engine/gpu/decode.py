@@ -351,7 +351,7 @@ class DecodeOps:
     def head(self, x: torch.Tensor, w: HeadWeights) -> torch.Tensor:
         b = self.p.buf
         self._dense(b.logits, x, w.output, mat(w.output), w.norm, tune="head")
-        advance(b.logits, b.tok, b.pos, b.ring, b.step_no)
+        advance(b.logits, b.tok, b.pos, b.ring, b.step_no, b.argmax)
         return b.logits
 
 

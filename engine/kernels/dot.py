@@ -135,6 +135,25 @@ def xin(x, nw, rms, offs, mask, XIN: tl.constexpr):
     return v
 
 
+KEY_MIN: tl.constexpr = tl.constexpr(-(1 << 63))  # below every ``ordered_bits`` key
+
+
+@triton.jit
+def ordered_bits(v):
+    """float32 v's bits as int32 that order as the floats do (a negative float's other 31 bits
+    flipped; -0.0 made +0.0 first, so equal floats give equal keys): a value and an index
+    packed in one int64 (the bits high) take one max where a max and a min of indices took
+    two reductions."""
+    bits = (v + 0.0).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def unordered_bits(bits):
+    """The float32 whose ``ordered_bits`` are ``bits``."""
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def rms_scale(x, K: tl.constexpr, eps, BLOCK: tl.constexpr):
     """1 / sqrt(mean(x[:K]^2) + eps), as a scalar."""

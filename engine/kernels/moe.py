@@ -37,6 +37,7 @@ from strata.engine.kernels.dot import (
     INTERPRETED,
     IQ3_S,
     IQ3_XXS,
+    KEY_MIN,
     MAX_UNITS,
     NIBBLES,
     Q2_K,
@@ -54,11 +55,13 @@ from strata.engine.kernels.dot import (
     k_tile,
     kcols_tile,
     launch_regs,
+    ordered_bits,
     plane_offsets,
     q8_tile,
     q8cols_tile,
     step_warps,
     steps,
+    unordered_bits,
     warps_for,
 )
 from strata.engine.quant.repack import RepackedLayout
@@ -88,16 +91,6 @@ def _warp_sum(x, N: tl.constexpr, S: tl.constexpr):
     return tl.max(v, 0)  # its one element
 
 
-_GONE: tl.constexpr = tl.constexpr(-(1 << 63))  # below every candidate's key
-
-
-@triton.jit
-def _ordered(bits):
-    """A float32's bits (int32) made to order as the floats do, and back (its own inverse):
-    a negative float's other 31 bits flipped."""
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
 @triton.jit
 def _route(lg, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E,
            K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
@@ -118,20 +111,19 @@ def _route(lg, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_st
     sel_w = tl.zeros([KP], tl.float32)
     sel_i = tl.zeros([KP], tl.int32)
     chosen = tl.zeros([EP], tl.int32)
-    # Each candidate as one int64: its value's bits turned to order as the floats do (a
-    # negative float's bits but the sign flipped: ``_ordered``), then its id reversed, so one
-    # max picks the largest value and, among equals, the lowest id. One reduction a pick, not
-    # two (a max, then the lowest id holding it): in the router's matvec each crosses 8 warps.
-    # (+ 0.0: a -0.0 becomes +0.0, the float it equals, so equals stay equal in the order.)
-    key = (_ordered((left + 0.0).to(tl.int32, bitcast=True)).to(tl.int64) << 32) | (EP - 1 - e)
+    # Each candidate as one int64: its value's bits made to order as the floats do
+    # (``ordered_bits``), then its id reversed, so one max picks the largest value and, among
+    # equals, the lowest id. One reduction a pick, not two (a max, then the lowest id holding
+    # it): in the router's matvec each crosses 8 warps.
+    key = (ordered_bits(left).to(tl.int64) << 32) | (EP - 1 - e)
     for k in tl.static_range(K):
         best = tl.max(key, 0)
         idx = EP - 1 - (best & (EP - 1)).to(tl.int32)
-        val = _ordered((best >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+        val = unordered_bits((best >> 32).to(tl.int32))
         sel_w = tl.where(kk == k, val, sel_w)
         sel_i = tl.where(kk == k, idx, sel_i)
         chosen = tl.where(e == idx, 1, chosen)
-        key = tl.where(e == idx, _GONE, key)
+        key = tl.where(e == idx, KEY_MIN, key)
     if LATE:  # (the first pick is the largest logit)
         top = tl.max(tl.where(kk == 0, sel_w, float("-inf")), 0)
         sel_w = tl.where(kk < K, tl.exp(sel_w - top), 0.0)

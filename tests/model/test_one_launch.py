@@ -336,3 +336,39 @@ def test_the_routing_after_the_router_matvec_on_the_30b_models_shape(late) -> No
         pytest.skip("no CUDA device: torch.cuda.is_available() is False")
     routing_case(128, 8, 2048, late, not late, steps=6, bn=2)
     routing_case(128, 8, 2048, late, not late, steps=2, bn=2, prefetch=True)
+
+
+# -- the step's greedy token -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [7, 4096, 3 * 4096 + 5], ids=["one-program", "one-full", "four"])
+def test_advance_takes_torchs_argmax_in_one_launch_step_after_step(n) -> None:
+    """``step.advance``: torch.argmax's token (the first of equal maxima, -0.0 equal to 0.0,
+    negative logits), the position and the step moved on, the ring slot written; several
+    steps on the same buffers (a graph replays them so): the scratch is back each time."""
+    from strata.engine.kernels import step
+
+    gen = torch.Generator().manual_seed(n)
+    tok, pos = (
+        torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        torch.full((1,), 40, dtype=torch.int32, device=DEVICE),
+    )
+    ring = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
+    count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    scratch = step.argmax_scratch(DEVICE)
+    cases = [torch.randn(n, generator=gen) - 10.0]  # every logit negative
+    tie = torch.randn(n, generator=gen)
+    tie[[n // 3, n - 1]] = 9.0  # equal maxima: the first
+    cases.append(tie)
+    zeros = torch.full((n,), -1.0)
+    zeros[n // 2] = -0.0
+    zeros[n - 1] = 0.0  # -0.0 equals 0.0: the first of them
+    cases.append(zeros)
+    for i, logits in enumerate(cases):
+        step.advance(logits.to(DEVICE), tok, pos, ring, count, scratch)
+        want, want_pos, slot = step.advance_reference(logits, 40 + i, i)
+        assert int(tok) == want and int(pos) == want_pos and int(ring[slot]) == want
+        assert int(count) == i + 1
+        assert scratch.cpu().tolist() == [-(1 << 63), 0], "the scratch is back for a replay"
+    with pytest.raises(ValueError, match="advance's scratch: int64 \\[2\\]"):
+        step.advance(cases[0].to(DEVICE), tok, pos, ring, count, scratch[:1])
