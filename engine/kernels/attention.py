@@ -5,14 +5,16 @@ Grouped-query attention: a partial program (K/V head, split) reads its share of 
 once for all the query heads of its group, keeping their running max, sum and weighted value sum
 (the online softmax), and writes them as the split's partial. The length is read from device
 memory (position + 1), so the same launch — and a CUDA graph holding it — serves every step;
-splits beyond the length write an empty partial. Combiner programs in the same launch, one per
-query head, wait for their group's partials and combine them (``_combine``, one fixed order).
+splits beyond the length do nothing (at 640 keys 10 of Qwen3-30B-A3B's 64 splits a group have
+keys: the others wrote 4 KiB of empty partials and counted them, which no combiner reads).
+Combiner programs in the same launch, one per query head, wait for their group's live
+partials and combine them (``_combine``, one fixed order).
 
 The tickets (``DecodeAttention.tickets``, int32, 0 between launches): each program first draws
 a role from a dispatch counter, the first Hkv * NSPLIT draws partials, the last H draws
 combiners, so a combiner only ever waits for programs that have started already (they wait for
 nothing: no deadlock, however the GPU schedules the launch). A partial adds 1 to its group's
-count once its partial is written; a combiner spins until that count is NSPLIT; the last
+count once its partial is written; a combiner spins until that count is the live splits'; the last
 combiner to finish sets every counter back to 0 for the next launch (a later layer, a graph
 replay). In Triton's interpreter the programs run one after another in draw order, so every
 wait is already over when it starts.
@@ -135,21 +137,23 @@ def _attn_kernel(
     else:
         r = tl.program_id(0)
     n, lo, per = _span(pos_p, window, NSPLIT, BS, WIN)
+    live = tl.cdiv(n - lo, per)  # the splits with keys: the rest have nothing to do
     if r < HKV * NSPLIT:
         hk = r // NSPLIT
-        _partial(q, kc, vc, bt, acc_out, ml_out, sm_scale, HKV, PS, hk, r % NSPLIT, n, lo, per,
-                 G, GP, D, PAGE, BS, NSPLIT, LOWP)  # fmt: skip
-        if FUSED:
-            # Every thread's partial stores come before the barrier; thread 0's atomic add
-            # (release, GPU scope) then publishes them all, as a CUTLASS semaphore does after
-            # __syncthreads.
-            tl.debug_barrier()
-            tl.atomic_add(tickets + _WRITTEN + hk, 1, sem="release")
+        if r % NSPLIT < live:
+            _partial(q, kc, vc, bt, acc_out, ml_out, sm_scale, HKV, PS, hk, r % NSPLIT, n, lo,
+                     per, G, GP, D, PAGE, BS, NSPLIT, LOWP)  # fmt: skip
+            if FUSED:
+                # Every thread's partial stores come before the barrier; thread 0's atomic add
+                # (release, GPU scope) then publishes them all, as a CUTLASS semaphore does
+                # after __syncthreads.
+                tl.debug_barrier()
+                tl.atomic_add(tickets + _WRITTEN + hk, 1, sem="release")
     else:
         h = r - HKV * NSPLIT  # a combiner (FUSED only): query head h
         at = tickets + _WRITTEN + h // G
         c = tl.load(at, volatile=True)
-        while c < NSPLIT:  # the group's partial programs have all drawn earlier: they finish
+        while c < live:  # the group's live partial programs have all drawn earlier: they finish
             c = tl.load(at, volatile=True)
         # The acquire reads the count the last release wrote (the adds form one release
         # sequence), so every partial of the group is visible to this program's loads after
@@ -157,7 +161,7 @@ def _attn_kernel(
         # value (NSPLIT) is used, so the compiler keeps it a read rather than a bare fence.
         c = tl.atomic_add(at, 0, sem="acquire")
         tl.debug_barrier()
-        live = tl.minimum(tl.cdiv(n - lo, per), c)  # (cdiv(n - lo, per) <= NSPLIT = c)
+        live = tl.minimum(live, c)  # (c is live)
         _combine(acc_out, ml_out, out, sinks, h, live, D, NSPLIT, SINK)
         # the last combiner out: every program has drawn, counted and stopped reading the
         # counters, so they go back to 0 for the next launch

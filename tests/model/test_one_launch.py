@@ -217,7 +217,13 @@ def attention_case(H: int, HKV: int, D: int, page: int, n_split: int, lengths: l
         att(out, q, kc, vc, table, pos, ps, window, sinks)
         want, acc, ml = two_launch_attention(att, q, kc, vc, table, pos, window, sinks, ps)
         assert torch.equal(out, want), (length, (out - want).abs().max())
-        assert torch.equal(att.acc, acc) and torch.equal(att.ml, ml), "the partials changed"
+        # the live splits' partials (those with keys: the combine reads no other)
+        keys = length - (max(length - window, 0) if window is not None else 0)
+        bs = at.DecodeAttention.BS
+        per = math.ceil(math.ceil(keys / n_split) / bs) * bs
+        live = torch.arange(H * n_split) % n_split < math.ceil(keys / per)
+        assert torch.equal(att.acc.view(-1, D)[live], acc.view(-1, D)[live]), "partials changed"
+        assert torch.equal(att.ml.view(-1, 2)[live], ml.view(-1, 2)[live]), "partials changed"
         assert att.tickets.cpu().tolist() == [0] * (2 + HKV), att.tickets
 
 
