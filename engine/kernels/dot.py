@@ -45,16 +45,25 @@ from strata.engine.quant.format import Q8 as Q8_KIND
 from strata.engine.quant.format import UNIT32
 from strata.engine.quant.formats import FORMATS
 from strata.engine.quant.unit_kernels import (
+    IQ3_S,
+    IQ3_XXS,
     IQ3S_HS,
     IQ3S_QS,
     IQ3S_SC,
     IQ3S_SG,
     IQ3XXS_SS,
+    IQ4_NL,
     K2_QS,
     K_UNITS,
+    MXFP4,
+    Q2_K,
     Q2K_SC,
+    Q3_K,
     Q3K_HM,
     Q3K_SC,
+    Q4_1,
+    Q5_0,
+    Q5_1,
     SIGN_BIT,
     _e8m0_half,
     mxfp4_signed,
@@ -75,15 +84,7 @@ Q4_K: tl.constexpr = tl.constexpr(int(Q.Q4_K))
 Q5_K: tl.constexpr = tl.constexpr(int(Q.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(Q.Q6_K))
 IQ4_XS: tl.constexpr = tl.constexpr(int(Q.IQ4_XS))
-IQ3_XXS: tl.constexpr = tl.constexpr(int(Q.IQ3_XXS))
-Q4_1: tl.constexpr = tl.constexpr(int(Q.Q4_1))
-Q5_0: tl.constexpr = tl.constexpr(int(Q.Q5_0))
-Q5_1: tl.constexpr = tl.constexpr(int(Q.Q5_1))
-IQ4_NL: tl.constexpr = tl.constexpr(int(Q.IQ4_NL))
-MXFP4: tl.constexpr = tl.constexpr(int(Q.MXFP4))
-Q2_K: tl.constexpr = tl.constexpr(int(Q.Q2_K))
-Q3_K: tl.constexpr = tl.constexpr(int(Q.Q3_K))
-IQ3_S: tl.constexpr = tl.constexpr(int(Q.IQ3_S))
+# (the gathered types' ids, Q4_1 .. IQ3_S, are ``unit_kernels``')
 
 # Triton's interpreter (CI, on the CPU) runs a program at a time in Python: there, fewer and wider
 # programs test the same code in a fraction of the time. On a GPU the tuned sizes apply.
@@ -787,66 +788,55 @@ def dot_rows(w, o1, o2, o3, o4, rows, rmask, K: tl.constexpr, x, nw, rms, QT: tl
 
 
 @triton.jit
+def _pair_step(w, o1, o2, o3, o4, v, p1, p2, p3, p4, r, rmask, u0, T: tl.constexpr,
+               NK: tl.constexpr, x, QT: tl.constexpr, COLUMNS: tl.constexpr):  # fmt: skip
+    """One step of ``dot_rows2``'s single pass: units u0 .. u0 + T - 1 of both matrices with
+    the same input, ([BN, T], [BN, T]); COLUMNS: ``kcols_tile``'s column tiles, else
+    ``k_tile``'s (the input tile loaded once for both)."""
+    u = u0 + tl.arange(0, T)
+    um = u < NK
+    wp = w + tl.zeros([T], tl.int32)
+    vp = v + tl.zeros([T], tl.int32)
+    if COLUMNS:
+        return kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT, x, x, 1.0, 32 * u, False,
+                          vp, p1, p2, p3, p4, True)  # fmt: skip
+    else:
+        xl, xh, sx = k_input(x, x, 1.0, 32 * u, um, False)
+        uf = u0 + tl.arange(0, T * 16) // 16
+        ya = k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT, xl, xh, sx, w, uf, True)
+        yb = k_tile(vp, p1, p2, p3, p4, r, rmask, u, um, NK, QT, xl, xh, sx, v, uf, True)
+        return ya, yb
+
+
+@triton.jit
 def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr, x,
               QT: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
               TAIL: tl.constexpr = 0):  # fmt: skip
     """``dot_rows`` of two matrices of one type (at w and v) with the same input, in one pass
-    when their units are 32 elements (each input tile loaded once): ([BN], [BN])."""
-    if (NIBBLES >> QT) & 1 and COLS:  # ``kcols_tile``, both matrices in one pass
+    where the type's tiles allow (each input value loaded once): ([BN], [BN])."""
+    COLUMNS: tl.constexpr = (NIBBLES >> QT) & 1 and COLS  # ``kcols_tile``'s, both at once
+    ONE_PASS: tl.constexpr = COLUMNS or (
+        QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16 and QT != IQ3_XXS and QT != IQ3_S
+        and not ((QT == Q6_K or QT == Q2_K or QT == Q3_K) and COLS)
+    )  # fmt: skip
+    if ONE_PASS:
         r = rows.to(tl.int64)
-        NK2: tl.constexpr = K // 32
-        STEPS: tl.constexpr = NK2 // T if TAIL > 0 else (NK2 + T - 1) // T
-        t = tl.arange(0, T)
-        wp = w + tl.zeros([T], tl.int32)
-        vp = v + tl.zeros([T], tl.int32)
+        NK: tl.constexpr = K // 32
+        FULL: tl.constexpr = NK // T if TAIL > 0 else (NK + T - 1) // T
         acc_a = tl.zeros([BN, T], tl.float32)
         acc_b = tl.zeros([BN, T], tl.float32)
-        for i in tl.static_range(STEPS):
-            u = i * T + t
-            ya, yb = kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK2, NK2, QT, x, x, 1.0,
-                                32 * u, False, vp, p1, p2, p3, p4, True)  # fmt: skip
+        for i in tl.static_range(FULL):
+            ya, yb = _pair_step(w, o1, o2, o3, o4, v, p1, p2, p3, p4, r, rmask, i * T, T, NK, x,
+                                QT, COLUMNS)  # fmt: skip
             acc_a += ya
             acc_b += yb
         a = tl.sum(acc_a, 1)
         c = tl.sum(acc_b, 1)
         if TAIL > 0:
-            u = STEPS * T + tl.arange(0, TAIL)
-            wt = w + tl.zeros([TAIL], tl.int32)
-            vt = v + tl.zeros([TAIL], tl.int32)
-            ya, yb = kcols_tile(wt, o1, o2, o3, o4, r, rmask, u, u < NK2, NK2, QT, x, x, 1.0,
-                                32 * u, False, vt, p1, p2, p3, p4, True)  # fmt: skip
+            ya, yb = _pair_step(w, o1, o2, o3, o4, v, p1, p2, p3, p4, r, rmask, FULL * T, TAIL,
+                                NK, x, QT, COLUMNS)  # fmt: skip
             a += tl.sum(ya, 1)
             c += tl.sum(yb, 1)
-    elif QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16 and QT != IQ3_XXS and QT != IQ3_S \
-            and not ((QT == Q6_K or QT == Q2_K or QT == Q3_K) and COLS):  # fmt: skip
-        r = rows.to(tl.int64)  # units of 32 elements, ``k_tile``'s
-        NK: tl.constexpr = K // 32
-        FULL: tl.constexpr = NK // T if TAIL > 0 else (NK + T - 1) // T
-        t = tl.arange(0, T)
-        wp = w + tl.zeros([T], tl.int32)
-        vp = v + tl.zeros([T], tl.int32)
-        acc_a = tl.zeros([BN, T], tl.float32)
-        acc_b = tl.zeros([BN, T], tl.float32)
-        for i in tl.static_range(FULL):
-            u = i * T + t
-            xl, xh, sx = k_input(x, x, 1.0, 32 * u, u < NK, False)
-            uf = i * T + tl.arange(0, T * 16) // 16
-            acc_a += k_tile(wp, o1, o2, o3, o4, r, rmask, u, u < NK, NK, QT, xl, xh, sx,
-                            w, uf, True)  # fmt: skip
-            acc_b += k_tile(vp, p1, p2, p3, p4, r, rmask, u, u < NK, NK, QT, xl, xh, sx,
-                            v, uf, True)  # fmt: skip
-        a = tl.sum(acc_a, 1)
-        c = tl.sum(acc_b, 1)
-        if TAIL > 0:
-            u = FULL * T + tl.arange(0, TAIL)
-            wt = w + tl.zeros([TAIL], tl.int32)
-            vt = v + tl.zeros([TAIL], tl.int32)
-            xl, xh, sx = k_input(x, x, 1.0, 32 * u, u < NK, False)
-            uf = FULL * T + tl.arange(0, TAIL * 16) // 16
-            a += tl.sum(k_tile(wt, o1, o2, o3, o4, r, rmask, u, u < NK, NK, QT, xl, xh, sx,
-                               w, uf, True), 1)  # fmt: skip
-            c += tl.sum(k_tile(vt, p1, p2, p3, p4, r, rmask, u, u < NK, NK, QT, xl, xh, sx,
-                               v, uf, True), 1)  # fmt: skip
     else:
         a = dot_rows(w, o1, o2, o3, o4, rows, rmask, K, x, x, 1.0, QT, False, BN, T, TAIL)
         c = dot_rows(v, p1, p2, p3, p4, rows, rmask, K, x, x, 1.0, QT, False, BN, T, TAIL)
