@@ -53,7 +53,7 @@ from strata.bench.settings import (
 )
 from strata.engine.gguf_index import ExpertBlob, ExpertRun
 from strata.engine.kernels import gemm
-from strata.engine.kernels.dot import INTERPRETED
+from strata.engine.kernels.inputs import INTERPRETED
 from strata.engine.quant import REPACKED_TYPES, dequantize_repacked, repack_into
 from strata.engine.quant.expert_layout import RUN_ALIGN, KernelSlotLayout, align, kernel_layout
 from strata.engine.quant.formats import fmt

@@ -25,7 +25,7 @@ import torch
 from strata.engine.gpu.cpu_share import CpuExtras
 from strata.engine.gpu.delta import rope_tables_for
 from strata.engine.kernels.chunk_attention import chunk_attention
-from strata.engine.kernels.dot import INTERPRETED
+from strata.engine.kernels.inputs import INTERPRETED
 from strata.engine.kernels.moe import ExpertExtras
 from strata.engine.kv import KVCache
 from strata.engine.ops import AttentionWeights, MoEWeights, RopeSpec, RoutingSpec

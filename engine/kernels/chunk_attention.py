@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from strata.engine.kernels.attention import LOW_PRECISION
-from strata.engine.kernels.dot import INTERPRETED
+from strata.engine.kernels.inputs import INTERPRETED
 
 LOG2E = 1.4426950408889634
 # Tile sizes: rows of the tile (query rows x the group's heads) and keys per step. The

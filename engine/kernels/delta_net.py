@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.engine.kernels.dot import INTERPRETED
+from strata.engine.kernels.inputs import INTERPRETED
 
 CHUNK = 64  # positions per chunk of the chunk-parallel form
 

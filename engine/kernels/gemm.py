@@ -39,6 +39,9 @@ import triton
 import triton.language as tl
 
 from strata.engine.kernels.dot import (
+    plane_offsets,
+)
+from strata.engine.kernels.inputs import (
     BF16,
     F16,
     F32,
@@ -49,7 +52,6 @@ from strata.engine.kernels.dot import (
     Q5_K,
     Q6_K,
     Q8_0,
-    plane_offsets,
 )
 from strata.engine.quant.repack import RepackedLayout, dequantize_repacked
 from strata.engine.quant.unit_kernels import K_UNITS, nl_level, u_float, unit_halves

@@ -23,18 +23,20 @@ import triton
 import triton.language as tl
 
 from strata.engine.kernels.dot import (
+    dot_rows,
+    launch_regs,
+    plane_offsets,
+    step_warps,
+    steps,
+)
+from strata.engine.kernels.inputs import (
     INTERPRETED,
     XIN_GATE,
     XIN_NORM,
     XIN_PLAIN,
     XIN_SWIGLU,
-    dot_rows,
-    launch_regs,
-    plane_offsets,
     rms_scale,
     sigmoid_dot,
-    step_warps,
-    steps,
     xin,
 )
 from strata.engine.kernels.moe import Routing, _route

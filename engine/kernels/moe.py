@@ -28,43 +28,49 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.engine.kernels.columns import (
+    NIBBLES,
+    _release,
+    grid_tile,
+    k6cols_tile,
+    k23cols_tile,
+    kcols_tile,
+    q8cols_tile,
+)
 from strata.engine.kernels.cpu_experts import request_ids_offset, request_offsets
 from strata.engine.kernels.dot import (
+    MAX_UNITS,
+    dot_rows,
+    dot_rows2,
+    float_tile,
+    k_input,
+    k_tile,
+    launch_regs,
+    plane_offsets,
+    q8_tile,
+    step_warps,
+    steps,
+    warps_for,
+)
+from strata.engine.kernels.inputs import (
     BF16,
     COLS,
     F16,
     F32,
     INTERPRETED,
-    IQ3_S,
-    IQ3_XXS,
     KEY_MIN,
-    MAX_UNITS,
-    NIBBLES,
-    Q2_K,
-    Q3_K,
     Q6_K,
     Q8_0,
-    _release,
-    dot_rows,
-    dot_rows2,
-    float_tile,
-    grid_tile,
-    k6cols_tile,
-    k23cols_tile,
-    k_input,
-    k_tile,
-    kcols_tile,
-    launch_regs,
     ordered_bits,
-    plane_offsets,
-    q8_tile,
-    q8cols_tile,
-    step_warps,
-    steps,
     unordered_bits,
-    warps_for,
 )
 from strata.engine.quant.repack import RepackedLayout
+from strata.engine.quant.unit_kernels import (
+    IQ3_S,
+    IQ3_XXS,
+    Q2_K,
+    Q3_K,
+)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from strata.engine.kernels import MISSING
-from strata.engine.kernels.dot import INTERPRETED
+from strata.engine.kernels.inputs import INTERPRETED
 
 WORD = 8  # bytes a copy moves per element (int64); slots and homes are 256-byte aligned
 COPY_BLOCK = 64 if INTERPRETED else 2048  # words per program per iteration: 16 KiB on a GPU

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.engine.kernels.dot import KEY_MIN, ordered_bits
+from strata.engine.kernels.inputs import KEY_MIN, ordered_bits
 
 ARGMAX_BLOCK = 4096  # logits a program of ``advance`` reads
 _LOW: tl.constexpr = tl.constexpr((1 << 31) - 1)

@@ -1,7 +1,7 @@
 """Triton decoders of the gathered types' repacked planes: one function per format that every
 kernel reading those types shares (the dequantiser here in ``repack_kernels``, the prompt-chunk
 GEMM of ``kernels.gemm``) and ``unit_dot``, the decode dot products' tile (``kernels.dot``;
-the grid types' decode tile is ``kernels.dot.grid_tile``, on the constants here).
+the grid types' decode tile is ``kernels.columns.grid_tile``, on the constants here).
 
 ``unit_halves`` gives the values of units ``u`` (32 elements each, counted from a row's start)
 of rows ``r`` as two float32 tiles ``[BN, T, 16]``: elements 32u + k (the low half) and
@@ -411,7 +411,7 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
     input halves xl, xh ([T, 16]: elements 32u + k and 32u + 16 + k; sx [T] their sums) ->
     [BN, T]. The scales come out of the sums where the type allows (a scale times an integer
     dot product, minus or plus a min times the input's sum). The grid types are not here: the
-    decode kernels read them with ``kernels.dot.grid_tile``. FLAT, w0, uf: the quants' loads
+    decode kernels read them with ``kernels.columns.grid_tile``. FLAT, w0, uf: the quants' loads
     as ``unit_bytes`` makes them."""
     k = tl.arange(0, 16)[None, None, :]
     m3 = rm[:, None, None] & um[None, :, None]

@@ -118,9 +118,9 @@ def test_matvec_matches_dequantise_then_multiply(types, with_norm, rng) -> None:
 def column_tiles(monkeypatch):
     """Q4_K through ``kcols_tile`` (``STRATA_DECODE_COLS=1``): the interpreter reads the switch
     at each launch; a compiled kernel keeps the value it was compiled with."""
-    from strata.engine.kernels import dot
+    from strata.engine.kernels import dot, inputs
 
-    if not dot.INTERPRETED:
+    if not inputs.INTERPRETED:
         pytest.skip("compiled kernels keep their switch: run with STRATA_DECODE_COLS=1 instead")
     for module in (dot, moe):
         monkeypatch.setattr(module, "COLS", tl.constexpr(True))
@@ -173,13 +173,13 @@ def test_column_tiles_match_the_reference(qtype, column_tiles, rng) -> None:
 
 
 def test_the_column_switch_refuses_what_it_does_not_know(monkeypatch) -> None:
-    from strata.engine.kernels import dot
+    from strata.engine.kernels import inputs
 
     monkeypatch.setenv("STRATA_DECODE_COLS", "yes")
     with pytest.raises(ValueError, match=r"STRATA_DECODE_COLS='yes': want 1 \(column tiles\) or 0"):
-        dot._cols_from_env()
+        inputs._cols_from_env()
     monkeypatch.setenv("STRATA_DECODE_COLS", "1")
-    assert dot._cols_from_env()
+    assert inputs._cols_from_env()
 
 
 @pytest.mark.parametrize("bn", [1, 4, 8])
