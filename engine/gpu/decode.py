@@ -2,9 +2,9 @@
 buffers, every launch reading positions and lengths from device memory, so one CUDA graph,
 captured at load, serves every step. Per layer:
 
-    q/k/v matvec (RMSNorm folded in) -> q/k norm, RoPE, K/V write -> split attention (its
-    combine in the same launch) -> output projection + residual -> router matvec (RMSNorm
-    folded in; its last program routes: top-k, weights, expert offsets)
+    q/k/v matvec (RMSNorm folded in) -> split attention (q/k norm, RoPE and the token's K/V
+    write, then its combine, in the same launch) -> output projection + residual -> router
+    matvec (RMSNorm folded in; its last program routes: top-k, weights, expert offsets)
     -> gate/up/SiLU of the k experts -> down of the k experts + weights + residual
 
 then the final norm and the output head. The MoE kernels find each expert through the layer's
@@ -28,9 +28,8 @@ from strata.engine.gpu.cpu_share import CpuShare
 from strata.engine.gpu.oss import expert_extras, qkv_bias, rope_tables
 from strata.engine.gpu.tables import ExpertTables
 from strata.engine.kernels import moe
-from strata.engine.kernels.attention import DecodeAttention
+from strata.engine.kernels.attention import DecodeAttention, Rotary
 from strata.engine.kernels.matvec import Mat, matvec
-from strata.engine.kernels.rope import rope_store
 from strata.engine.kernels.step import advance
 from strata.engine.kv import KVCache
 from strata.engine.ops import (
@@ -279,13 +278,10 @@ class DecodeOps:
         k_cache, v_cache = kv.layer(j)
         # a window layer's K/V is in its own pages (gpt-oss: KVCache.window_table)
         table = kv.window_table if spec.window is not None else kv.block_table
-        rope_store(
-            b.qkv, self.cos, self.sin, w.q_norm, w.k_norm, k_cache, v_cache, table,
-            b.pos, self.eps, spec.n_head, spec.n_head_kv, spec.head_dim, kv.page,
-            spec.rope.neox, kv.page_stride,
-        )  # fmt: skip
+        # q/k norms, RoPE and the token's K/V write run inside the attention's launch
+        rotary = Rotary(self.cos, self.sin, w.q_norm, w.k_norm, self.eps, spec.rope.neox)
         self.attend(b.attn_out, b.qkv, k_cache, v_cache, table, b.pos, kv.page_stride,
-                    spec.window, w.sinks)  # fmt: skip
+                    spec.window, w.sinks, rotary)  # fmt: skip
         self._dense(x, b.attn_out, w.o, m.o, residual=True, bias=w.o_bias)
         return x
 

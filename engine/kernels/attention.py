@@ -27,6 +27,7 @@ layer's keys and values, so a layer's rows of one page are a slice of it), rows 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -51,19 +52,64 @@ def _span(pos_p, window, NSPLIT: tl.constexpr, BS: tl.constexpr, WIN: tl.constex
 
 
 @triton.jit
+def _rotated(src, rows, rm, cos, sin, w, pos, eps, D: tl.constexpr, NEOX: tl.constexpr,
+             QK_NORM: tl.constexpr):  # fmt: skip
+    """Heads ``rows`` ([R]) of ``src`` ([heads, D] float32), RMSNorm'd by ``w`` (QK_NORM) and
+    rotated to position ``pos``, as ``rope._rope_kernel`` computes them: [R, D]. ``NEOX`` pairs
+    value i with i + D/2, else 2i with 2i + 1."""
+    d = tl.arange(0, D)
+    if NEOX:
+        first = d < D // 2
+        partner = tl.where(first, d + D // 2, d - D // 2)
+        col = tl.where(first, d, d - D // 2)
+    else:
+        first = d % 2 == 0
+        partner = tl.where(first, d + 1, d - 1)
+        col = d // 2
+    x = tl.load(src + rows[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)
+    xp = tl.load(src + rows[:, None] * D + partner[None, :], mask=rm[:, None], other=0.0)
+    if QK_NORM:
+        scale = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        x = x * scale * tl.load(w + d)[None, :]
+        xp = xp * scale * tl.load(w + partner)[None, :]
+    c = tl.load(cos + pos * (D // 2) + col)[None, :]
+    s = tl.load(sin + pos * (D // 2) + col)[None, :]
+    return tl.where(first[None, :], x * c - xp * s, x * c + xp * s)
+
+
+@triton.jit
 def _partial(
-    q, kc, vc, bt, acc_out, ml_out, sm_scale, HKV, PS, hk, s, n, lo, per,
+    q, kc, vc, bt, acc_out, ml_out, sm_scale, HKV, PS, hk, s, n, lo, per, cos, sin, qn, kn, eps,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr,
-    NSPLIT: tl.constexpr, LOWP: tl.constexpr,
+    NSPLIT: tl.constexpr, LOWP: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):  # fmt: skip
     """Split ``s`` of K/V head ``hk`` (query heads hk * G .. hk * G + G - 1): its running max,
-    sum and weighted value sum into the partials."""
+    sum and weighted value sum into the partials. ``ROPE``: q is the projection's q|k|v, each
+    program norms and rotates its group's queries itself, and the split holding the token (the
+    last with keys) first writes the token's rotated key and its value into the pages, where
+    its own loop then reads them (the barrier makes its threads' stores visible to all of
+    them); no other program of the launch reads that row."""
     start = lo + s * per
     end = tl.minimum(start + per, n)
     g = tl.arange(0, GP)  # the group's query heads, padded to a tile's rows
     gm = g < G
     d = tl.arange(0, D)
-    qv = tl.load(q + (hk * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+    if ROPE:
+        pos = n - 1
+        qv = _rotated(q, hk * G + g, gm, cos, sin, qn, pos, eps, D, NEOX, QK_NORM)
+        if end == n:
+            H = HKV * G
+            one = g < 1  # the tile's first row: K/V head hk
+            kr = _rotated(q + H * D, hk + g, one, cos, sin, kn, pos, eps, D, NEOX, QK_NORM)
+            row = tl.load(bt + pos // PAGE).to(tl.int64) * PS + (pos % PAGE) * HKV * D + hk * D
+            tl.store(kc + row + g[:, None] * 0 + d[None, :], kr.to(kc.dtype.element_ty),
+                     mask=one[:, None])  # fmt: skip
+            v = tl.load(q + (H + HKV + hk) * D + d)
+            tl.store(vc + row + d, v.to(vc.dtype.element_ty))
+            tl.debug_barrier()
+    else:
+        qv = tl.load(q + (hk * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
     # A 16-bit K/V: q and the softmax weights are rounded to its type for tensor-core products
     # (float32 sums); a float32 K/V: float32 products throughout (8x slower at 32K positions).
     qv = qv.to(kc.dtype.element_ty) if LOWP else qv.to(tl.float32)  # [GP, D]
@@ -127,9 +173,10 @@ def _combine(acc_in, ml_in, out, sinks, h, live, D: tl.constexpr, NSPLIT: tl.con
 @triton.jit
 def _attn_kernel(
     q, kc, vc, bt, pos_p, acc_out, ml_out, out, sinks, tickets, sm_scale, HKV, PS, window,
+    cos, sin, qn, kn, eps,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr,
     NSPLIT: tl.constexpr, LOWP: tl.constexpr, WIN: tl.constexpr, SINK: tl.constexpr,
-    FUSED: tl.constexpr,
+    FUSED: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     # the program's role: its draw (FUSED; a draw orders nothing), else its id (partials alone)
     if FUSED:
@@ -142,7 +189,8 @@ def _attn_kernel(
         hk = r // NSPLIT
         if r % NSPLIT < live:
             _partial(q, kc, vc, bt, acc_out, ml_out, sm_scale, HKV, PS, hk, r % NSPLIT, n, lo,
-                     per, G, GP, D, PAGE, BS, NSPLIT, LOWP)  # fmt: skip
+                     per, cos, sin, qn, kn, eps, G, GP, D, PAGE, BS, NSPLIT, LOWP, ROPE, NEOX,
+                     QK_NORM)  # fmt: skip
             if FUSED:
                 # Every thread's partial stores come before the barrier; thread 0's atomic add
                 # (release, GPU scope) then publishes them all, as a CUTLASS semaphore does
@@ -182,6 +230,21 @@ def _combine_kernel(acc_in, ml_in, out, sinks, pos_p, window, NSPLIT: tl.constex
     _combine(acc_in, ml_in, out, sinks, tl.program_id(0), tl.cdiv(n - lo, per), D, NSPLIT, SINK)
 
 
+@dataclass(frozen=True)
+class Rotary:
+    """What ``DecodeAttention`` needs to take the q/k/v projection as it comes (one launch for
+    what ``rope.rope_store`` and the attention did in two): the rotation tables (``cos``,
+    ``sin``: [n_ctx, d/2] float32, a whole head rotated), Qwen3's per-head RMSNorm weights of q
+    and k (both or neither) and its epsilon, and the pairing (``neox``: i with i + d/2)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    neox: bool
+
+
 class DecodeAttention:
     """The scratch of split attention, sized once for the model (a CUDA graph keeps it). One
     program per (K/V head, split) computes every query head of the group: each K/V row is read
@@ -216,31 +279,58 @@ class DecodeAttention:
         self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_table: torch.Tensor, pos: torch.Tensor, page_stride: int | None = None,
         window: int | None = None, sinks: torch.Tensor | None = None,
+        rotary: Rotary | None = None,
     ) -> None:  # fmt: skip
         """out: [H * d] float32 <- softmax(q k^T / sqrt(d)) v over positions 0..pos, or over
         pos - window + 1 .. pos with ``window`` (gpt-oss's sliding window: its layers' block
         table); ``sinks`` [H]: each head's sink logit joins its softmax's sum (gpt-oss).
         ``page_stride``: elements from one page to the next (None: pages of one layer side by
-        side, ``page * Hkv * d``)."""
+        side, ``page * Hkv * d``). ``rotary``: q is the token's projection [(H + 2 Hkv) * d]
+        (q, k, v), left as it is: the launch norms and rotates q and k itself and writes the
+        token's key and value at ``pos`` in the pages (``Rotary``)."""
         ps = self.page * self.HKV * self.D if page_stride is None else page_stride
         if window is not None and window < 1:
             raise ValueError(f"attention window {window}: must be at least 1")
         if sinks is not None and sinks.numel() != self.H:
             raise ValueError(f"{sinks.numel()} sink logits for {self.H} query heads")
         sink = out if sinks is None else sinks
+        r = self._rotary_args(q, rotary)
         parts = self.HKV * self.n_split
         _attn_kernel[(parts + (self.H if self.fused else 0),)](
             q, k_cache, v_cache, block_table, pos, self.acc, self.ml, out, sink, self.tickets,
-            math.sqrt(self.D), self.HKV, ps, window or 0,
+            math.sqrt(self.D), self.HKV, ps, window or 0, *r,
             G=self.G, GP=max(16, triton.next_power_of_2(self.G)), D=self.D, PAGE=self.page,
             BS=self.BS, NSPLIT=self.n_split, LOWP=k_cache.dtype in LOW_PRECISION,
-            WIN=window is not None, SINK=sinks is not None, FUSED=self.fused, num_warps=4,
+            WIN=window is not None, SINK=sinks is not None, FUSED=self.fused,
+            ROPE=rotary is not None, NEOX=rotary is None or rotary.neox,
+            QK_NORM=rotary is not None and rotary.q_norm is not None, num_warps=4,
         )  # fmt: skip
         if not self.fused:
             _combine_kernel[(self.H,)](
                 self.acc, self.ml, out, sink, pos, window or 0, NSPLIT=self.n_split, BS=self.BS,
                 WIN=window is not None, D=self.D, SINK=sinks is not None, num_warps=4,
             )  # fmt: skip
+
+    def _rotary_args(self, q: torch.Tensor, rotary: Rotary | None) -> list[object]:
+        """The launch's cos, sin, q norm, k norm and epsilon (q's own tensor where unread)."""
+        if rotary is None:
+            return [q, q, q, q, 0.0]
+        H, HKV, D = self.H, self.HKV, self.D
+        if q.numel() != (H + 2 * HKV) * D:
+            raise ValueError(f"with rotary, q is q|k|v: {(H + 2 * HKV) * D} values for {H} "
+                             f"query and {HKV} K/V heads of {D}, got {q.numel()}")  # fmt: skip
+        for name, t in (("cos", rotary.cos), ("sin", rotary.sin)):
+            if t.dim() != 2 or t.shape[1] != D // 2 or t.dtype != torch.float32:
+                raise ValueError(f"rotary {name}: [positions, {D // 2}] float32 (a whole head "
+                                 f"rotated), got {list(t.shape)} {t.dtype}")  # fmt: skip
+        if (rotary.q_norm is None) != (rotary.k_norm is None):
+            raise ValueError("rotary: the q and k norms come together or not at all")
+        qn = q if rotary.q_norm is None else rotary.q_norm
+        kn = q if rotary.k_norm is None else rotary.k_norm
+        for name, t in (("q", qn), ("k", kn)):
+            if t is not q and t.numel() != D:
+                raise ValueError(f"rotary {name} norm: {t.numel()} weights for heads of {D}")
+        return [rotary.cos, rotary.sin, qn, kn, rotary.eps]
 
 
 def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

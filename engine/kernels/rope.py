@@ -1,7 +1,9 @@
 """After the q/k/v projection of one decode token: Qwen3's per-head RMSNorm of q and k, rotary
 embeddings at the position held on the device, and the token's k and v written into the paged
 K/V cache. One launch: program i < H is query head i (rotated in place), the next Hkv programs
-are the key heads, the last Hkv the value heads.
+are the key heads, the last Hkv the value heads. The decode step does this inside the
+attention's launch (``attention.Rotary``); ``rope_store`` is its two-launch form, which the
+tests compare it with, and ``rope_store_gated`` the hybrids' own launch.
 
 RoPE's cos and sin come from tables made once in float64 and rounded to float32, exactly as the
 reference (``layers.rope``) makes them, and are applied with the reference's products. ``neox``

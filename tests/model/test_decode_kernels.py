@@ -319,6 +319,70 @@ def test_rope_store_matches_the_reference_layers(neox, qk_norm, kv_dtype) -> Non
     assert int(kc.float().ne(0).sum()) == int(kc[row].float().ne(0).sum()), "wrote another row"
 
 
+@pytest.mark.parametrize(
+    ("neox", "qk_norm", "kv_dtype"),
+    [(True, True, torch.float16), (False, False, torch.float32), (True, False, torch.float32),
+     (False, True, torch.float16)],
+    ids=["neox-norm-f16", "pairs-f32", "neox-f32", "pairs-norm-f16"],
+)  # fmt: skip
+@pytest.mark.parametrize(("length", "window"), [(1, None), (37, None), (100, None), (100, 20)])
+def test_attention_with_rotary_is_rope_store_then_attention(
+    neox, qk_norm, kv_dtype, length, window
+) -> None:
+    """The one launch that norms and rotates q and k, writes the token's K/V and attends gives
+    what ``rope_store`` then the attention give: the same K/V rows written (the token's alone),
+    the same output within the float sums' order."""
+    H, HKV, D, page, n_pages = 8, 2, 32, 16, 8
+    torch.manual_seed(length)
+    qkv = torch.randn((H + 2 * HKV) * D, device=DEVICE)
+    cos, sin = rp.rope_tables(D, 1e6, page * n_pages, DEVICE)
+    qn, kn = torch.rand(D, device=DEVICE) + 0.5, torch.rand(D, device=DEVICE) + 0.5
+    norms = (qn, kn) if qk_norm else (None, None)
+    kc = torch.randn(n_pages * page, HKV, D, device=DEVICE).to(kv_dtype)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(n_pages).int().to(DEVICE)
+    pos = torch.tensor([length - 1], dtype=torch.int32, device=DEVICE)
+    # the two-launch form on copies
+    qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
+    rp.rope_store(qkv2, cos, sin, *norms, kc2, vc2, table, pos, 1e-6, H, HKV, D, page, neox)
+    want = nan(H * D)
+    at.DecodeAttention(H, HKV, D, page, 4, DEVICE)(want, qkv2[: H * D], kc2, vc2, table, pos,
+                                                   window=window)  # fmt: skip
+    before, kc0, vc0 = qkv.clone(), kc.clone(), vc.clone()
+    out = nan(H * D)
+    rotary = at.Rotary(cos, sin, *norms, 1e-6, neox)
+    at.DecodeAttention(H, HKV, D, page, 4, DEVICE)(out, qkv, kc, vc, table, pos, window=window,
+                                                   rotary=rotary)  # fmt: skip
+    assert torch.equal(qkv, before), "the projection is read, not written"
+    row = int(table[(length - 1) // page]) * page + (length - 1) % page
+    assert torch.equal(vc[row], vc2[row])
+    k_tol = 1e-6 if kv_dtype == torch.float32 else 1e-3  # a norm's sum in another order
+    assert (kc[row].float() - kc2[row].float()).abs().max() < k_tol
+    others = torch.arange(n_pages * page, device=DEVICE) != row
+    assert torch.equal(kc[others], kc0[others]) and torch.equal(vc[others], vc0[others])
+    tol = TOL if kv_dtype == torch.float32 else TOL_ATTN_16
+    assert not out.isnan().any() and (out - want).abs().max() < tol
+
+
+def test_attention_with_rotary_refuses_what_it_cannot_read() -> None:
+    H, HKV, D = 4, 2, 32
+    cos, sin = rp.rope_tables(D, 1e6, 64, DEVICE)
+    kc = torch.zeros(64, HKV, D, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    pos = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    att, out = at.DecodeAttention(H, HKV, D, 16, 4, DEVICE), nan(H * D)
+    qkv = torch.randn((H + 2 * HKV) * D, device=DEVICE)
+    with pytest.raises(ValueError, match=r"with rotary, q is q\|k\|v: 256 values"):
+        att(out, qkv[: H * D], kc, kc, table, pos, rotary=at.Rotary(cos, sin, None, None, 0, True))
+    with pytest.raises(ValueError, match=r"rotary cos: \[positions, 16\] float32"):
+        att(out, qkv, kc, kc, table, pos, rotary=at.Rotary(cos[:, :8], sin, None, None, 0, True))
+    with pytest.raises(ValueError, match="norms come together or not at all"):
+        att(out, qkv, kc, kc, table, pos, rotary=at.Rotary(cos, sin, cos[0], None, 0, True))
+    with pytest.raises(ValueError, match="rotary q norm: 16 weights for heads of 32"):
+        att(out, qkv, kc, kc, table, pos, rotary=at.Rotary(cos, sin, cos[0], cos[0], 0, True))
+    assert out.isnan().all() and not kc.any(), "a refused call wrote nothing"
+
+
 # -- attention -------------------------------------------------------------------------------
 
 
