@@ -39,17 +39,9 @@ import gguf
 import triton
 import triton.language as tl
 
-from strata.engine.kernels.columns import (
-    NIBBLES,
-    grid_tile,
-    k6cols_tile,
-    k23cols_tile,
-    kcols_tile,
-    q8cols_tile,
-)
+from strata.engine.kernels.columns import grid_tile
 from strata.engine.kernels.inputs import (
     BF16,
-    COLS,
     F16,
     F32,
     IQ4_XS,
@@ -68,8 +60,6 @@ from strata.engine.quant.unit_kernels import (
     IQ3_S,
     IQ3_XXS,
     K_UNITS,
-    Q2_K,
-    Q3_K,
     nl_level,
     u_float,
     unit_bytes,
@@ -219,9 +209,7 @@ def _row_tile(w, o1, o2, o3, o4, r, rmask, u0, T: tl.constexpr, K: tl.constexpr,
     u = u0 + tl.arange(0, T)
     um = u < NU
     wp = w + tl.zeros([T], tl.int32)
-    if QT == Q8_0 and COLS:
-        return q8cols_tile(wp, o1, r, rmask, u, um, K, x, nw, rms, 16 * u, XIN)
-    elif QT == Q8_0:
+    if QT == Q8_0:
         uf = u0 + tl.arange(0, T * 16) // 16
         return q8_tile(wp, o1, r, rmask, u, um, K, x, nw, rms, 16 * u, XIN, w, uf, True)
     elif QT == F32 or QT == F16 or QT == BF16:
@@ -229,13 +217,6 @@ def _row_tile(w, o1, o2, o3, o4, r, rmask, u0, T: tl.constexpr, K: tl.constexpr,
         return float_tile(wp, r, rmask, u, um, K, x, nw, rms, 8 * u, QT, XIN, w, uf, True)
     elif QT == IQ3_XXS or QT == IQ3_S:
         return grid_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u, XIN)
-    elif (NIBBLES >> QT) & 1 and COLS:
-        return kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u,
-                          XIN)[0]  # fmt: skip
-    elif (QT == Q2_K or QT == Q3_K) and COLS:
-        return k23cols_tile(wp, o1, o2, o3, r, rmask, u, um, K // 32, QT, x, nw, rms, 32 * u, XIN)
-    elif QT == Q6_K and COLS:
-        return k6cols_tile(wp, o1, o2, o3, r, rmask, u, um, K // 32, x, nw, rms, 32 * u, XIN)
     else:  # units of 32 elements
         uf = u0 + tl.arange(0, T * 16) // 16
         xl, xh, sx = k_input(x, nw, rms, 32 * u, um, XIN)
@@ -268,23 +249,19 @@ def dot_rows(w, o1, o2, o3, o4, rows, rmask, K: tl.constexpr, x, nw, rms, QT: tl
 
 @triton.jit
 def _pair_step(w, o1, o2, o3, o4, v, p1, p2, p3, p4, r, rmask, u0, T: tl.constexpr,
-               NK: tl.constexpr, x, QT: tl.constexpr, COLUMNS: tl.constexpr):  # fmt: skip
+               NK: tl.constexpr, x, QT: tl.constexpr):  # fmt: skip
     """One step of ``dot_rows2``'s single pass: units u0 .. u0 + T - 1 of both matrices with
-    the same input, ([BN, T], [BN, T]); COLUMNS: ``kcols_tile``'s column tiles, else
-    ``k_tile``'s (the input tile loaded once for both)."""
+    the same input, ([BN, T], [BN, T]), through ``k_tile`` (the input tile loaded once for
+    both)."""
     u = u0 + tl.arange(0, T)
     um = u < NK
     wp = w + tl.zeros([T], tl.int32)
     vp = v + tl.zeros([T], tl.int32)
-    if COLUMNS:
-        return kcols_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT, x, x, 1.0, 32 * u, False,
-                          vp, p1, p2, p3, p4, True)  # fmt: skip
-    else:
-        xl, xh, sx = k_input(x, x, 1.0, 32 * u, um, False)
-        uf = u0 + tl.arange(0, T * 16) // 16
-        ya = k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT, xl, xh, sx, w, uf, True)
-        yb = k_tile(vp, p1, p2, p3, p4, r, rmask, u, um, NK, QT, xl, xh, sx, v, uf, True)
-        return ya, yb
+    xl, xh, sx = k_input(x, x, 1.0, 32 * u, um, False)
+    uf = u0 + tl.arange(0, T * 16) // 16
+    ya = k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT, xl, xh, sx, w, uf, True)
+    yb = k_tile(vp, p1, p2, p3, p4, r, rmask, u, um, NK, QT, xl, xh, sx, v, uf, True)
+    return ya, yb
 
 
 @triton.jit
@@ -293,10 +270,8 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
               TAIL: tl.constexpr = 0):  # fmt: skip
     """``dot_rows`` of two matrices of one type (at w and v) with the same input, in one pass
     where the type's tiles allow (each input value loaded once): ([BN], [BN])."""
-    COLUMNS: tl.constexpr = (NIBBLES >> QT) & 1 and COLS  # ``kcols_tile``'s, both at once
-    ONE_PASS: tl.constexpr = COLUMNS or (
+    ONE_PASS: tl.constexpr = (
         QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16 and QT != IQ3_XXS and QT != IQ3_S
-        and not ((QT == Q6_K or QT == Q2_K or QT == Q3_K) and COLS)
     )  # fmt: skip
     if ONE_PASS:
         r = rows.to(tl.int64)
@@ -306,14 +281,14 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
         acc_b = tl.zeros([BN, T], tl.float32)
         for i in tl.static_range(FULL):
             ya, yb = _pair_step(w, o1, o2, o3, o4, v, p1, p2, p3, p4, r, rmask, i * T, T, NK, x,
-                                QT, COLUMNS)  # fmt: skip
+                                QT)  # fmt: skip
             acc_a += ya
             acc_b += yb
         a = tl.sum(acc_a, 1)
         c = tl.sum(acc_b, 1)
         if TAIL > 0:
             ya, yb = _pair_step(w, o1, o2, o3, o4, v, p1, p2, p3, p4, r, rmask, FULL * T, TAIL,
-                                NK, x, QT, COLUMNS)  # fmt: skip
+                                NK, x, QT)  # fmt: skip
             a += tl.sum(ya, 1)
             c += tl.sum(yb, 1)
     else:

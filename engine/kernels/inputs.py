@@ -1,9 +1,8 @@
 """What every decode kernel's tiles share: the GGML type ids they dispatch on, the input
 transform (``xin``: x, RMSNorm'd, gated or SwiGLU'd on the way in), the scalar reductions folded
 into a launch (``rms_scale``, ``sigmoid_dot``), the packing of a float and an index into one
-int64 that a max orders (``ordered_bits``), and the switch between the row and the column
-tiles (``COLS``). ``kernels.dot`` (the row tiles), ``kernels.columns`` (the column tiles) and
-the kernels built on them import it.
+int64 that a max orders (``ordered_bits``). ``kernels.dot`` (the row tiles), ``kernels.columns``
+(the grid types' tile) and the kernels built on them import it.
 """
 
 from __future__ import annotations
@@ -31,20 +30,6 @@ IQ4_XS: tl.constexpr = tl.constexpr(int(Q.IQ4_XS))
 # programs test the same code in a fraction of the time. On a GPU the tuned sizes apply.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-
-def _cols_from_env() -> bool:
-    """``STRATA_DECODE_COLS``: 1 reads the nibble types (``NIBBLES``), Q6_K and Q8_0 in the
-    decode kernels with ``kcols_tile``, ``k6cols_tile`` and ``q8cols_tile`` (column tiles, the
-    input a column at a time), 0 or unset with ``k_tile``, ``unit_dot`` and ``q8_tile``. A
-    developer's switch for an A/B on a GPU until the bench says which is faster; another value
-    is refused with its name."""
-    value = os.environ.get("STRATA_DECODE_COLS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"STRATA_DECODE_COLS={value!r}: want 1 (column tiles) or 0")
-    return value == "1"
-
-
-COLS: tl.constexpr = tl.constexpr(_cols_from_env())
 
 # What the kernels' input is (``XIN``, a constexpr; ``nw`` the second vector it reads): x as it
 # is; RMSNorm'd, x * rms * nw; gated, x * σ(nw) (gated attention's output); SwiGLU'd,

@@ -28,15 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.engine.kernels.columns import (
-    NIBBLES,
-    _release,
-    grid_tile,
-    k6cols_tile,
-    k23cols_tile,
-    kcols_tile,
-    q8cols_tile,
-)
+from strata.engine.kernels.columns import _release, grid_tile
 from strata.engine.kernels.cpu_experts import request_ids_offset, request_offsets
 from strata.engine.kernels.dot import (
     MAX_UNITS,
@@ -54,12 +46,10 @@ from strata.engine.kernels.dot import (
 )
 from strata.engine.kernels.inputs import (
     BF16,
-    COLS,
     F16,
     F32,
     INTERPRETED,
     KEY_MIN,
-    Q6_K,
     Q8_0,
     ordered_bits,
     unordered_bits,
@@ -68,8 +58,6 @@ from strata.engine.quant.repack import RepackedLayout
 from strata.engine.quant.unit_kernels import (
     IQ3_S,
     IQ3_XXS,
-    Q2_K,
-    Q3_K,
 )
 
 
@@ -237,20 +225,9 @@ def _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, um, F: tl.constex
     if TD == IQ3_XXS or TD == IQ3_S:
         y = grid_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, act, act, 1.0, kk * F + 32 * u,
                       False)  # fmt: skip
-    elif (NIBBLES >> TD) & 1 and COLS:
-        y = kcols_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, act, act, 1.0,
-                       kk * F + 32 * u, False)[0]  # fmt: skip
-    elif (TD == Q2_K or TD == Q3_K) and COLS:
-        y = k23cols_tile(wp, d1, d2, d3, r, ok, u, um, F // 32, TD, act, act, 1.0,
-                         kk * F + 32 * u, False)  # fmt: skip
-    elif TD == Q6_K and COLS:
-        y = k6cols_tile(wp, d1, d2, d3, r, ok, u, um, F // 32, act, act, 1.0, kk * F + 32 * u,
-                        False)  # fmt: skip
     elif TD != Q8_0 and TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
         xl, xh, sx = k_input(act, act, 1.0, kk * F + 32 * u, um, False)
         y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, xl, xh, sx, wf, uf, FLAT)
-    elif TD == Q8_0 and COLS:
-        y = q8cols_tile(wp, d1, r, ok, u, um, F, act, act, 1.0, kk * F + 16 * u, False)
     elif TD == Q8_0:
         y = q8_tile(wp, d1, r, ok, u, um, F, act, act, 1.0, kk * F + 16 * u, False, wf, uf, FLAT)
     else:

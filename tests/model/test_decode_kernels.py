@@ -31,7 +31,6 @@ from strata.engine.quant.repack import align, repacked_layout
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed")
-import triton.language as tl
 
 from strata.engine.kernels import attention as at
 from strata.engine.kernels import moe, prefetch
@@ -112,74 +111,6 @@ def test_matvec_matches_dequantise_then_multiply(types, with_norm, rng) -> None:
     assert rel_err(y, want) < TOL, wrong_rows(y, want)
     if with_norm:
         assert rel_err(h, rms_norm(x, norm, 1e-6)) < 1e-6, wrong_rows(h, rms_norm(x, norm, 1e-6))
-
-
-@pytest.fixture
-def column_tiles(monkeypatch):
-    """Q4_K through ``kcols_tile`` (``STRATA_DECODE_COLS=1``): the interpreter reads the switch
-    at each launch; a compiled kernel keeps the value it was compiled with."""
-    from strata.engine.kernels import dot, inputs
-
-    if not inputs.INTERPRETED:
-        pytest.skip("compiled kernels keep their switch: run with STRATA_DECODE_COLS=1 instead")
-    for module in (dot, moe):
-        monkeypatch.setattr(module, "COLS", tl.constexpr(True))
-
-
-COLUMN_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL,
-                Q.IQ4_XS, Q.MXFP4, Q.Q2_K, Q.Q3_K]  # fmt: skip
-
-
-@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # SiLU of -big
-@pytest.mark.parametrize("qtype", COLUMN_TYPES, ids=lambda t: t.name)
-def test_column_tiles_match_the_reference(qtype, column_tiles, rng) -> None:
-    # the norm folded in and its output; the residual; a row that ends in a narrower step
-    # (Q4_K: 88 units, 64 + 32; Q8_0: 176 of 16, 128 + 32 + ...); an expert's gate and up,
-    # its down over shuffled slots
-    K = 512
-    m = mat(qtype, 37, K, rng)
-    x = torch.randn(K, device=DEVICE)
-    norm = torch.rand(K, device=DEVICE) + 0.5
-    y, h = nan(37), nan(K)
-    matvec(y, x, [m], norm=norm, eps=1e-6, h_out=h)
-    want = matvec_reference(x, [m], norm, 1e-6)
-    assert rel_err(y, want) < TOL, wrong_rows(y, want)
-    assert rel_err(h, rms_norm(x, norm, 1e-6)) < 1e-6
-    y0 = torch.randn(37, device=DEVICE)
-    y = y0.clone()
-    matvec(y, x, [m], residual=True)
-    assert rel_err(y - y0, matvec_reference(x, [m])) < TOL
-    m = mat(qtype, 9, 88 * 32, rng)
-    x = torch.randn(88 * 32, device=DEVICE)
-    y = nan(9)
-    matvec(y, x, [m])
-    assert rel_err(y, matvec_reference(x, [m])) < TOL
-    E, D, F, k = 5, 256, 512, 3
-    ex = Experts(E, D, F, qtype, qtype, rng)
-    ids = torch.tensor([E - 1, 0, 2], dtype=torch.int32, device=DEVICE)
-    eoffs = ex.table[ids.long()]
-    wts, h = torch.rand(k, device=DEVICE), torch.randn(D, device=DEVICE)
-    act = nan(k, F)
-    moe.gate_up(act, h, eoffs, ex.anchor, ex.gate, ex.gate, ex.up_off)
-    ys = []
-    for i, e in enumerate(ids.tolist()):
-        g, u, dn = ex.dense[e]
-        a = torch.nn.functional.silu(g @ h.cpu()) * (u @ h.cpu())
-        assert rel_err(act[i], a) < TOL
-        ys.append((dn @ a) * float(wts[i]))
-    x = torch.zeros(D, device=DEVICE)
-    moe.down(x, act, eoffs, wts, ex.anchor, ex.down, ex.down_off)
-    assert rel_err(x, torch.stack(ys).sum(0)) < TOL
-
-
-def test_the_column_switch_refuses_what_it_does_not_know(monkeypatch) -> None:
-    from strata.engine.kernels import inputs
-
-    monkeypatch.setenv("STRATA_DECODE_COLS", "yes")
-    with pytest.raises(ValueError, match=r"STRATA_DECODE_COLS='yes': want 1 \(column tiles\) or 0"):
-        inputs._cols_from_env()
-    monkeypatch.setenv("STRATA_DECODE_COLS", "1")
-    assert inputs._cols_from_env()
 
 
 @pytest.mark.parametrize("bn", [1, 4, 8])

@@ -176,19 +176,6 @@ def test_the_grid_types_decode_kernels_keep_their_registers() -> None:
         assert r["instructions"] > 0 and r["barriers"] >= 0, r
 
 
-def test_the_column_tiles_compile_for_the_gpu() -> None:
-    """The interpreter runs what a compile refuses (a constexpr assigned in an unrolled loop,
-    say): the column tiles (``STRATA_DECODE_COLS=1``) of each type, compiled, without spills."""
-    types = "Q4_K,Q5_K,Q6_K,Q8_0,Q5_1,IQ4_XS,MXFP4,Q3_K"  # each decoder of the column tiles
-    run = _run("--json", "--types", types, "--forms", "gate_up,down,qkv",
-               tool="decode_resources", env={"STRATA_DECODE_COLS": "1"})  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(run.stdout)
-    assert len(rows) == 24
-    for r in rows:
-        assert r["stack"] == 0 and r["barriers"] <= 8, r
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
