@@ -159,6 +159,20 @@ def test_unknown_environment_variable_is_an_error(
     _fails_with(capsys, ["config", "show"], "STRATA_PROT", "unknown option")
 
 
+def test_the_decode_cut_knob_is_not_an_option_and_passes(
+    env: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``STRATA_DECODE_TUNE`` is read by the engine, not the configuration: the CLI lets it
+    through (it once refused it, so ``strata bench`` could not use it)."""
+    from strata.daemon.config import ENV_RESERVED
+    from strata.engine.gpu.decode import TUNE_ENV
+
+    assert TUNE_ENV in ENV_RESERVED
+    monkeypatch.setenv(TUNE_ENV, "router=2:1")
+    assert main(["config", "show"]) == 0
+    assert "unknown option" not in capsys.readouterr().err
+
+
 def test_unknown_flag_is_an_error(env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _fails_with(capsys, ["config", "show", "--prot", "8000"], "--prot")
 
