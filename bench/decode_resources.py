@@ -16,10 +16,12 @@ binary is read with Triton's cuobjdump and nvdisasm (``kernel_resources.read_bin
 
 The forms, on Qwen3-30B-A3B's shapes (``--shape D,F,Q``: the model's width, an expert's rows,
 attention q's rows): ``gate_up`` (8 chosen experts' gate and up, F x D each), ``down`` (their
-down, D x F), ``qkv`` (attention q's matrix, Q x D, the RMSNorm folded in) and ``o`` (the
-output projection, D x Q, the residual added)::
+down, D x F), ``qkv`` (attention q's matrix, Q x D, the RMSNorm folded in), ``o`` (the
+output projection, D x Q, the residual added) and, asked for by name, ``router`` (128 experts'
+router, 128 x D, the norm folded in, with the routing of the top 8 in its last program: its
+barriers are mostly the routing's; ``--types F32``, as the files keep routers)::
 
-    python -m strata.bench.decode_resources [--types IQ3_S,Q4_K] [--forms gate_up,down]
+    python -m strata.bench.decode_resources [--types IQ3_S,Q4_K] [--forms gate_up,down,router]
         [--arch 90] [--shape 2048,768,4096] [--json]
 
 Run it with ``TRITON_INTERPRET`` unset: the interpreter has nothing to compile.
@@ -39,9 +41,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-FORMS = ("gate_up", "down", "qkv", "o")
+FORMS = ("gate_up", "down", "qkv", "o", "router")
+MATRIX_FORMS = FORMS[:4]  # the default: the forms of the weight types (a router is F32)
 QWEN3_30B = (2048, 768, 4096)  # the model's width, an expert's rows, attention q's rows
 TOP_K = 8
+N_EXPERT = 128  # the router's rows
 
 _INSTR = re.compile(r"^\s*/\*[0-9a-f]+\*/\s", re.M)
 
@@ -154,6 +158,16 @@ def _launch(form: str, qtype: int, shape: tuple[int, int, int]) -> None:
     elif form == "o":
         m = Mat(base, repacked_layout(qtype, (D, NQ)))
         matvec(h, torch.zeros(NQ), [m], residual=True, **TUNED["o"].kw())
+    elif form == "router":
+        m = Mat(base, repacked_layout(qtype, (N_EXPERT, D)))
+        i64, i32 = torch.int64, torch.int32
+        route = moe.Routing(
+            torch.zeros(N_EXPERT, dtype=i64), torch.zeros(TOP_K, dtype=i32), torch.zeros(TOP_K),
+            torch.zeros(TOP_K, dtype=i64), torch.zeros(N_EXPERT, dtype=i32), TOP_K, True,
+            ticket=torch.zeros(1, dtype=i32),
+        )  # fmt: skip
+        matvec(torch.zeros(N_EXPERT), h, [m], norm=h, eps=1e-6, h_out=torch.zeros(D),
+               route=route, **TUNED["router"].kw())  # fmt: skip
     else:
         raise ValueError(f"{form!r} is not a decode form ({', '.join(FORMS)})")
 
@@ -178,7 +192,8 @@ def usage(qtype: int, form: str, arch: int = 90,
             sass = _run_tool(nvdisasm, "-c", str(path))
             instructions, barriers = len(_INSTR.findall(sass)), sass.count("BAR.SYNC")
     D, F, NQ = shape
-    rows, cols = {"gate_up": (F, D), "down": (D, F), "qkv": (NQ, D), "o": (D, NQ)}[form]
+    rows, cols = {"gate_up": (F, D), "down": (D, F), "qkv": (NQ, D), "o": (D, NQ),
+                  "router": (N_EXPERT, D)}[form]  # fmt: skip
     return DecodeUsage(Q(qtype).name, form, f"{rows}x{cols}", int(k.metadata.num_warps), regs,
                        stack, instructions, barriers)  # fmt: skip
 
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--types", default="Q4_K", help="weight types by name, comma-separated")
-    p.add_argument("--forms", default=",".join(FORMS), help="of " + ", ".join(FORMS))
+    p.add_argument("--forms", default=",".join(MATRIX_FORMS), help="of " + ", ".join(FORMS))
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--shape", default=",".join(map(str, QWEN3_30B)), help="D,F,Q")
     p.add_argument("--json", action="store_true", help="one JSON list instead of the table")

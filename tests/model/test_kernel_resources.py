@@ -176,11 +176,24 @@ def test_the_grid_types_decode_kernels_keep_their_registers() -> None:
         assert r["instructions"] > 0 and r["barriers"] >= 0, r
 
 
+def test_the_router_and_its_routing_compile_as_one_launch() -> None:
+    """The router form: 128 experts' F32 router with the routing in its last program, compiled
+    as the decode step launches it (its barriers are what the routing costs across warps)."""
+    run = _run("--json", "--types", "F32", "--forms", "router", tool="decode_resources")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(run.stdout)
+    assert (row["qtype"], row["form"], row["shape"]) == ("F32", "router", "128x2048")
+    assert row["stack"] == 0 and row["barriers"] > 0, row
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (("--types", "Q4_X"), "'Q4_X' is not a weight type the kernels read"),
-        (("--forms", "attention"), "'attention' is not a decode form (gate_up, down, qkv, o)"),
+        (
+            ("--forms", "attention"),
+            "'attention' is not a decode form (gate_up, down, qkv, o, router)",
+        ),
         (("--shape", "2048,700,4096"), "D and F must be positive multiples of 256"),
         (("--shape", "2048,768"), "want D,F,Q, three whole numbers"),
     ],
