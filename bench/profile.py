@@ -11,8 +11,9 @@ then reports:
   time, and per kernel the launches, time and achieved bandwidth (bytes each kernel must read,
   counted from the model's shapes, over its time);
 * with ``--check N``: the fast path's logits against the reference path's for N steps;
-* with ``--sweep``: each decode kernel alone on the model's shapes at a few block sizes, its
-  weights rotated over more than the L2 holds, timed as a graph of launches.
+* with ``--sweep``: each decode kernel alone on the model's shapes at a few block sizes (the
+  router with its routing, as the step runs it), its weights rotated over more than the L2
+  holds, timed as a graph of launches.
 
 Speeds here are diagnostics; the numbers that count come from ``strata bench``.
 """
@@ -343,6 +344,17 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
 
     x = torch.randn(shape.n_embd, device="cuda")
     head = _mat_of(model.head.output)
+    # the router as the step launches it: its last program routes (scratch outputs and counts;
+    # the layer's table is only read), so a cut pays for the routing's reductions across its
+    # warps too
+    r = shape.routing
+    dev = torch.device("cuda")
+    route = moe.Routing(
+        dec.tables.table[: r.n_expert], torch.zeros(r.n_used, dtype=torch.int32, device=dev),
+        torch.zeros(r.n_used, device=dev), torch.zeros(r.n_used, dtype=torch.int64, device=dev),
+        torch.zeros(r.n_expert, dtype=torch.int32, device=dev), r.n_used, r.norm_topk,
+        late=r.softmax_after_topk, ticket=torch.zeros(1, dtype=torch.int32, device=dev),
+    )  # fmt: skip
     for label, mats, norm in (
         ("qkv", lyr.qkv, model.attn[dec.layers[last]].norm),
         ("o", (lyr.o,), None),
@@ -355,18 +367,19 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
         sets = [[clone_mat(m) for m in mats] for _ in range(copies(nbytes))]
         xin = torch.randn(mats[0].cols, device="cuda")
         y = torch.empty(sum(m.rows for m in mats), device="cuda")
-        for t in [Tune(bn, nw) for bn, nw in CONFIGS] + list(MATVEC_CAPPED):
+        routed = route if label == "router" else None
+        extra = ROUTER_CONFIGS if routed is not None else ()
+        for t in [Tune(bn, nw) for bn, nw in CONFIGS + extra] + list(MATVEC_CAPPED):
             fns = [
                 (
-                    lambda s=s, t=t, y=y, xin=xin, norm=norm: mv.matvec(
-                        y, xin, s, norm, 1e-6, **t.kw()
+                    lambda s=s, t=t, y=y, xin=xin, norm=norm, rt=routed: mv.matvec(
+                        y, xin, s, norm, 1e-6, route=rt, **t.kw()
                     )
                 )
                 for s in sets
             ]
             timed(fns, nbytes, label, **asdict(t))
     # the experts: k chosen of a layer's arena slots, rotated over layers' tables
-    r = shape.routing
     lay = dec.geometry.slot_layouts[-1]
     wts = torch.full((r.n_used,), 1.0 / r.n_used, device="cuda")
     act = torch.empty(r.n_used, shape.n_ff_exp, device="cuda")
@@ -399,6 +412,10 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
 # ones (16-32 rows) spread a program's fixed costs (its RMS scale, its launch share) over more
 # bytes, for the small dense matrices of a decode step
 CONFIGS = ((1, None), (2, None), (4, None), (8, None), (4, 8), (8, 8), (16, 4), (16, 8), (32, 8))
+# and for the router, whose last program routes: in one warp the routing's reductions cross no
+# warps (compiled for sm_90 under Triton 3.6, Qwen3-30B-A3B's router with its routing has 34
+# barriers at 8 warps and 3 at 1; the matvec alone 5 and 0)
+ROUTER_CONFIGS = ((1, 1), (2, 1), (4, 1), (2, 2))
 # and with a register cap (``Tune.regs``): a kernel compiled to most of the register file runs
 # one or two programs a multiprocessor, too few loads in flight for the memory (the H200's
 # Triton 3.6 gave the experts' kernels 246-255 registers a thread before the quants were loaded

@@ -80,7 +80,9 @@ class Tune:
 # the interpreter its own (``kernels.dot``). ``STRATA_DECODE_TUNE`` overrides them (``tunes``).
 # down: 4 rows, not 8: the same speed from VRAM (295.9 against 295.7 tok/s with every expert
 # cached), and its reads of experts in RAM over PCIe go at 47 GB/s, not 37 (more reads in
-# flight; ``python -m strata.bench.moe_sweep``).
+# flight; ``python -m strata.bench.moe_sweep``). router: swept without its routing, which
+# runs in its last program and crosses its warps (34 barriers at 8 warps under Triton 3.6, 3 at
+# one; ``decode_resources --types F32 --forms router``); the sweep now times it with.
 TUNED: dict[str, Tune] = {
     "qkv": Tune(4, 8),
     "o": Tune(8),
