@@ -491,26 +491,35 @@ INLINE void blk_q2_k(const uint8_t *const *p, int b, const float *x, const float
     (void)xs;
     const uint8_t *qs = p[0] + 64 * b, *sc = p[1] + 16 * b;
     const float d = ld_f16(p[2] + 2 * b), dm = ld_f16(p[3] + 2 * b);
-    /* the 16 groups' scales and mins, made as vectors (not 64 scalar conversions a block) */
-    float ds[16], ms[16];
+    /* A value's two bits go under the exponent of 1.0 (bits 22 and 21: the float 1 + q / 4,
+     * no conversion), so group g's values are a[g] f - c[g] with a = 4 d sc and
+     * c = a + dmin mn: one FMA an element after a shift and a mask. The 16 groups' a and c are
+     * made as vectors. */
+    float a[16], cm[16];
     for (int h = 0; h < 16; h += 8) {
         const v8b s = ldb8(sc + h);
         const v8f lo = __builtin_convertvector(__builtin_convertvector(s & 15, v8i), v8f);
         const v8f hi = __builtin_convertvector(__builtin_convertvector(s >> 4, v8i), v8f);
-        const v8f dsv = d * lo, msv = dm * hi;
-        memcpy(ds + h, &dsv, sizeof dsv);
-        memcpy(ms + h, &msv, sizeof msv);
+        const v8f av = (4.0f * d) * lo, cv = av + dm * hi;
+        memcpy(a + h, &av, sizeof av);
+        memcpy(cm + h, &cv, sizeof cv);
     }
+    /* read back from memory, each a broadcast load (kept in registers, every scalar took a
+     * shuffle and a broadcast) */
+    __asm__("" : : "r"(a), "r"(cm) : "memory");
     x += 256 * b;
-#pragma GCC unroll 8
-    for (int u = 0; u < 8; u++) {
-        const uint8_t *q = qs + 32 * (u / 4);
-        const int sh = 2 * (u % 4);
-        const float d0 = ds[2 * u], d1 = ds[2 * u + 1], m0 = ms[2 * u], m1 = ms[2 * u + 1];
-        for (int j = 0; j < 16; j += H) {
-            const vf w0 = d0 * b2f(shr16(ldb(q + j), sh) & 3) - m0;
-            const vf w1 = d1 * b2f(shr16(ldb(q + 16 + j), sh) & 3) - m1;
-            c->a[CHAIN(u, j)] += w0 * ldf(x + 32 * u + j) + w1 * ldf(x + 32 * u + 16 + j);
+    /* byte k of qs[32 v..] holds element k of units 4 v .. 4 v + 3: widened once for the four */
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; v++) {
+#pragma GCC unroll 4
+        for (int k = 0; k < 32; k += H) {
+            const vu q = __builtin_convertvector((ldb(qs + 32 * v + k) ^ 0x80) + 0x80, vu);
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                const int u = 4 * v + t, g = 2 * u + k / 16;
+                const vf f = (vf)(((q << (21 - 2 * t)) & (3u << 21)) | 0x3f800000u);
+                c->a[CHAIN(u, k % 16)] += (a[g] * f - cm[g]) * ldf(x + 32 * u + k);
+            }
         }
     }
 }
@@ -530,22 +539,33 @@ INLINE void blk_q3_k(const uint8_t *const *p, int b, const float *x, const float
     const v8i h = __builtin_convertvector(ldb8(hb), v8i);
     const v8i s0 = ((a & 15) | ((h >> (v8i){0, 0, 0, 0, 2, 2, 2, 2}) & 3) << 4) - 32;
     const v8i s1 = ((a >> 4) | ((h >> (v8i){4, 4, 4, 4, 6, 6, 6, 6}) & 3) << 4) - 32;
-    float ds[16];
+    /* As Q2_K's: a value's three bits (q, then the high bit) go under the exponent of 1.0, the
+     * float f = 1 + (q | 4 h) / 8, and (q | 4 h) - 4 = 8 f - 12: group g's values are
+     * sa[g] f - sb[g], sa = 8 d s and sb = 12 d s (exact: d s has 17 bits) */
+    float sa[16], sb[16];
     const v8f f0 = d * __builtin_convertvector(s0, v8f), f1 = d * __builtin_convertvector(s1, v8f);
-    memcpy(ds, &f0, sizeof f0);
-    memcpy(ds + 8, &f1, sizeof f1);
+    const v8f a0 = 8.0f * f0, a1 = 8.0f * f1, b0 = 12.0f * f0, b1 = 12.0f * f1;
+    memcpy(sa, &a0, sizeof a0);
+    memcpy(sa + 8, &a1, sizeof a1);
+    memcpy(sb, &b0, sizeof b0);
+    memcpy(sb + 8, &b1, sizeof b1);
+    __asm__("" : : "r"(sa), "r"(sb) : "memory"); /* broadcast loads, as Q2_K's */
     x += 256 * b;
-#pragma GCC unroll 8
-    for (int u = 0; u < 8; u++) {
-        const uint8_t *q = qs + 32 * (u / 4);
-        const int sh = 2 * (u % 4);
-        for (int j = 0; j < 16; j += H) {
-            /* q - 4 (1 - h) = (q | 4 h) - 4 */
-            const vb lo = (shr16(ldb(q + j), sh) & 3) | (shr16(ldb(hm + j), u) & 1) << 2;
-            const vb hi = (shr16(ldb(q + 16 + j), sh) & 3) | (shr16(ldb(hm + 16 + j), u) & 1) << 2;
-            const vc l = (vc)lo - 4, h = (vc)hi - 4;
-            c->a[CHAIN(u, j)] += ds[2 * u] * (c2f(l) * ldf(x + 32 * u + j)) +
-                                 ds[2 * u + 1] * (c2f(h) * ldf(x + 32 * u + 16 + j));
+    /* byte k of hm holds element k's high bit of every unit, of qs[32 v..] its two low bits of
+     * units 4 v .. 4 v + 3: each widened once */
+#pragma GCC unroll 4
+    for (int k = 0; k < 32; k += H) {
+        const vu hv = __builtin_convertvector((ldb(hm + k) ^ 0x80) + 0x80, vu);
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; v++) {
+            const vu q = __builtin_convertvector((ldb(qs + 32 * v + k) ^ 0x80) + 0x80, vu);
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                const int u = 4 * v + t, g = 2 * u + k / 16;
+                const vu lo = (q << (20 - 2 * t)) & (3u << 20), hi = (hv << (22 - u)) & (1u << 22);
+                const vf f = (vf)(lo | hi | 0x3f800000u);
+                c->a[CHAIN(u, k % 16)] += (sa[g] * f - sb[g]) * ldf(x + 32 * u + k);
+            }
         }
     }
 }
