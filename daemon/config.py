@@ -21,10 +21,7 @@ from strata.daemon.config_checks import as_list, device_name, list_text, loopbac
 from strata.engine.options import ARENA_GRANULE_MIB, BOUNDS, DEFAULTS
 
 ENV_PREFIX = "STRATA_"
-# Environment variables with the prefix that are not options: STRATA_CONFIG steers the loading
-# itself; STRATA_DECODE_TUNE is the engine's developer knob for the decode launches' cuts
-# (``engine.gpu.decode.TUNE_ENV``, read and checked where the decode step is built), which
-# ``strata bench`` must let through.
+# Prefixed variables that are not options: the loading's own; the engine's decode cuts' knob
 ENV_RESERVED = frozenset({"STRATA_CONFIG", "STRATA_DECODE_TUNE"})
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
