@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.engine.kernels.rope import rotation_pairs
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # K/V types whose products run on tensor cores
 
 # DecodeAttention.tickets: [dispatch, combiners done, each group's partials written (Hkv)]
@@ -57,15 +59,7 @@ def _rotated(src, rows, rm, cos, sin, w, pos, eps, D: tl.constexpr, NEOX: tl.con
     """Heads ``rows`` ([R]) of ``src`` ([heads, D] float32), RMSNorm'd by ``w`` (QK_NORM) and
     rotated to position ``pos``, as ``rope._rope_kernel`` computes them: [R, D]. ``NEOX`` pairs
     value i with i + D/2, else 2i with 2i + 1."""
-    d = tl.arange(0, D)
-    if NEOX:
-        first = d < D // 2
-        partner = tl.where(first, d + D // 2, d - D // 2)
-        col = tl.where(first, d, d - D // 2)
-    else:
-        first = d % 2 == 0
-        partner = tl.where(first, d + 1, d - 1)
-        col = d // 2
+    d, first, partner, col = rotation_pairs(D, D, NEOX)
     x = tl.load(src + rows[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)
     xp = tl.load(src + rows[:, None] * D + partner[None, :], mask=rm[:, None], other=0.0)
     if QK_NORM:

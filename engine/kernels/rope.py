@@ -137,6 +137,28 @@ def rope_tables(
 
 
 @triton.jit
+def rotation_pairs(D: tl.constexpr, R: tl.constexpr, NEOX: tl.constexpr):
+    """For a head of D values whose first R rotate: (d, first, partner, col) over d < D, each
+    value's pair partner and its angle's column (``cos``/``sin`` [positions, R/2]), ``first``
+    where it is the pair's first (x c - x' s, else x c + x' s). ``NEOX`` pairs i with i + R/2,
+    else 2i with 2i + 1; values from R on are their own partners, at column 0."""
+    d = tl.arange(0, D)
+    if NEOX:
+        first = d < R // 2
+        partner = tl.where(first, d + R // 2, d - R // 2)
+        col = tl.where(first, d, d - R // 2)
+    else:
+        first = d % 2 == 0
+        partner = tl.where(first, d + 1, d - 1)
+        col = d // 2
+    if R < D:
+        rot = d < R
+        partner = tl.where(rot, partner, d)
+        col = tl.where(rot, col, 0)
+    return d, first, partner, col
+
+
+@triton.jit
 def _rope_gated_kernel(
     qkv, cos, sin, qn, kn, q_out, gate_out, kc, vc, bt, pos_p, eps, H, HKV, PS,
     D: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, NEOX: tl.constexpr,
@@ -153,18 +175,7 @@ def _rope_gated_kernel(
         else:
             src = qkv + H * QS + (i - H) * D
             w = kn
-        # the pair partner of each value, and its angle's column; values from R on stay
-        if NEOX:
-            first = d < R // 2
-            partner = tl.where(first, d + R // 2, d - R // 2)
-            col = tl.where(first, d, d - R // 2)
-        else:
-            first = d % 2 == 0
-            partner = tl.where(first, d + 1, d - 1)
-            col = d // 2
-        rot = d < R
-        partner = tl.where(rot, partner, d)
-        col = tl.where(rot, col, 0)
+        _, first, partner, col = rotation_pairs(D, R, NEOX)
         x = tl.load(src + d)
         xp = tl.load(src + partner)
         if QK_NORM:
@@ -174,7 +185,7 @@ def _rope_gated_kernel(
         c = tl.load(cos + pos * (R // 2) + col)
         s = tl.load(sin + pos * (R // 2) + col)
         y = tl.where(first, x * c - xp * s, x * c + xp * s)
-        y = tl.where(rot, y, x)
+        y = tl.where(d < R, y, x)  # values from R on stay
         if i < H:
             tl.store(q_out + i * D + d, y)
             if GATED:
