@@ -22,7 +22,7 @@ from strata.engine.options import ARENA_GRANULE_MIB, BOUNDS, DEFAULTS
 
 ENV_PREFIX = "STRATA_"
 # Prefixed variables that are not options: the loading's own; the engine's decode cuts' knob
-ENV_RESERVED = frozenset({"STRATA_CONFIG", "STRATA_DECODE_TUNE"})
+ENV_RESERVED = frozenset({"STRATA_CONFIG", "STRATA_DECODE_TUNE", "STRATA_PDL"})
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 KvCacheType = Literal["f16", "f32"]

@@ -34,6 +34,7 @@ from strata.engine.gpu.oss import cpu_extras
 from strata.engine.gpu.sampled import SampledSteps
 from strata.engine.gpu.staging import MissStaging, file_of
 from strata.engine.gpu.tables import ExpertTables, FastPathError
+from strata.engine.kernels.pdl import pdl_note
 from strata.engine.kv import KVCache
 from strata.engine.models.base import MoEModel
 from strata.engine.sampling import TokenLogprob
@@ -524,6 +525,7 @@ class GpuRunner(StageRunner):
         how = (
             "one CUDA graph per step" if self.graph is not None else f"eager ({self.graph_reason})"
         )
+        how += pdl_note(self.device)
         if self.cpu.on:
             how += f"; the CPU computes {self.cpu.share:.0%} of the chosen experts in RAM"
             if not self.cpu_sharing:

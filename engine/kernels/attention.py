@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.engine.kernels.pdl import after_previous, pdl_launch
 from strata.engine.kernels.rope import rotation_pairs
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # K/V types whose products run on tensor cores
@@ -171,7 +172,9 @@ def _attn_kernel(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr,
     NSPLIT: tl.constexpr, LOWP: tl.constexpr, WIN: tl.constexpr, SINK: tl.constexpr,
     FUSED: tl.constexpr, ROPE: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    after_previous(PDL)
     # the program's role: its draw (FUSED; a draw orders nothing), else its id (partials alone)
     if FUSED:
         r = tl.atomic_add(tickets + _DISPATCH, 1, sem="relaxed")
@@ -218,8 +221,9 @@ def _attn_kernel(
 @triton.jit
 def _combine_kernel(acc_in, ml_in, out, sinks, pos_p, window, NSPLIT: tl.constexpr,
                     BS: tl.constexpr, WIN: tl.constexpr, D: tl.constexpr,
-                    SINK: tl.constexpr):  # fmt: skip
+                    SINK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     # the combine as a launch of its own (``DecodeAttention(fused=False)``)
+    after_previous(PDL)
     n, lo, per = _span(pos_p, window, NSPLIT, BS, WIN)
     _combine(acc_in, ml_in, out, sinks, tl.program_id(0), tl.cdiv(n - lo, per), D, NSPLIT, SINK)
 
@@ -298,11 +302,13 @@ class DecodeAttention:
             WIN=window is not None, SINK=sinks is not None, FUSED=self.fused,
             ROPE=rotary is not None, NEOX=rotary is None or rotary.neox,
             QK_NORM=rotary is not None and rotary.q_norm is not None, num_warps=4,
+            **pdl_launch(q.device),
         )  # fmt: skip
         if not self.fused:
             _combine_kernel[(self.H,)](
                 self.acc, self.ml, out, sink, pos, window or 0, NSPLIT=self.n_split, BS=self.BS,
                 WIN=window is not None, D=self.D, SINK=sinks is not None, num_warps=4,
+                **pdl_launch(q.device),
             )  # fmt: skip
 
     def _rotary_args(self, q: torch.Tensor, rotary: Rotary | None) -> list[object]:

@@ -40,6 +40,7 @@ from strata.engine.kernels.inputs import (
     xin,
 )
 from strata.engine.kernels.moe import Routing, _route
+from strata.engine.kernels.pdl import after_previous, pdl_launch
 from strata.engine.quant.repack import RepackedLayout, dequantize_repacked
 
 
@@ -99,7 +100,9 @@ def _matvec_kernel(
     BN: tl.constexpr, HAS_BIAS: tl.constexpr, RES_GATE: tl.constexpr,
     ROUTE: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
     NORM: tl.constexpr, P: tl.constexpr, LATE: tl.constexpr, S: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    after_previous(PDL)
     pid = tl.program_id(0)
     # RMSNorm(x) . w = rms * ((x * nw) . w): the weights' loads need not wait for the scale
     nb0 = tl.cdiv(n0, BN)
@@ -261,7 +264,7 @@ def matvec(
         V0=st[0][1], V1=st[1][1], V2=st[2][1],
         NSEG=len(mats), XIN=xform.value, ADD_RES=residual,
         STORE_H=h_out is not None, BN=bn, HAS_BIAS=bias is not None, RES_GATE=res_gate is not None,
-        ROUTE=route is not None,
+        ROUTE=route is not None, **pdl_launch(y.device),
         num_warps=num_warps or max(step_warps(*t) for t in st[: len(mats)]), **rconsts,
         **launch_regs(maxnreg),
     )  # fmt: skip

@@ -54,6 +54,7 @@ from strata.engine.kernels.inputs import (
     ordered_bits,
     unordered_bits,
 )
+from strata.engine.kernels.pdl import after_previous, pdl_launch
 from strata.engine.quant.repack import RepackedLayout
 from strata.engine.quant.unit_kernels import (
     IQ3_S,
@@ -176,8 +177,9 @@ def _gate_up_kernel(
     g1, g2, g3, g4, up_off, u1, u2, u3, u4, ids, bg, bu,
     TG: tl.constexpr, TU: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
     BIAS: tl.constexpr, OAI: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    TAIL: tl.constexpr = 0,
+    TAIL: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    after_previous(PDL)
     k = tl.program_id(0)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = rows < F
@@ -241,7 +243,9 @@ def _down_kernel(
     act, eoffs, wts, base, x, F: tl.constexpr, D, down_off, d1, d2, d3, d4, ids, bd,
     K: tl.constexpr, TD: tl.constexpr, BN: tl.constexpr, TS: tl.constexpr, EPT: tl.constexpr,
     BIAS: tl.constexpr, KP: tl.constexpr, TAIL: tl.constexpr = 0, FLAT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    after_previous(PDL)
     # a step's units: EPT experts side by side, TS units of each (then, with TAIL, the rest of
     # each expert's row in a step of TAIL units each); the sum over experts and units is one
     # reduction at the end, in a fixed order
@@ -575,6 +579,7 @@ def gate_up(act: torch.Tensor, h: torch.Tensor, eoffs: torch.Tensor, base: torch
         TG=int(gate.qtype), TU=int(up.qtype), BN=bn, T=units, TAIL=tail, BIAS=bias,
         OAI=x is not None and x.oai is not None, ALPHA=alpha, LIMIT=limit,
         num_warps=num_warps or step_warps(units, tail), **launch_regs(maxnreg),
+        **pdl_launch(h.device),
     )  # fmt: skip
 
 
@@ -604,6 +609,7 @@ def down(x: torch.Tensor, act: torch.Tensor, eoffs: torch.Tensor, wts: torch.Ten
         K=k, TD=int(lay.qtype), BN=bn, TS=per, EPT=ept, BIAS=bd is not None, TAIL=tail,
         KP=triton.next_power_of_2(k), num_warps=num_warps or warps_for(per * ept),
         FLAT=DOWN_FLAT if flat is None else flat, **launch_regs(maxnreg),
+        **pdl_launch(x.device),
     )  # fmt: skip
 
 

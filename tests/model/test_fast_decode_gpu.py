@@ -246,3 +246,24 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(tiny_models, cuda, caplog, 
     assert "decode steps run without a CUDA graph: capture failed (RuntimeError" in caplog.text
     assert len(generate(e, SamplingParams(max_tokens=4, temperature=0.0))) == 4
     e.close()
+
+
+def test_logits_are_the_same_with_dependent_launches_on_and_off(tiny_models, cuda, monkeypatch):
+    from strata.engine.kernels import pdl
+
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    if not pdl.pdl_on(torch.device(cuda)):
+        pytest.skip("no programmatic dependent launch here (it needs sm_90 and Triton 3.4)")
+    path = tiny_models.path("qwen3moe", "Q4_K_M")
+    on = load(path, cuda, cache_mib=1 << 20)
+    assert ", launches overlapped (PDL)" in on.sequences.decode_path()
+    a = forced_logits(on, [4, 5], 8)
+    on.close()
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    off = load(path, cuda, cache_mib=1 << 20)
+    assert not pdl.pdl_on(torch.device(cuda))
+    assert ", launches not overlapped (STRATA_PDL=0)" in off.sequences.decode_path()
+    b = forced_logits(off, [4, 5], 8)
+    off.close()
+    for la, lb in zip(a, b, strict=True):
+        assert torch.equal(la, lb)
