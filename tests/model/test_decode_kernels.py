@@ -113,20 +113,25 @@ def test_matvec_matches_dequantise_then_multiply(types, with_norm, rng) -> None:
         assert rel_err(h, rms_norm(x, norm, 1e-6)) < 1e-6, wrong_rows(h, rms_norm(x, norm, 1e-6))
 
 
-@pytest.mark.parametrize("bn", [1, 4, 8])
-@pytest.mark.parametrize("warps", [1, 4])
-@pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "rmsnorm"])
-def test_a_q8_0_matvec_at_every_cut(bn, warps, with_norm, rng) -> None:
-    """A lone Q8_0 matrix (ragged rows) at several rows a program and warps: on the H200 a lone
-    Q8_0 with the norm folded in failed at the default cut, and which cuts fail says where."""
+@pytest.mark.parametrize("bn", [1, 2, 4, 8])
+@pytest.mark.parametrize("warps", [1, 2, 4])
+@pytest.mark.parametrize("form", ["plain", "rmsnorm", "rmsnorm+h_out"])
+def test_a_q8_0_matvec_at_every_cut(bn, warps, form, rng) -> None:
+    """A lone Q8_0 matrix (ragged rows) at several rows a program and warps: on the H100 and
+    the H200 (Triton 3.6) the launch that also stores its normalised input (``h_out``) at 4
+    rows and one warp leaves rows 2 and 3 of every program unwritten, every other cut passes
+    (racecheck clean: the compiler's, not a race)."""
     K = 512
     m = mat(Q.Q8_0, 37, K, rng)
     x = torch.randn(K, device=DEVICE)
-    norm = torch.rand(K, device=DEVICE) + 0.5 if with_norm else None
-    y = nan(37)
-    matvec(y, x, [m], norm=norm, eps=1e-6, bn=bn, num_warps=warps)
+    norm = torch.rand(K, device=DEVICE) + 0.5 if form != "plain" else None
+    y, h = nan(37), nan(K)
+    h_out = h if form == "rmsnorm+h_out" else None
+    matvec(y, x, [m], norm=norm, eps=1e-6, h_out=h_out, bn=bn, num_warps=warps)
     want = matvec_reference(x, [m], norm, 1e-6)
     assert rel_err(y, want) < TOL, wrong_rows(y, want)
+    if h_out is not None:
+        assert rel_err(h, rms_norm(x, norm, 1e-6)) < 1e-6
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.F32, Q.BF16], ids=lambda t: t.name)
