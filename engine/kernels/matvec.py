@@ -40,7 +40,13 @@ from strata.engine.kernels.inputs import (
     xin,
 )
 from strata.engine.kernels.moe import Routing, _route
-from strata.engine.kernels.pdl import after_previous, pdl_launch
+from strata.engine.kernels.pdl import (
+    after_previous,
+    pdl_launch,
+    prefetch_on,
+    prefetch_rows,
+    prefetch_spans,
+)
 from strata.engine.quant.repack import RepackedLayout, dequantize_repacked
 
 
@@ -87,12 +93,20 @@ def _seg(
 
 
 @triton.jit
+def _prefetch(w, o1, r0, n, ra, rb, BN: tl.constexpr):
+    """A program's rows of a matrix's first two planes asked of the L2 (``prefetch_rows``)."""
+    prefetch_rows(w, r0, n, ra, BN)
+    prefetch_rows(w + o1, r0, n, rb, BN)
+
+
+@triton.jit
 def _matvec_kernel(
     x, nw, eps, y, h_out, bias, gh, gv, GD, K: tl.constexpr,
     w0, a1, a2, a3, a4, n0,
     w1, b1, b2, b3, b4, n1,
     w2, c1, c2, c3, c4, n2,
     ticket, table, ids, wts, eoffs, counts, pf_ids, stage, stage_bytes, pf_stats, E,
+    pa0, pb0, pa1, pb1, pa2, pb2,  # each matrix's row bytes in its first two planes (prefetch)
     Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,  # the three matrices' types
     U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,  # and their units per step
     V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr,  # and of a last, narrower one
@@ -100,13 +114,20 @@ def _matvec_kernel(
     BN: tl.constexpr, HAS_BIAS: tl.constexpr, RES_GATE: tl.constexpr,
     ROUTE: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
     NORM: tl.constexpr, P: tl.constexpr, LATE: tl.constexpr, S: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    after_previous(PDL)
     pid = tl.program_id(0)
-    # RMSNorm(x) . w = rms * ((x * nw) . w): the weights' loads need not wait for the scale
     nb0 = tl.cdiv(n0, BN)
     nb1 = tl.cdiv(n1, BN)
+    if PREFETCH:  # the weights never depend on the launch before: their reads begin now
+        if NSEG == 1 or pid < nb0:
+            _prefetch(w0, a1, pid * BN, n0, pa0, pb0, BN)
+        elif NSEG == 2 or pid < nb0 + nb1:
+            _prefetch(w1, b1, (pid - nb0) * BN, n1, pa1, pb1, BN)
+        else:
+            _prefetch(w2, c1, (pid - nb0 - nb1) * BN, n2, pa2, pb2, BN)
+    after_previous(PDL)
+    # RMSNorm(x) . w = rms * ((x * nw) . w): the weights' loads need not wait for the scale
     if NSEG == 1:
         acc, out, ok = _seg(pid, w0, a1, a2, a3, a4, n0, 0, K, x, nw, 1.0, Q0, XIN, BN, U0, V0)
     elif pid < nb0:
@@ -254,6 +275,9 @@ def matvec(
     for m in segs:
         args += [m.data, *plane_offsets(m.lay.offsets), m.rows]
     args += rargs
+    prefetch = prefetch_on(y.device)
+    for m in segs:
+        args += prefetch_spans(m.lay) if prefetch else (0, 0)
     types = [int(m.lay.qtype) for m in segs]
     st = [steps(t, K) for t in types]
     units = [u for u, _ in st]
@@ -264,7 +288,7 @@ def matvec(
         V0=st[0][1], V1=st[1][1], V2=st[2][1],
         NSEG=len(mats), XIN=xform.value, ADD_RES=residual,
         STORE_H=h_out is not None, BN=bn, HAS_BIAS=bias is not None, RES_GATE=res_gate is not None,
-        ROUTE=route is not None, **pdl_launch(y.device),
+        ROUTE=route is not None, **pdl_launch(y.device), PREFETCH=prefetch,
         num_warps=num_warps or max(step_warps(*t) for t in st[: len(mats)]), **rconsts,
         **launch_regs(maxnreg),
     )  # fmt: skip

@@ -12,8 +12,11 @@ launches (placing programs, their first instructions), which a CUDA graph keeps 
 Calling the wait first and then letting the next launch in keeps the chain one launch deep: a
 launch's programs are placed only once every program of the one before has passed its own wait.
 
-``STRATA_PDL=0`` turns it off (every launch then waits for the one before it as a stream does);
-the interpreter and GPUs before sm_90 never use it.
+``STRATA_PDL=2`` also has each program of the dense matvecs (q/k/v, o, the router, the head)
+ask the L2 for its rows' weights before it waits (one bulk prefetch a plane, Hopper's
+``cp.async.bulk.prefetch.L2``): the weights never depend on the launch before, so their reads
+may begin while it finishes. ``STRATA_PDL=0`` turns it off (every launch then waits for the one
+before it as a stream does); the interpreter and GPUs before sm_90 never use it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import triton
 import triton.language as tl
 
 from strata.engine.kernels.inputs import INTERPRETED
+from strata.engine.quant.repack import RepackedLayout
 
 try:  # Triton 3.4 and later
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -38,7 +42,13 @@ _ON: dict[int, bool] = {}  # a device index: whether it has PDL
 def pdl_on(device: torch.device) -> bool:
     """Whether launches on ``device`` use PDL: a GPU that has it (``_capable``) and
     ``STRATA_PDL`` not 0."""
-    return pdl_wanted() and _capable(device)
+    return pdl_mode() > 0 and _capable(device)
+
+
+def prefetch_on(device: torch.device) -> bool:
+    """Whether the dense matvecs ask the L2 for their weights before the wait
+    (``STRATA_PDL=2``, on a GPU that has PDL)."""
+    return pdl_mode() == 2 and _capable(device)
 
 
 def _capable(device: torch.device) -> bool:
@@ -52,12 +62,16 @@ def _capable(device: torch.device) -> bool:
     return _ON[index]
 
 
-def pdl_wanted() -> bool:
-    """``STRATA_PDL``: 1 (the default) or 0; anything else is refused, naming it."""
+def pdl_mode() -> int:
+    """``STRATA_PDL``: 1 (the default), 0 (off) or 2 (with the matvecs' prefetch); anything
+    else is refused, naming it."""
     value = os.environ.get(PDL_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV}={value!r}: want 0 (off) or 1 (on, where the GPU has it)")
-    return value == "1"
+    if value not in ("0", "1", "2"):
+        raise ValueError(
+            f"{PDL_ENV}={value!r}: want 0 (off), 1 (on, where the GPU has it) or 2 (on, with "
+            "the matvecs' weights prefetched)"
+        )
+    return int(value)
 
 
 def pdl_note(device: torch.device) -> str:
@@ -65,7 +79,10 @@ def pdl_note(device: torch.device) -> str:
     ``STRATA_PDL=0`` turned it off where the GPU has it, else nothing."""
     if not _capable(device):
         return ""
-    if pdl_wanted():
+    mode = pdl_mode()
+    if mode == 2:
+        return ", launches overlapped (PDL), the matvecs' weights prefetched ahead"
+    if mode == 1:
         return ", launches overlapped (PDL)"
     return f", launches not overlapped ({PDL_ENV}=0)"
 
@@ -84,3 +101,25 @@ def after_previous(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+def prefetch_spans(lay: RepackedLayout) -> tuple[int, int]:
+    """A repacked matrix's row bytes in its first two planes (the quants, and the second
+    plane: Q6_K's high bits, the K-quants' scales), for ``prefetch_rows``; 0 for a plane that
+    has none or whose rows are not multiples of 16 bytes (a bulk prefetch's unit)."""
+    rb = [b if b % 16 == 0 else 0 for b in lay.row_bytes[:2]]
+    return rb[0], rb[1] if len(rb) > 1 else 0
+
+
+@triton.jit
+def prefetch_rows(w, r0, n, rb, BN: tl.constexpr):
+    """Ask the L2 for rows r0 .. min(r0 + BN, n) - 1 of a plane of ``rb`` bytes a row at
+    ``w`` (uint8; rb 0: nothing), one bulk prefetch from the program's first thread."""
+    if rb > 0:
+        nbytes = (tl.minimum(n - r0, BN) * rb).to(tl.int32)
+        at = w + r0.to(tl.int64) * rb
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [at, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip

@@ -248,15 +248,18 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(tiny_models, cuda, caplog, 
     e.close()
 
 
-def test_logits_are_the_same_with_dependent_launches_on_and_off(tiny_models, cuda, monkeypatch):
+@pytest.mark.parametrize("mode", ["1", "2"], ids=["pdl", "pdl+prefetch"])
+def test_logits_are_the_same_with_dependent_launches_on_and_off(tiny_models, cuda, monkeypatch,
+                                                                mode):  # fmt: skip
     from strata.engine.kernels import pdl
 
-    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    monkeypatch.setenv(pdl.PDL_ENV, mode)
     if not pdl.pdl_on(torch.device(cuda)):
         pytest.skip("no programmatic dependent launch here (it needs sm_90 and Triton 3.4)")
     path = tiny_models.path("qwen3moe", "Q4_K_M")
     on = load(path, cuda, cache_mib=1 << 20)
     assert ", launches overlapped (PDL)" in on.sequences.decode_path()
+    assert ("prefetched ahead" in on.sequences.decode_path()) == (mode == "2")
     a = forced_logits(on, [4, 5], 8)
     on.close()
     monkeypatch.setenv(pdl.PDL_ENV, "0")

@@ -22,17 +22,73 @@ def test_the_cpu_and_the_interpreter_launch_without_it(monkeypatch) -> None:
     assert pdl.pdl_note(torch.device("cpu")) == ""
 
 
-@pytest.mark.parametrize("value", ["", "yes", "2", "on"])
+@pytest.mark.parametrize("value", ["", "yes", "3", "on"])
 def test_a_value_other_than_0_or_1_is_refused_by_name(monkeypatch, value) -> None:
     monkeypatch.setenv(pdl.PDL_ENV, value)
     with pytest.raises(ValueError, match=f"STRATA_PDL={value.strip()!r}: want 0"):
         pdl.pdl_launch(torch.device("cpu"))
 
 
-def test_0_turns_it_off_and_1_asks_for_it(monkeypatch) -> None:
+def test_0_turns_it_off_and_1_is_the_default(monkeypatch) -> None:
     monkeypatch.setenv(pdl.PDL_ENV, "0")
-    assert not pdl.pdl_wanted()
+    assert pdl.pdl_mode() == 0
     monkeypatch.setenv(pdl.PDL_ENV, " 1 ")
-    assert pdl.pdl_wanted()
+    assert pdl.pdl_mode() == 1
     monkeypatch.delenv(pdl.PDL_ENV)
-    assert pdl.pdl_wanted()
+    assert pdl.pdl_mode() == 1
+
+
+def test_2_adds_the_prefetch_and_its_line(monkeypatch) -> None:
+    monkeypatch.setenv(pdl.PDL_ENV, "2")
+    assert pdl.pdl_mode() == 2
+    assert not pdl.prefetch_on(torch.device("cpu"))
+
+
+def test_the_prefetch_spans_are_the_first_two_planes_in_rows_of_16_bytes() -> None:
+    from strata.engine.quant.format import Q
+    from strata.engine.quant.repack import repacked_layout
+
+    assert pdl.prefetch_spans(repacked_layout(Q.Q6_K, (8, 2048))) == (1024, 512)
+    assert pdl.prefetch_spans(repacked_layout(Q.F32, (8, 2048))) == (8192, 0)
+    q8 = repacked_layout(Q.Q8_0, (8, 96))  # 96 quants and 3 scales (6 bytes) a row
+    assert q8.row_bytes[:2] == (96, 6) and pdl.prefetch_spans(q8) == (96, 0)
+
+
+_COMPILE = """
+import torch
+from strata.bench.decode_resources import _caught, compile_launch
+from strata.engine.kernels import matvec as mv
+from strata.engine.quant.format import Q
+from strata.engine.quant.repack import repacked_layout
+
+mv.prefetch_on = lambda device: True  # as on an sm_90 GPU with STRATA_PDL=2
+lay = repacked_layout(Q.Q6_K, (64, 2048))
+m = mv.Mat(torch.zeros(lay.nbytes, dtype=torch.uint8), lay)
+with _caught() as launches:
+    mv.matvec(torch.zeros(128), torch.zeros(2048), [m, m], norm=torch.zeros(2048), eps=1e-6)
+fn, args, kw = launches[0]
+print(compile_launch(fn, args, dict(kw, PDL=True), 90).asm["ptx"])
+"""
+
+
+def test_a_matvec_asks_for_its_weights_then_waits_before_any_load_or_store() -> None:
+    """Compiled for sm_90 with Triton's own ptxas (no GPU): the bulk prefetches come first,
+    then the wait for the launch before, and only then any load or store of memory."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton", reason="Triton is not installed")
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip(f"this Triton has no CUDA backend to compile with ({ptxas} is missing)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    ptx = done.stdout
+    wait = ptx.index("griddepcontrol.wait")
+    assert 0 < ptx.index("cp.async.bulk.prefetch.L2.global") < wait
+    assert wait < ptx.index("griddepcontrol.launch_dependents")
+    memory = [i for op in ("ld.global", "st.global", "atom.global") if (i := ptx.find(op)) >= 0]
+    assert memory and min(memory) > wait
