@@ -134,6 +134,34 @@ def test_a_q8_0_matvec_at_every_cut(bn, warps, form, rng) -> None:
         assert rel_err(h, rms_norm(x, norm, 1e-6)) < 1e-6
 
 
+# The tiny models' dense launches (``tiny_models``: a width of 256; qwen3moe's 8 query heads of
+# 64 and 2 K/V heads, mixtral's of 32; a vocabulary of 4096) at the cuts the GPU path gives them
+# (``gpu.decode.TUNED``; the interpreter keeps its own): their Q8_0 files decode NaN on the H100
+# and the H200 (Triton 3.6) with their routers in F32, so one of these launches is wrong there.
+TINY_LAUNCHES = {
+    "qkv-qwen3moe": ("qkv", [512, 128, 128], 256, "norm"),
+    "qkv-mixtral": ("qkv", [256, 64, 64], 256, "norm"),
+    "o-qwen3moe": ("o", [256], 512, "residual"),
+    "o-mixtral": ("o", [256], 256, "residual"),
+    "head": ("head", [4096], 256, "norm"),
+}
+
+
+@pytest.mark.parametrize("launch", list(TINY_LAUNCHES))
+def test_the_tiny_models_q8_0_matvecs_at_their_cuts(launch, rng) -> None:
+    from strata.engine.gpu.decode import tunes
+
+    role, rows, K, form = TINY_LAUNCHES[launch]
+    mats = [mat(Q.Q8_0, n, K, rng) for n in rows]
+    x = torch.randn(K, device=DEVICE)
+    norm = torch.rand(K, device=DEVICE) + 0.5 if form == "norm" else None
+    residual = form == "residual"
+    y = torch.randn(sum(rows), device=DEVICE) if residual else nan(sum(rows))
+    want = matvec_reference(x, mats, norm, 1e-6) + (y if residual else 0)
+    matvec(y, x, mats, norm=norm, eps=1e-6, residual=residual, **tunes(None, DEVICE)[role].kw())
+    assert rel_err(y, want) < TOL, wrong_rows(y, want)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.F32, Q.BF16], ids=lambda t: t.name)
 def test_matvec_on_a_dimension_not_a_multiple_of_the_inner_step(qtype, rng) -> None:
     K = 96  # three Q8_0 / Q4_0 blocks, not a multiple of eight blocks or of 256 floats
@@ -538,6 +566,7 @@ class Experts:
         (Q.Q4_K, Q.Q6_K),
         (Q.Q4_K, Q.Q4_K),
         (Q.Q8_0, Q.F32),
+        (Q.Q8_0, Q.Q8_0),  # the tiny Q8_0 models' experts (they decode NaN under Triton 3.6)
         (Q.F16, Q.BF16),
         (Q.Q5_K, Q.Q6_K),  # a Q5_K_M use_more_bits layer
         (Q.Q5_K, Q.Q5_K),
