@@ -13,7 +13,13 @@ then reports:
 * with ``--check N``: the fast path's logits against the reference path's for N steps;
 * with ``--sweep``: each decode kernel alone on the model's shapes at a few block sizes (the
   router with its routing, as the step runs it), its weights rotated over more than the L2
-  holds, timed as a graph of launches.
+  holds, timed as a graph of launches; ``--sweep router,head`` times only those
+  (``SWEPT``); with ``--no-decode`` the sweep runs without the decode measurements before it.
+
+With dependent launches on (``STRATA_PDL``, ``docs/gpu-decode.md``) a launch's programs wait on
+the GPU for the launch before, and the profiler counts that wait in the launch's time: the
+kernels then add up to more than the wall time, and the tool says so. Roles want
+``STRATA_PDL=0``.
 
 Speeds here are diagnostics; the numbers that count come from ``strata bench``.
 """
@@ -34,6 +40,7 @@ from typing import Any
 import torch
 
 from strata.engine.gpu.decode import Tune
+from strata.engine.kernels.pdl import pdl_on
 
 log = logging.getLogger(__name__)
 MiB = 2**20
@@ -301,8 +308,12 @@ def check(path: Path, engine: Any, n: int, n_ctx: int) -> dict[str, Any]:
     return out
 
 
-def sweep(engine: Any) -> list[dict[str, Any]]:
-    """Each decode kernel family on the model's shapes, weights rotated past the L2."""
+SWEPT = ("qkv", "o", "router", "head", "gate_up", "down")
+
+
+def sweep(engine: Any, only: frozenset[str] = frozenset(SWEPT)) -> list[dict[str, Any]]:
+    """Each decode kernel family on the model's shapes (those named in ``only``), weights
+    rotated past the L2."""
     from strata.engine.kernels import matvec as mv
     from strata.engine.kernels import moe
 
@@ -361,7 +372,7 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
         ("router", (lyr.router,), model.ffn[dec.layers[last]].norm),
         ("head", (head,) if head is not None else None, model.head.norm),
     ):
-        if mats is None or any(m is None for m in mats):
+        if label not in only or mats is None or any(m is None for m in mats):
             continue
         nbytes = sum(m.lay.nbytes for m in mats)
         sets = [[clone_mat(m) for m in mats] for _ in range(copies(nbytes))]
@@ -396,9 +407,11 @@ def sweep(engine: Any) -> list[dict[str, Any]]:
                                             lay.up_offset, **replace(c, ept=None).kw()))
             for t in tables
         ]  # fmt: skip
-        if cut.ept is None:
+        if cut.ept is None and "gate_up" in only:
             timed(fns, gu_bytes, "gate_up", **asdict(cut))
     for cut in cuts + list(MOE_CAPPED) + list(DOWN_EXPERTS):
+        if "down" not in only:
+            break
         fns = [
             (lambda t=t, c=cut: moe.down(x, act, t, wts, dec.buf.anchor, lay.down,
                                          lay.down_offset, **c.kw()))
@@ -425,6 +438,18 @@ MOE_CAPPED = (Tune(4, None, 128), Tune(4, None, 96), Tune(2, None, 128), Tune(8,
 # down's experts side by side in a step (fewer: fewer threads a program, more programs)
 DOWN_EXPERTS = (Tune(4, None, None, 4), Tune(4, None, None, 2), Tune(4, None, None, 1),
                 Tune(2, None, None, 2), Tune(4, 4, None, 2))  # fmt: skip
+
+
+def _swept(engine: Any, only: frozenset[str]) -> list[dict[str, Any]]:
+    """``sweep``'s rows, printed one a line and then the fastest cut of each kernel."""
+    rows = sweep(engine, only)
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        print(json.dumps(r))
+        if "us" in r and (r["kernel"] not in best or r["us"] < best[r["kernel"]]["us"]):
+            best[r["kernel"]] = r
+    print("best:", json.dumps(best), flush=True)
+    return rows
 
 
 def _mat_of(w: Any) -> Any:
@@ -462,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, help="a GGUF file")
     p.add_argument("--tokens", type=int, default=128, help="decode tokens per timed run")
     p.add_argument("--check", type=int, default=0, help="steps compared with the reference path")
-    p.add_argument("--sweep", action="store_true", help="time each kernel at a few block sizes")
+    p.add_argument("--sweep", nargs="?", const=",".join(SWEPT), metavar="KERNELS",
+                   help="time each kernel (or those named, comma-separated: "
+                   f"{', '.join(SWEPT)}) at a few block sizes")  # fmt: skip
     p.add_argument("--eager", action="store_true", help="no CUDA graph (enforce_eager)")
     p.add_argument("--json", type=Path, help="write everything here")
     p.add_argument("--prefill", help="prompt sizes to time and profile, e.g. 512,4096")
@@ -472,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefetch", type=int, help="prefetch_experts (default: the engine's)")
     p.add_argument("--cpu-share", type=float, help="cpu_share (default: the engine's)")
     args = p.parse_args(argv)
+    only = frozenset(k.strip() for k in (args.sweep or "").split(",") if k.strip())
+    if unknown := sorted(only - set(SWEPT)):
+        p.error(f"--sweep: no kernel {', '.join(unknown)} (one of {', '.join(SWEPT)})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.model is None:
         if args.synthetic is None:
@@ -511,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             for k in r["top"]:
                 print(f"  {k['launches']:6.0f}x {k['ms']:9.2f} ms  {k['name']}")
     if args.no_decode:
+        if only and engine.sequences.gpu is not None:
+            result["sweep"] = _swept(engine, only)
         engine.close()
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
@@ -530,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {k['per_step']:6.1f}x {k['us_per_step']:9.1f} us {bw}  {k['name']}")
         for k in pr["roles"]:
             print(f"  {k['us_per_step']:9.1f} us  {k['name']} ({k['role']})")
+        if pdl_on(torch.device("cuda")):
+            print("launches overlap (PDL): a kernel's time includes its wait for the launch "
+                  "before it; run with STRATA_PDL=0 for the roles", flush=True)  # fmt: skip
     try:
         result["compiled"] = compiled_kernels()
         for k in result["compiled"]:
@@ -539,15 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         result["check"] = check(args.model, engine, args.check, n_ctx)
         print(json.dumps(result["check"]), flush=True)
-    if args.sweep and engine.sequences.gpu is not None:
-        result["sweep"] = sweep(engine)
-        best: dict[str, dict[str, Any]] = {}
-        for r in result["sweep"]:
-            if "us" in r and (r["kernel"] not in best or r["us"] < best[r["kernel"]]["us"]):
-                best[r["kernel"]] = r
-        for r in result["sweep"]:
-            print(json.dumps(r))
-        print("best:", json.dumps(best), flush=True)
+    if only and engine.sequences.gpu is not None:
+        result["sweep"] = _swept(engine, only)
     engine.close()
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

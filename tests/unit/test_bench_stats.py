@@ -196,3 +196,16 @@ def test_the_profiles_launch_roles_split_a_kernel_by_its_place_in_the_layer() ->
     }
     # not the same count every step: no roles
     assert launch_roles({"_matvec_kernel": step + step[:-1]}, 2, 2) == []
+
+
+def test_the_profiles_sweep_names_its_kernels_and_refuses_others(capsys) -> None:
+    """``--sweep`` alone times every kernel; ``--sweep router,head`` those; a name that is not
+    a decode kernel is refused before any model is loaded, naming it and the choices."""
+    from strata.bench import profile
+
+    with pytest.raises(SystemExit) as e:
+        profile.main(["--synthetic", "tiny", "--sweep", "router,bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--sweep: no kernel bogus (one of qkv, o, router, head, gate_up, down)" in err
+    assert set(profile.SWEPT) == {"qkv", "o", "router", "head", "gate_up", "down"}
