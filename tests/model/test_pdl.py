@@ -6,6 +6,7 @@ other than 0 or 1 refused by name. That the logits are the same with it on and o
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -56,7 +57,8 @@ def test_the_prefetch_spans_are_the_first_two_planes_in_rows_of_16_bytes() -> No
 
 _COMPILE = """
 import torch
-from strata.bench.decode_resources import _caught, compile_launch
+from strata.bench.decode_resources import _caught, _launch, compile_launch
+from strata.engine.kernels import attention as at
 from strata.engine.kernels import matvec as mv
 from strata.engine.quant.format import Q
 from strata.engine.quant.repack import repacked_layout
@@ -64,16 +66,31 @@ from strata.engine.quant.repack import repacked_layout
 mv.prefetch_on = lambda device: True  # as on an sm_90 GPU with STRATA_PDL=2
 lay = repacked_layout(Q.Q6_K, (64, 2048))
 m = mv.Mat(torch.zeros(lay.nbytes, dtype=torch.uint8), lay)
+H, HKV, D, PAGE = 8, 2, 64, 16
+kv = torch.zeros(4 * PAGE, HKV, D, dtype=torch.float16)
+table, pos = torch.arange(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
 with _caught() as launches:
     mv.matvec(torch.zeros(128), torch.zeros(2048), [m, m], norm=torch.zeros(2048), eps=1e-6)
-fn, args, kw = launches[0]
-print(compile_launch(fn, args, dict(kw, PDL=True), 90).asm["ptx"])
+    _launch("gate_up", int(Q.Q4_K), (2048, 768, 4096))
+    _launch("down", int(Q.Q4_K), (2048, 768, 4096))
+    for fused in (True, False):
+        at.DecodeAttention(H, HKV, D, PAGE, 4, torch.device("cpu"), fused=fused)(
+            torch.zeros(H * D), torch.zeros(H * D), kv, kv, table, pos)
+for fn, args, kw in launches:
+    ptx = compile_launch(fn, args, dict(kw, PDL=True), 90).asm["ptx"]
+    print("=== " + fn.__name__)
+    print(ptx)
 """
 
 
-def test_a_matvec_asks_for_its_weights_then_waits_before_any_load_or_store() -> None:
-    """Compiled for sm_90 with Triton's own ptxas (no GPU): the bulk prefetches come first,
-    then the wait for the launch before, and only then any load or store of memory."""
+_MEMORY = re.compile(r"\b(?:ld|st|atom|red)(?:\.\w+)*\.global\b")
+
+
+def test_every_dependent_launch_waits_before_any_load_or_store() -> None:
+    """Compiled for sm_90 with Triton's own ptxas (no GPU), each kernel the step launches with
+    PDL (the matvec with its prefetch, gate_up, down, the attention and its combine): the
+    wait for the launch before comes before its first load, store or atomic of memory, and
+    the matvec's bulk prefetches come before the wait."""
     import subprocess
     import sys
     from pathlib import Path
@@ -84,11 +101,16 @@ def test_a_matvec_asks_for_its_weights_then_waits_before_any_load_or_store() -> 
         pytest.skip(f"this Triton has no CUDA backend to compile with ({ptxas} is missing)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+                          text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    ptx = done.stdout
-    wait = ptx.index("griddepcontrol.wait")
-    assert 0 < ptx.index("cp.async.bulk.prefetch.L2.global") < wait
-    assert wait < ptx.index("griddepcontrol.launch_dependents")
-    memory = [i for op in ("ld.global", "st.global", "atom.global") if (i := ptx.find(op)) >= 0]
-    assert memory and min(memory) > wait
+    kernels = dict(part.split("\n", 1) for part in done.stdout.split("=== ")[1:])
+    assert set(kernels) == {
+        "_matvec_kernel", "_gate_up_kernel", "_down_kernel", "_attn_kernel", "_combine_kernel"
+    }  # fmt: skip
+    for name, ptx in kernels.items():
+        wait = ptx.index("griddepcontrol.wait")
+        assert wait < ptx.index("griddepcontrol.launch_dependents"), name
+        memory = _MEMORY.search(ptx)  # (ld, st, atom or red, any qualifiers, global)
+        assert memory is not None and memory.start() > wait, name
+    prefetch = kernels["_matvec_kernel"].index("cp.async.bulk.prefetch.L2.global")
+    assert prefetch < kernels["_matvec_kernel"].index("griddepcontrol.wait")
