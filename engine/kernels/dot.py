@@ -20,9 +20,10 @@ The K-quants use the factored form (per sub-block: scale times the integer dot m
 the input's sum), and integers become floats by an OR and an exact subtraction
 (``unit_kernels.u_float``) where the compiler would otherwise convert a narrow integer, an
 instruction at an eighth of the issue rate.
-Every type with units of 32 elements (all but Q8_0 and the floats) shares ``k_tile``'s
-structure; IQ4_XS picks its levels out of packed words (``unit_kernels.nl_level``, no load).
-Q4_K, Q5_K, Q6_K, IQ4_XS and Q4_0 have inner loops of their own; the gathered types (Q4_1,
+Every type with units of 32 elements (all but the floats) shares ``k_tile``'s structure;
+IQ4_XS picks its levels out of packed words (``unit_kernels.nl_level``, no load). Q4_K, Q5_K,
+Q6_K, IQ4_XS, Q4_0 and Q8_0 (a unit a block: its 32 bytes as two halves of 16, as a nibble
+type's low and high nibbles) have inner loops of their own; the gathered types (Q4_1,
 Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K) theirs in ``quant.unit_kernels.unit_dot`` (factored
 where the type allows). The grid types (IQ3_XXS, IQ3_S) are ``grid_tile``'s: a unit's grid
 rows are words read from the matrix's own table, and its tiles are [units, rows], the input
@@ -53,7 +54,6 @@ from strata.engine.kernels.inputs import (
     _f16_plane,
     xin,
 )
-from strata.engine.quant.format import Q8 as Q8_KIND
 from strata.engine.quant.format import UNIT32
 from strata.engine.quant.formats import FORMATS
 from strata.engine.quant.unit_kernels import (
@@ -68,10 +68,9 @@ from strata.engine.quant.unit_kernels import (
 
 Q = gguf.GGMLQuantizationType
 
-# the types whose units are 32 elements, k_tile's: every type but Q8_0 and the plain floats
-# (dot_rows and moe._down_kernel test those two inline); the gathered ones through unit_halves
+# the types whose units are 32 elements, k_tile's: every type but the plain floats (dot_rows
+# and moe._down_kernel test those inline); the gathered ones through unit_halves
 UNIT32_TYPES = frozenset(q for q, f in FORMATS.items() if f.kernel == UNIT32)
-assert {Q.Q8_0} == {q for q, f in FORMATS.items() if f.kernel == Q8_KIND}
 
 
 @triton.jit
@@ -100,8 +99,10 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
 
     Q4_K, Q5_K, IQ4_XS: one scale (and min) per unit, at u; Q5_K's fifth bits: bits k and
     16 + k of the uint32 word u; IQ4_XS: nibbles index the 16 levels (``nl_level``). Q4_0: a
-    unit is a block, its d at u. Q6_K: the bytes hold the low 4 bits, bits 4(u % 2) (+ 2) of qh byte
-    16(u // 2) + k the high 2, and the scales sit at 16(u // 8) + u % 8 (+ 8).
+    unit is a block, its d at u. Q8_0: a unit is a block, its 32 int8 at 32u (bytes 32u + k
+    and 32u + 16 + k are elements 32u + k and 32u + 16 + k), its d at u. Q6_K: the bytes
+    hold the low 4 bits, bits 4(u % 2) (+ 2) of qh byte 16(u // 2) + k the high 2, and the
+    scales sit at 16(u // 8) + u % 8 (+ 8).
     FLAT, w0, uf: the quants' loads as ``unit_bytes`` makes them flat."""
     nb: tl.constexpr = NK // K_UNITS  # 256-element blocks per row (the K-quants and IQ4_XS)
     k = tl.arange(0, 16)
@@ -151,6 +152,14 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         d = tl.load(_f16_plane(wp[None, :], o1) + s_at, mask=m2, other=0).to(tl.float32)
         # sum of d (q - 8) x over the block = d (q . x - 8 sum(x))
         out = d * ((dl + dh) - 8.0 * sx[None, :])
+    elif QT == Q8_0:
+        q8r = r * (NK * 32)  # a row's quants: a block's 32 bytes a unit
+        lo = unit_bytes(wp, w0, uf, q8r, u, um, rmask, 32, 1, 16, NK, FLAT)
+        hi = unit_bytes(wp, w0, uf, q8r + 16, u, um, rmask, 32, 1, 16, NK, FLAT)
+        dl = tl.sum(_int8_float(lo) * xl[None, :, :], 2)
+        dh = tl.sum(_int8_float(hi) * xh[None, :, :], 2)
+        d = tl.load(_f16_plane(wp[None, :], o1) + _unit_at(r, u, NK), mask=m2, other=0)
+        out = d.to(tl.float32) * (dl + dh)
     elif QT == Q6_K:
         ql = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
         qh = unit_bytes(wp, w0, uf, o1 + r * (NK * 8), u, um, rmask, 16, 2, 16, NK, FLAT)
@@ -171,17 +180,10 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
 
 
 @triton.jit
-def q8_tile(wp, o_d, r, rmask, u, um, K: tl.constexpr, x, nw, rms, xo, XIN: tl.constexpr,
-            w0=None, uf=None, FLAT: tl.constexpr = False):  # fmt: skip
-    """Q8_0, units of 16 elements (half a block; the input of unit u from offset xo): [BN, T].
-    FLAT, w0, uf: as ``unit_bytes``."""
-    k = tl.arange(0, 16)
-    q = unit_bytes(wp, w0, uf, r * K, u, um, rmask, 16, 1, 16, K // 16, FLAT)
-    f = u_float(q.to(tl.int8, bitcast=True).to(tl.int32) + 128, 128.0)
-    xv = xin(x, nw, rms, xo[:, None] + k[None, :], um[:, None], XIN)
-    db = (r * (K // 32))[:, None] + (u // 2)[None, :]
-    d = tl.load(_f16_plane(wp[None, :], o_d) + db, mask=rmask[:, None] & um[None, :], other=0)
-    return d.to(tl.float32) * tl.sum(f * xv[None, :, :], 2)
+def _int8_float(q):
+    """Bytes read as int8, as float32: an OR and an exact subtraction (``u_float``), q + 128
+    being the byte's unsigned value with its top bit flipped."""
+    return u_float(q.to(tl.int8, bitcast=True).to(tl.int32) + 128, 128.0)
 
 
 @triton.jit
@@ -203,16 +205,11 @@ def _row_tile(w, o1, o2, o3, o4, r, rmask, u0, T: tl.constexpr, K: tl.constexpr,
               QT: tl.constexpr, XIN: tl.constexpr):  # fmt: skip
     """Rows r x units u0 .. u0 + T - 1 of the ``QT`` matrix at w dotted with the input: [BN, T]
     (its quants loaded flat: ``unit_bytes``)."""
-    NU: tl.constexpr = K // (
-        16 if QT == Q8_0 else 8 if QT == F32 or QT == F16 or QT == BF16 else 32
-    )
+    NU: tl.constexpr = K // (8 if QT == F32 or QT == F16 or QT == BF16 else 32)
     u = u0 + tl.arange(0, T)
     um = u < NU
     wp = w + tl.zeros([T], tl.int32)
-    if QT == Q8_0:
-        uf = u0 + tl.arange(0, T * 16) // 16
-        return q8_tile(wp, o1, r, rmask, u, um, K, x, nw, rms, 16 * u, XIN, w, uf, True)
-    elif QT == F32 or QT == F16 or QT == BF16:
+    if QT == F32 or QT == F16 or QT == BF16:
         uf = u0 + tl.arange(0, T * 8) // 8
         return float_tile(wp, r, rmask, u, um, K, x, nw, rms, 8 * u, QT, XIN, w, uf, True)
     elif QT == IQ3_XXS or QT == IQ3_S:
@@ -232,9 +229,7 @@ def dot_rows(w, o1, o2, o3, o4, rows, rmask, K: tl.constexpr, x, nw, rms, QT: tl
     Steps of T units (``unit_elements`` each), unrolled; with TAIL (``steps``), the rest of a
     row that T does not divide in one narrower step, else in one more of T, masked."""
     r = rows.to(tl.int64)
-    NU: tl.constexpr = K // (
-        16 if QT == Q8_0 else 8 if QT == F32 or QT == F16 or QT == BF16 else 32
-    )
+    NU: tl.constexpr = K // (8 if QT == F32 or QT == F16 or QT == BF16 else 32)
     FULL: tl.constexpr = NU // T if TAIL > 0 else (NU + T - 1) // T  # steps of T
     acc = tl.zeros([BN, T], tl.float32)
     for i in tl.static_range(FULL):
@@ -271,7 +266,7 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
     """``dot_rows`` of two matrices of one type (at w and v) with the same input, in one pass
     where the type's tiles allow (each input value loaded once): ([BN], [BN])."""
     ONE_PASS: tl.constexpr = (
-        QT != Q8_0 and QT != F32 and QT != F16 and QT != BF16 and QT != IQ3_XXS and QT != IQ3_S
+        QT != F32 and QT != F16 and QT != BF16 and QT != IQ3_XXS and QT != IQ3_S
     )  # fmt: skip
     if ONE_PASS:
         r = rows.to(tl.int64)
@@ -299,12 +294,8 @@ def dot_rows2(w, o1, o2, o3, o4, v, p1, p2, p3, p4, rows, rmask, K: tl.constexpr
 
 def unit_elements(qtype: int) -> int:
     """Elements of one unit of ``dot_rows``'s tiles: 32 (a K-quant or IQ sub-block, a block of
-    the 32-element types), 16 (half a Q8_0 block) or 8 (plain floats: 16 or 32 bytes)."""
-    if qtype in {int(t) for t in UNIT32_TYPES}:
-        return 32
-    if qtype == int(Q.Q8_0):
-        return 16
-    return 8
+    the 32-element types and Q8_0) or 8 (plain floats: 16 or 32 bytes)."""
+    return 32 if qtype in {int(t) for t in UNIT32_TYPES} else 8
 
 
 MAX_UNITS = 256  # units per step: 8 warps of 32 threads, one unit each
@@ -366,7 +357,6 @@ __all__ = [
     "k_tile",
     "launch_regs",
     "plane_offsets",
-    "q8_tile",
     "step_warps",
     "steps",
     "unit_elements",

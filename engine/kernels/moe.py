@@ -39,7 +39,6 @@ from strata.engine.kernels.dot import (
     k_tile,
     launch_regs,
     plane_offsets,
-    q8_tile,
     step_warps,
     steps,
     warps_for,
@@ -50,7 +49,6 @@ from strata.engine.kernels.inputs import (
     F32,
     INTERPRETED,
     KEY_MIN,
-    Q8_0,
     ordered_bits,
     unordered_bits,
 )
@@ -227,11 +225,9 @@ def _down_units(act, wp, wt, kk, em, d1, d2, d3, d4, r, ok, u, um, F: tl.constex
     if TD == IQ3_XXS or TD == IQ3_S:
         y = grid_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, act, act, 1.0, kk * F + 32 * u,
                       False)  # fmt: skip
-    elif TD != Q8_0 and TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
+    elif TD != F32 and TD != F16 and TD != BF16:  # units of 32 elements
         xl, xh, sx = k_input(act, act, 1.0, kk * F + 32 * u, um, False)
         y = k_tile(wp, d1, d2, d3, d4, r, ok, u, um, F // 32, TD, xl, xh, sx, wf, uf, FLAT)
-    elif TD == Q8_0:
-        y = q8_tile(wp, d1, r, ok, u, um, F, act, act, 1.0, kk * F + 16 * u, False, wf, uf, FLAT)
     else:
         xo = kk * F + 8 * u
         y = float_tile(wp, r, ok, u, um, F, act, act, 1.0, xo, TD, False, wf, uf, FLAT)
@@ -252,9 +248,7 @@ def _down_kernel(
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     ok = rows < D
     r = rows.to(tl.int64)
-    NU: tl.constexpr = F // (
-        16 if TD == Q8_0 else 8 if TD == F32 or TD == F16 or TD == BF16 else 32
-    )
+    NU: tl.constexpr = F // (8 if TD == F32 or TD == F16 or TD == BF16 else 32)
     FULL: tl.constexpr = NU // TS if TAIL > 0 else (NU + TS - 1) // TS  # steps of TS
     W: tl.constexpr = 8 if TD == F32 or TD == F16 or TD == BF16 else 16  # elements a lane row
     t = tl.arange(0, EPT * TS)

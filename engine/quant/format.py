@@ -29,9 +29,9 @@ Q = gguf.GGMLQuantizationType
 F16_SIZE = 2  # an IEEE half: the scale of most blocks
 
 # The kernels' tile families (``kernels/dot.py``): units of 32 elements whose 16 bytes ``16u + k``
-# hold elements 32u + k and 32u + 16 + k (or that a type's decoder reads as such), half Q8_0
-# blocks of 16 int8, and plain floats in runs of 8.
-UNIT32, Q8, FLOAT = "unit32", "q8", "float"
+# hold elements 32u + k and 32u + 16 + k (or that a type's decoder reads as such: Q8_0's two
+# halves of a block), and plain floats in runs of 8.
+UNIT32, FLOAT = "unit32", "float"
 
 
 @dataclass(frozen=True)

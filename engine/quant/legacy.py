@@ -15,7 +15,6 @@ import torch
 
 from strata.engine.quant.format import (
     FLOAT,
-    Q8,
     Format,
     Plane,
     Q,
@@ -83,7 +82,7 @@ def _unpack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return part(blocks, _Q8_0[1]).view(torch.int8).float() * d
 
 
-Q8_0 = Format(Q.Q8_0, 32, _Q8_0, (copied(_Q8_0[1]), copied(_Q8_0[0])), _unpack_q8_0, kernel=Q8)
+Q8_0 = Format(Q.Q8_0, 32, _Q8_0, (copied(_Q8_0[1]), copied(_Q8_0[0])), _unpack_q8_0)
 
 
 # -- Q4_0: d f16 | 16 bytes; value = d * (q - 8) ---------------------------------------------
