@@ -118,9 +118,9 @@ def test_matvec_matches_dequantise_then_multiply(types, with_norm, rng) -> None:
 @pytest.mark.parametrize("form", ["plain", "rmsnorm", "rmsnorm+h_out"])
 def test_a_q8_0_matvec_at_every_cut(bn, warps, form, rng) -> None:
     """A lone Q8_0 matrix (ragged rows) at several rows a program and warps: on the H100 and
-    the H200 (Triton 3.6) the launch that also stores its normalised input (``h_out``) at 4
-    rows and one warp leaves rows 2 and 3 of every program unwritten, every other cut passes
-    (racecheck clean: the compiler's, not a race)."""
+    the H200 (Triton 3.6), while Q8_0 was half blocks of 16, the launch that also stores its
+    normalised input (``h_out``) at 4 rows and one warp left rows 2 and 3 of every program
+    unwritten and every other cut passed (racecheck clean: the compiler's, not a race)."""
     K = 512
     m = mat(Q.Q8_0, 37, K, rng)
     x = torch.randn(K, device=DEVICE)
