@@ -19,6 +19,11 @@ class UnsupportedQuantType(ModelLoadError):
     """A tensor is stored in a quantisation type the engine cannot read."""
 
 
+class KnobError(EngineError):
+    """A developer's environment knob (``STRATA_DECODE_TUNE``, ``STRATA_PDL``) with a value
+    the engine cannot use; the message names the variable and the value."""
+
+
 class TokenizerError(EngineError):
     """A vocabulary that cannot be turned into a tokenizer, or text that cannot be encoded."""
 

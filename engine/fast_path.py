@@ -5,13 +5,14 @@ the options they take once the expert caches exist (``Engine.load`` through ``lo
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 
 from strata.engine.cpuinfo import default_threads
 from strata.engine.devices import on_device
-from strata.engine.errors import EngineError
+from strata.engine.errors import EngineError, KnobError
 from strata.engine.experts import ExpertProvider
 from strata.engine.gguf_index import GGUFIndex
 from strata.engine.kv import KVCache
@@ -74,8 +75,17 @@ def build_gpu_runners(
     or None after a warning when they cannot be built here. Prefill kernels that fail to build
     leave the runners without their prompt-chunk path (one warning): prompts take the reference
     operations."""
+    from strata.engine.gpu.decode import TUNE_ENV, tunes
     from strata.engine.gpu.runner import GpuRunner
+    from strata.engine.kernels.pdl import pdl_mode
 
+    # the developer's knobs first: a bad value stops the load naming it, where inside the
+    # build it would leave the reference path with a warning
+    try:
+        tunes(os.environ.get(TUNE_ENV), torch.device("cuda"))
+        pdl_mode()
+    except ValueError as e:
+        raise KnobError(str(e)) from None
     n = model.shape.n_layer
     runners: list[GpuRunner] = []
     try:

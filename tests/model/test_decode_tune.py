@@ -77,3 +77,23 @@ def test_the_decode_path_line_names_the_cuts_an_override_changed() -> None:
     assert DecodeOps.cuts_changed(ops(dict(TUNED), CUDA)) == ""  # type: ignore[arg-type]
     cpu = torch.device("cpu")
     assert DecodeOps.cuts_changed(ops(tunes(None, cpu), cpu)) == ""  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("STRATA_DECODE_TUNE", "down=3", "down rows per program 3"),
+        ("STRATA_PDL", "yes", "STRATA_PDL='yes': want 0"),
+    ],
+)
+def test_a_bad_knob_stops_the_load_naming_it(monkeypatch, name, value, says) -> None:
+    """Read before the GPU runners are built (an engine error: the CLI and the daemon report
+    it as a setting): inside the build a bad value would only leave the reference path, with
+    a warning."""
+    from strata.engine.errors import KnobError
+    from strata.engine.fast_path import build_gpu_runners
+    from strata.engine.options import EngineOptions
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(KnobError, match=says):
+        build_gpu_runners(None, [], [], lambda what: None, EngineOptions())  # type: ignore[arg-type]
