@@ -27,9 +27,11 @@ log-decays and β the write strengths,
 
 T by forward substitution within four diagonal blocks and a short series across them, the
 products on tensor cores with three-pass TF32 (``tf32x3``: float32 accuracy; plain IEEE
-float32 in the interpreter). A program owns one v head's ``BV`` state rows and walks the
-chunks in order; the rows past ``n`` (read from the device: a captured chunk's padding) write
-nothing and change nothing.
+float32 in the interpreter). Two launches: everything the state does not enter (T, W, Ũ, the
+masked Q Kᵀ, the decays) for every (v head, chunk) at once, into scratch; then a program per
+v head's ``BV`` state rows walks the chunks in order with four products a chunk (U, the two
+of O, M's update), where T's dependent steps were on that walk before. The rows past ``n``
+(read from the device: a captured chunk's padding) write nothing and change nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ import triton.language as tl
 from strata.engine.kernels.inputs import INTERPRETED
 
 CHUNK = 64  # positions per chunk of the chunk-parallel form
+# the walk over the chunks is not software-pipelined: Triton's default three stages buffer each
+# chunk's W, Ũ, masked Q Kᵀ and decayed K three times over, 272 KiB of shared memory a program
+# compiled for sm_90 under Triton 3.6 (more than a block may have); one stage, 32 KiB
+STAGES = 1
 
 
 @triton.jit
@@ -179,53 +185,93 @@ def _unit_lower_inverse(a, i, eye, BB: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_kernel(
-    q, k, v, g, beta, state, o, n_p,
-    HV, HK, R,
-    S: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BB: tl.constexpr,
-    TILED: tl.constexpr, PREC: tl.constexpr,
+def _chunk_prep_kernel(
+    q, k, v, g, beta, n_p, w_out, u_out, qk_out, kd_out, eg_out, gl_out,
+    HV, HK, R, NC,
+    S: tl.constexpr, BT: tl.constexpr, BB: tl.constexpr, TILED: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
-    h = tl.program_id(0)  # the v head
-    v0 = tl.program_id(1) * BV  # its state rows v0 .. v0 + BV - 1
-    if TILED:
-        hk = h % HK
-    else:
-        hk = h // R
+    """One v head's chunk c, everything of it that the state does not enter, for every chunk
+    at once: W, Ũ (all S columns), the masked decayed Q Kᵀ, e^{G}, e^{G_last - G} ⊙ K and
+    G_last, into the scratch at [h, c]."""
+    h = tl.program_id(0)
+    c = tl.program_id(1)
+    hk = h % HK if TILED else h // R
     n = tl.load(n_p)
-    d = tl.arange(0, S)
-    cv = v0 + tl.arange(0, BV)
-    i = tl.arange(0, BT)
-    st = state + h.to(tl.int64) * S * S + cv[:, None] * S + d[None, :]
-    mv = tl.load(st)  # [BV, S(k)]: M's rows
-    lower = i[:, None] > i[None, :]
-    eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-    for c0 in range(0, n, BT):
+    c0 = c * BT
+    if c0 < n:
+        d = tl.arange(0, S)
+        i = tl.arange(0, BT)
         t = c0 + i
         ok = t < n
         qk_row = t.to(tl.int64) * HK * S + hk * S
         kt = tl.load(k + qk_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BT, S]
         qt = tl.load(q + qk_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
         v_row = t.to(tl.int64) * HV * S + h * S
-        vt = tl.load(v + v_row[:, None] + cv[None, :], mask=ok[:, None], other=0.0)  # [BT, BV]
+        vt = tl.load(v + v_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BT, S]
         gt = tl.load(g + t * HV + h, mask=ok, other=0.0)
         bt = tl.load(beta + t * HV + h, mask=ok, other=0.0)
         G = tl.cumsum(gt, 0)  # [BT]
         G_last = tl.sum(gt, 0)
+        lower = i[:, None] > i[None, :]
+        eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
         diff = tl.where(lower, G[:, None] - G[None, :], 0.0)
         kk = tl.dot(kt, tl.trans(kt), input_precision=PREC)  # [BT, BT]
         a = tl.where(lower, bt[:, None] * kk * tl.exp(diff), 0.0)
         tinv = _unit_lower_inverse(a, i, eye, BB, PREC)
         eg = tl.exp(G)
         w = tl.dot(tinv, kt * (bt * eg)[:, None], input_precision=PREC)  # [BT, S]
-        u = tl.dot(tinv, vt * bt[:, None], input_precision=PREC)  # [BT, BV]
-        u -= tl.dot(w, tl.trans(mv), input_precision=PREC)
+        u = tl.dot(tinv, vt * bt[:, None], input_precision=PREC)  # [BT, S]
         qkm = tl.dot(qt, tl.trans(kt), input_precision=PREC)
         qkm = tl.where(i[:, None] >= i[None, :], qkm * tl.exp(diff), 0.0)
+        at = (h.to(tl.int64) * NC + c) * BT  # the chunk's first row in the [Hv, NC * BT] scratch
+        rows = (at + i)[:, None]
+        tl.store(w_out + rows * S + d[None, :], w)
+        tl.store(u_out + rows * S + d[None, :], u)
+        tl.store(kd_out + rows * S + d[None, :], kt * tl.exp(G_last - G)[:, None])
+        tl.store(qk_out + rows * BT + i[None, :], qkm)
+        tl.store(eg_out + at + i, eg)
+        tl.store(gl_out + h * NC + c, G_last)
+
+
+@triton.jit
+def _chunk_kernel(
+    q, v, state, o, n_p, w_in, u_in, qk_in, kd_in, eg_in, gl_in,
+    HV, HK, R, NC,
+    S: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, TILED: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """One v head's ``BV`` state rows through the chunks in order: what the state enters
+    (U = Ũ - W Mᵀ, the output, the state's update), the rest from ``_chunk_prep_kernel``."""
+    h = tl.program_id(0)  # the v head
+    v0 = tl.program_id(1) * BV  # its state rows v0 .. v0 + BV - 1
+    hk = h % HK if TILED else h // R
+    n = tl.load(n_p)
+    d = tl.arange(0, S)
+    cv = v0 + tl.arange(0, BV)
+    i = tl.arange(0, BT)
+    st = state + h.to(tl.int64) * S * S + cv[:, None] * S + d[None, :]
+    mv = tl.load(st)  # [BV, S(k)]: M's rows
+    for c0 in range(0, n, BT):
+        c = c0 // BT
+        t = c0 + i
+        ok = t < n
+        at = (h.to(tl.int64) * NC + c) * BT
+        rows = (at + i)[:, None]
+        qk_row = t.to(tl.int64) * HK * S + hk * S
+        qt = tl.load(q + qk_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        w = tl.load(w_in + rows * S + d[None, :])  # [BT, S]
+        u = tl.load(u_in + rows * S + cv[None, :])  # [BT, BV]
+        u -= tl.dot(w, tl.trans(mv), input_precision=PREC)
+        eg = tl.load(eg_in + at + i)
         out = eg[:, None] * tl.dot(qt, tl.trans(mv), input_precision=PREC)
-        out += tl.dot(qkm, u, input_precision=PREC)  # [BT, BV]
+        out += tl.dot(tl.load(qk_in + rows * BT + i[None, :]), u, input_precision=PREC)
+        v_row = t.to(tl.int64) * HV * S + h * S
         tl.store(o + v_row[:, None] + cv[None, :], out, mask=ok[:, None])
-        kd = kt * tl.exp(G_last - G)[:, None]
-        mv = mv * tl.exp(G_last) + tl.dot(tl.trans(u), kd, input_precision=PREC)
+        kd = tl.load(kd_in + rows * S + d[None, :])
+        mv = mv * tl.exp(tl.load(gl_in + h * NC + c)) + tl.dot(
+            tl.trans(u), kd, input_precision=PREC
+        )
     tl.store(st, mv)
 
 
@@ -255,7 +301,16 @@ def chunk_delta_rule(
                          f"{tuple(out.shape)}: want [T, Hv], [T, Hv], [T, Hv, S]")  # fmt: skip
     bv = bv or min(S, 32)
     prec = "ieee" if INTERPRETED else "tf32x3"
+    nc, dev = triton.cdiv(T, chunk), q.device
+    w, u, kd = (torch.empty(Hv, nc * chunk, S, device=dev) for _ in range(3))
+    qk = torch.empty(Hv, nc * chunk, chunk, device=dev)
+    eg, gl = torch.empty(Hv, nc * chunk, device=dev), torch.empty(Hv, nc, device=dev)
+    warps = 8 if S >= 128 else 4
+    _chunk_prep_kernel[(Hv, nc)](
+        q, k, v, g, beta, n, w, u, qk, kd, eg, gl, Hv, Hk, Hv // Hk, nc,
+        S=S, BT=chunk, BB=chunk // 4, TILED=tiled, PREC=prec, num_warps=warps,
+    )  # fmt: skip
     _chunk_kernel[(Hv, S // bv)](
-        q, k, v, g, beta, state, out, n, Hv, Hk, Hv // Hk,
-        S=S, BV=bv, BT=chunk, BB=chunk // 4, TILED=tiled, PREC=prec, num_warps=8 if S >= 128 else 4,
+        q, v, state, out, n, w, u, qk, kd, eg, gl, Hv, Hk, Hv // Hk, nc,
+        S=S, BV=bv, BT=chunk, TILED=tiled, PREC=prec, num_warps=warps, num_stages=STAGES,
     )  # fmt: skip
