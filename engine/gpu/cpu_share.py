@@ -9,6 +9,8 @@ device the step runs each job itself, in order."""
 from __future__ import annotations
 
 import logging
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +28,32 @@ log = logging.getLogger(__name__)
 # than a step)
 CPU_WAIT_LIMIT_NS = 2_000_000_000
 CPU_ARM_S = 0.5
-# the shares an automatic cpu_share tries at load (GpuRunner.tune_cpu_share)
+# the shares an automatic cpu_share tries at load (GpuRunner.tune_cpu_share), the rounds it
+# times them in, and how much slower than the fastest a smaller share may be and still be
+# chosen (the CPU's cores are the desktop's too: a share that buys less is not worth them)
 CPU_SHARE_CANDIDATES = (0.0, 0.25, 0.375, 0.5, 0.625, 0.75)
+CPU_SHARE_ROUNDS = 3
+CPU_SHARE_SLACK = 0.03
+
+
+def round_orders(candidates: Sequence[float], rounds: int) -> list[list[float]]:
+    """The order each timing round visits the shares in: forward, then backward, and so on,
+    so that no share is always timed right after the same one (a pool's threads waking, the
+    clocks settling) and each share's median is over rounds spread across the timing."""
+    fwd = list(candidates)
+    return [fwd if r % 2 == 0 else fwd[::-1] for r in range(rounds)]
+
+
+def choose_share(times: Mapping[float, Sequence[float]], slack: float = CPU_SHARE_SLACK) -> float:
+    """The share to keep from ``times`` (ms per step by share, one per round): each share's
+    median over its rounds, then the smallest share within ``slack`` of the fastest median."""
+    if not times or any(not ts for ts in times.values()):
+        raise ValueError("choose_share: every share needs at least one timing")
+    if not 0 <= slack < 1:
+        raise ValueError(f"choose_share: slack {slack} must be in [0, 1)")
+    med = {s: statistics.median(ts) for s, ts in times.items()}
+    fastest = min(med.values())
+    return min(s for s, m in med.items() if m <= fastest * (1 + slack))
 
 
 @dataclass(frozen=True)
@@ -67,7 +93,7 @@ class CpuShare:
         self.device = buf.anchor.device
         self.share = 0.0
         self.now = torch.zeros(1, dtype=torch.float32, device=self.device)  # what kernels read
-        self.tuned: dict[float, float] = {}  # ms per step by share, from the runner's timing
+        self.tuned: dict[float, float] = {}  # median ms per step by share (the runner's timing)
         self.cpu = None  # CpuExperts, while a share is set and the CPU kernels run here
         self.jobs: list = []
         self.reason: str | None = None  # why a share asked for is not taken here

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -27,7 +28,15 @@ from strata.engine.gpu.ahead import CopiesAhead
 from strata.engine.gpu.buffers import ExpertGeometry, StepBuffers
 from strata.engine.gpu.chunk import ChunkOps, ChunkParts, ChunkPath
 from strata.engine.gpu.counters import UseCounters
-from strata.engine.gpu.cpu_share import CPU_SHARE_CANDIDATES, CpuShare, CpuShareFault
+from strata.engine.gpu.cpu_share import (
+    CPU_SHARE_CANDIDATES,
+    CPU_SHARE_ROUNDS,
+    CPU_SHARE_SLACK,
+    CpuShare,
+    CpuShareFault,
+    choose_share,
+    round_orders,
+)
 from strata.engine.gpu.decode import AHEAD, CPU, PLAIN, DecodeOps, DecodeParts
 from strata.engine.gpu.delta import begin_hybrid_step, keep_state
 from strata.engine.gpu.oss import cpu_extras
@@ -462,59 +471,71 @@ class GpuRunner(StageRunner):
         return True
 
     def tune_cpu_share(
-        self, candidates: Sequence[float] = CPU_SHARE_CANDIDATES, steps: int = 8
-    ) -> float:
-        """Choose the CPU's share by timing: ``steps`` decode steps (after two unmeasured ones)
-        at each share in ``candidates`` (0: the plain step), then the fastest is kept and
-        returned (0 turns the CPU share off). Run after ``capture`` (or eagerly without a
-        graph), at load: the steps write K/V rows from position 1, which the next prompt
-        rewrites, and every count they make is dropped. Nothing to choose (no CPU pool, no
-        expert in RAM, the CPU device): returns the share as it is."""
+        self, candidates: Sequence[float] = CPU_SHARE_CANDIDATES, steps: int = 4,
+        rounds: int = CPU_SHARE_ROUNDS,
+    ) -> float:  # fmt: skip
+        """Choose the CPU's share by timing: ``rounds`` rounds over the shares in
+        ``candidates`` (0: the plain step), each share ``steps`` decode steps a round after
+        two unmeasured; the smallest share within ``CPU_SHARE_SLACK`` of the fastest median is
+        kept and returned (0 turns the CPU share off). Run after ``capture`` (or eagerly
+        without a graph), at load: the steps write K/V rows from position 1, which the next
+        prompt rewrites, and every count they make is dropped. Nothing to choose (no CPU pool,
+        no expert in RAM, the CPU device): returns the share as it is."""
         if not self.cpu_sharing or self.device.type != "cuda":
             return self.cpu.share
         for share in candidates:
             if not 0 <= share <= 1:
                 raise ValueError(f"cpu_share candidate {share}: must be between 0 and 1")
-        times = self._time_shares(candidates, max(1, min(steps, self.kv.page - 3)))
+        if rounds < 1 or steps < 1:
+            raise ValueError(f"tune_cpu_share: rounds {rounds} and steps {steps} must be >= 1")
+        steps = max(1, min(steps, self.kv.page - 3))  # each timing from position 1
+        times = self._time_shares(candidates, steps, rounds)
         try:
             self._check_cpu()
         except CpuShareFault:  # said in the log; the share is off
             return 0.0
-        best = min(times, key=lambda s: (times[s], s))
+        best = choose_share(times)
         if best == 0:
             self.set_cpu_share(0, 1)  # (no pool: the thread count is not used)
         else:
             self.cpu.share = best
             self.cpu.now.fill_(best)
-        self.cpu.tuned = times
+        self.cpu.tuned = {s: statistics.median(ts) for s, ts in times.items()}
         log.info(
-            "cpu_share %g, chosen by timing %d steps at each share (ms per step: %s)",
-            best, steps, ", ".join(f"{k:g}: {v:.2f}" for k, v in times.items()),
+            "cpu_share %g, chosen by timing %d rounds of %d steps at each share (the smallest "
+            "within %g%% of the fastest; median ms per step, min-max: %s)",
+            best, rounds, steps, CPU_SHARE_SLACK * 100,
+            ", ".join(f"{k:g}: {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+                      for k, v in times.items()),
         )  # fmt: skip
         return best
 
-    def _time_shares(self, candidates: Sequence[float], steps: int) -> dict[float, float]:
-        """ms per step at each share (every row written in the first page)."""
-        times: dict[float, float] = {}
+    def _time_shares(
+        self, candidates: Sequence[float], steps: int, rounds: int
+    ) -> dict[float, list[float]]:
+        """ms per step at each share, one timing a round (``round_orders``); every row is
+        written in the first page: each share's steps start again from position 1."""
+        times: dict[float, list[float]] = {s: [] for s in candidates}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with self._uncounted():
-            for share in candidates:
-                mode = PLAIN if share == 0 else CPU
-                self.cpu.now.fill_(share)
-                graph = self.graphs.get(mode)
-                self.begin(1, 1)
-                for i in range(steps + 2):
-                    if i == 2:
-                        start.record()
-                    if mode == CPU:
-                        self.cpu.arm()
-                    if graph is not None:
-                        graph.replay()
-                    else:
-                        self._forward(None, mode=mode)
-                end.record()
-                end.synchronize()
-                times[share] = start.elapsed_time(end) / steps
+            for order in round_orders(candidates, rounds):
+                for share in order:
+                    mode = PLAIN if share == 0 else CPU
+                    self.cpu.now.fill_(share)
+                    graph = self.graphs.get(mode)
+                    self.begin(1, 1)
+                    for i in range(steps + 2):
+                        if i == 2:
+                            start.record()
+                        if mode == CPU:
+                            self.cpu.arm()
+                        if graph is not None:
+                            graph.replay()
+                        else:
+                            self._forward(None, mode=mode)
+                    end.record()
+                    end.synchronize()
+                    times[share].append(start.elapsed_time(end) / steps)
         self.ahead.zero()
         self.cpu.zero()
         return times

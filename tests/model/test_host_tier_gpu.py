@@ -122,9 +122,10 @@ def test_the_cpus_share_inside_the_decode_graph_keeps_the_logits(tiny_models, cu
 def test_an_automatic_cpu_share_is_chosen_by_timing_and_keeps_the_logits(
     tiny_models, cuda, caplog
 ) -> None:
-    """``cpu_share`` unset: at load, a few steps at each candidate share are timed and the
-    fastest is kept (and said in the log); the logits stay those of every expert in VRAM."""
-    from strata.engine.gpu.cpu_share import CPU_SHARE_CANDIDATES
+    """``cpu_share`` unset: at load, a few steps at each candidate share are timed in rounds
+    and the smallest share within the slack of the fastest median is kept (and said in the
+    log); the logits stay those of every expert in VRAM."""
+    from strata.engine.gpu.cpu_share import CPU_SHARE_CANDIDATES, CPU_SHARE_SLACK
 
     path = tiny_models.path("qwen3moe", "Q8_0")
     want, full = every_expert_in_vram(path, cuda)
@@ -134,6 +135,10 @@ def test_an_automatic_cpu_share_is_chosen_by_timing_and_keeps_the_logits(
     assert dec is not None and set(dec.cpu.tuned) == set(CPU_SHARE_CANDIDATES)
     assert dec.cpu.share in CPU_SHARE_CANDIDATES and "chosen by timing" in caplog.text
     assert (not dec.cpu.on) == (dec.cpu.share == 0)
+    fastest = min(dec.cpu.tuned.values())
+    assert dec.cpu.tuned[dec.cpu.share] <= fastest * (1 + CPU_SHARE_SLACK)
+    assert all(dec.cpu.tuned[s] > fastest * (1 + CPU_SHARE_SLACK)
+               for s in CPU_SHARE_CANDIDATES if s < dec.cpu.share)  # fmt: skip
     print(f"\nautomatic cpu_share {dec.cpu.share}: ms per step {dec.cpu.tuned}")
     got = run(e)
     for i, (a, b) in enumerate(zip(want[1], got[1], strict=True)):
