@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ import torch
 
 from strata.engine.gpu.decode import Tune
 from strata.engine.kernels.pdl import pdl_on
+from strata.engine.weights import RepackedWeight
 
 log = logging.getLogger(__name__)
 MiB = 2**20
@@ -138,20 +139,33 @@ def _sampled_speed(engine: Any, prompt: list[int], n_tokens: int) -> dict[str, A
     return out
 
 
+def _matrix_bytes(w: Any) -> int:
+    """What the matvec kernel reads of one dense weight: its kernel layout's bytes (a weight
+    without one is multiplied by torch, not by ``_matvec_kernel``; a vector is not a matrix)."""
+    return w.layout.nbytes if isinstance(w, RepackedWeight) else 0
+
+
+def _dense_bytes(model: Any) -> int:
+    """Bytes of every dense matrix one decode step reads: each layer's attention or DeltaNet
+    projections, its router and shared expert, and the head (the embeddings: one row)."""
+    total = _matrix_bytes(model.head.output)
+    for blk, ffn in zip(model.attn, model.ffn, strict=True):
+        parts = [getattr(blk, f.name) for f in fields(blk)] + [ffn.router]
+        if ffn.shared is not None:
+            parts += [ffn.shared.gate, ffn.shared.up, ffn.shared.down]
+        total += sum(_matrix_bytes(w) for w in parts)
+    return total
+
+
 def _kernel_bytes(engine: Any) -> dict[str, float]:
     """Bytes each decode kernel family must read per step (weights only), from the shapes."""
     dec = engine.sequences.gpu
-    dense = 0
-    for mats in dec.ops.mats.values():
-        for m in (*(mats.qkv or ()), mats.o, mats.router):
-            dense += m.lay.nbytes if m is not None else 0
-    output = dec.model.head.output
-    head = output.layout.nbytes if hasattr(output, "layout") else 0
     k = dec.model.shape.routing.n_used
     layouts = dec.geometry.slot_layouts
     gate_up = k * sum(s.gate.nbytes + s.up.nbytes for s in layouts)
     down = k * sum(s.down.nbytes for s in layouts)
-    return {"_matvec_kernel": dense + head, "_gate_up_kernel": gate_up, "_down_kernel": down}
+    return {"_matvec_kernel": _dense_bytes(dec.model), "_gate_up_kernel": gate_up,
+            "_down_kernel": down}  # fmt: skip
 
 
 def _kernel_times(prof: Any) -> dict[str, list[float]]:

@@ -209,3 +209,28 @@ def test_the_profiles_sweep_names_its_kernels_and_refuses_others(capsys) -> None
     err = capsys.readouterr().err
     assert "--sweep: no kernel bogus (one of qkv, o, router, head, gate_up, down)" in err
     assert set(profile.SWEPT) == {"qkv", "o", "router", "head", "gate_up", "down"}
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_the_profiles_dense_bytes_count_every_matrix_a_step_reads(tmp_path, arch) -> None:
+    """A hybrid's DeltaNet projections and shared experts count as the matvec kernel's bytes,
+    not only the attention layers' (the GB/s column was too low for a hybrid)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from strata.bench.profile import _dense_bytes
+    from strata.engine.gguf_index import GGUFIndex
+    from strata.engine.models import architecture_module
+    from strata.engine.quant.repack import repacked_layout
+    from strata.engine.synth_hybrid import HybridSpec, write_hybrid
+
+    index = GGUFIndex(write_hybrid(tmp_path / f"{arch}.gguf", HybridSpec(arch), Q.Q8_0))
+    model = architecture_module(index.arch).Model(index, "cpu", repack=True)
+    # every 2-D tensor but the experts, the embeddings (one row a step) and the conv taps
+    want = sum(
+        repacked_layout(t.qtype, tuple(t.shape)).nbytes
+        for name, t in index.tensors.items()
+        if len(t.shape) == 2 and "_exps" not in name and "conv1d" not in name
+        and not name.startswith("token_embd")
+    )  # fmt: skip
+    assert any(".ssm_out." in n for n in index.tensors) and want > 0
+    assert _dense_bytes(model) == want
