@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
@@ -325,9 +326,13 @@ def check(path: Path, engine: Any, n: int, n_ctx: int) -> dict[str, Any]:
 SWEPT = ("qkv", "o", "router", "head", "gate_up", "down")
 
 
-def sweep(engine: Any, only: frozenset[str] = frozenset(SWEPT)) -> list[dict[str, Any]]:
+def sweep(
+    engine: Any, only: frozenset[str] = frozenset(SWEPT),
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Each decode kernel family on the model's shapes (those named in ``only``), weights
-    rotated past the L2."""
+    rotated past the L2; ``on_row`` hears of each row as it is measured (a sweep cut short
+    by a time limit keeps what it printed)."""
     from strata.engine.kernels import matvec as mv
     from strata.engine.kernels import moe
 
@@ -360,9 +365,12 @@ def sweep(engine: Any, only: frozenset[str] = frozenset(SWEPT)) -> list[dict[str
             e.record()
             torch.cuda.synchronize()
             us = s.elapsed_time(e) * 1e3 / (5 * 4 * len(fn_list))
-            rows.append({"kernel": label, **cfg, "us": us, "gb_s": nbytes / us / 1e3})
+            row = {"kernel": label, **cfg, "us": us, "gb_s": nbytes / us / 1e3}
         except Exception as ex:  # a configuration that does not compile or fit
-            rows.append({"kernel": label, **cfg, "error": f"{type(ex).__name__}: {ex}"[:200]})
+            row = {"kernel": label, **cfg, "error": f"{type(ex).__name__}: {ex}"[:200]}
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
 
     def clone_mat(m: Any) -> Any:
         return mv.Mat(m.data.clone(), m.lay)
@@ -456,10 +464,9 @@ DOWN_EXPERTS = (Tune(4, None, None, 4), Tune(4, None, None, 2), Tune(4, None, No
 
 def _swept(engine: Any, only: frozenset[str]) -> list[dict[str, Any]]:
     """``sweep``'s rows, printed one a line and then the fastest cut of each kernel."""
-    rows = sweep(engine, only)
+    rows = sweep(engine, only, on_row=lambda r: print(json.dumps(r), flush=True))
     best: dict[str, dict[str, Any]] = {}
     for r in rows:
-        print(json.dumps(r))
         if "us" in r and (r["kernel"] not in best or r["us"] < best[r["kernel"]]["us"]):
             best[r["kernel"]] = r
     print("best:", json.dumps(best), flush=True)
