@@ -505,7 +505,7 @@ class GpuRunner(StageRunner):
             "cpu_share %g, chosen by timing %d rounds of %d steps at each share (the smallest "
             "within %g%% of the fastest; median ms per step, min-max: %s)",
             best, rounds, steps, CPU_SHARE_SLACK * 100,
-            ", ".join(f"{k:g}: {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+            ", ".join(f"{k:g}: {self.cpu.tuned[k]:.2f} ({min(v):.2f}-{max(v):.2f})"
                       for k, v in times.items()),
         )  # fmt: skip
         return best
