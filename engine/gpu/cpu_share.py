@@ -44,6 +44,29 @@ def round_orders(candidates: Sequence[float], rounds: int) -> list[list[float]]:
     return [fwd if r % 2 == 0 else fwd[::-1] for r in range(rounds)]
 
 
+def check_timing(candidates: Sequence[float], steps: int, rounds: int) -> None:
+    """Refuse a timing of shares outside [0, 1], or of fewer than one round or step."""
+    for share in candidates:
+        if isinstance(share, bool) or not 0 <= share <= 1:
+            raise ValueError(f"cpu_share candidate {share}: must be between 0 and 1")
+    if rounds < 1 or steps < 1:
+        raise ValueError(f"cpu_share timing: rounds {rounds} and steps {steps} must be >= 1")
+
+
+def timing_note(best: float, times: Mapping[float, Sequence[float]], steps: int) -> str:
+    """The log's line for a timing: the share kept, and each share's median and range."""
+    each = ", ".join(
+        f"{s:g}: {statistics.median(ts):.2f} ({min(ts):.2f}-{max(ts):.2f})"
+        for s, ts in times.items()
+    )
+    rounds = max(len(ts) for ts in times.values())
+    return (
+        f"cpu_share {best:g}, chosen by timing {rounds} rounds of {steps} steps at each share "
+        f"(the smallest within {CPU_SHARE_SLACK:.0%} of the fastest; median ms per step, "
+        f"min-max: {each})"
+    )
+
+
 def choose_share(times: Mapping[float, Sequence[float]], slack: float = CPU_SHARE_SLACK) -> float:
     """The share to keep from ``times`` (ms per step by share, one per round): each share's
     median over its rounds, then the smallest share within ``slack`` of the fastest median."""

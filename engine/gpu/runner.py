@@ -31,11 +31,12 @@ from strata.engine.gpu.counters import UseCounters
 from strata.engine.gpu.cpu_share import (
     CPU_SHARE_CANDIDATES,
     CPU_SHARE_ROUNDS,
-    CPU_SHARE_SLACK,
     CpuShare,
     CpuShareFault,
+    check_timing,
     choose_share,
     round_orders,
+    timing_note,
 )
 from strata.engine.gpu.decode import AHEAD, CPU, PLAIN, DecodeOps, DecodeParts
 from strata.engine.gpu.delta import begin_hybrid_step, keep_state
@@ -474,20 +475,14 @@ class GpuRunner(StageRunner):
         self, candidates: Sequence[float] = CPU_SHARE_CANDIDATES, steps: int = 4,
         rounds: int = CPU_SHARE_ROUNDS,
     ) -> float:  # fmt: skip
-        """Choose the CPU's share by timing: ``rounds`` rounds over the shares in
-        ``candidates`` (0: the plain step), each share ``steps`` decode steps a round after
-        two unmeasured; the smallest share within ``CPU_SHARE_SLACK`` of the fastest median is
-        kept and returned (0 turns the CPU share off). Run after ``capture`` (or eagerly
-        without a graph), at load: the steps write K/V rows from position 1, which the next
-        prompt rewrites, and every count they make is dropped. Nothing to choose (no CPU pool,
-        no expert in RAM, the CPU device): returns the share as it is."""
+        """Choose the CPU's share by timing ``rounds`` rounds of ``steps`` decode steps at each
+        of ``candidates`` (0: the plain step), and keep and return ``choose_share``'s (0 turns
+        the CPU share off). Run after ``capture`` (or eagerly), at load: the steps write K/V
+        rows from position 1, which the next prompt rewrites, and their counts are dropped.
+        Nothing to choose (no CPU pool, no expert in RAM, the CPU device): the share as is."""
         if not self.cpu_sharing or self.device.type != "cuda":
             return self.cpu.share
-        for share in candidates:
-            if not 0 <= share <= 1:
-                raise ValueError(f"cpu_share candidate {share}: must be between 0 and 1")
-        if rounds < 1 or steps < 1:
-            raise ValueError(f"tune_cpu_share: rounds {rounds} and steps {steps} must be >= 1")
+        check_timing(candidates, steps, rounds)
         steps = max(1, min(steps, self.kv.page - 3))  # each timing from position 1
         times = self._time_shares(candidates, steps, rounds)
         try:
@@ -501,13 +496,7 @@ class GpuRunner(StageRunner):
             self.cpu.share = best
             self.cpu.now.fill_(best)
         self.cpu.tuned = {s: statistics.median(ts) for s, ts in times.items()}
-        log.info(
-            "cpu_share %g, chosen by timing %d rounds of %d steps at each share (the smallest "
-            "within %g%% of the fastest; median ms per step, min-max: %s)",
-            best, rounds, steps, CPU_SHARE_SLACK * 100,
-            ", ".join(f"{k:g}: {self.cpu.tuned[k]:.2f} ({min(v):.2f}-{max(v):.2f})"
-                      for k, v in times.items()),
-        )  # fmt: skip
+        log.info("%s", timing_note(best, times, steps))
         return best
 
     def _time_shares(

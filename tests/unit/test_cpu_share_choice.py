@@ -9,8 +9,10 @@ import pytest
 from strata.engine.gpu.cpu_share import (
     CPU_SHARE_CANDIDATES,
     CPU_SHARE_SLACK,
+    check_timing,
     choose_share,
     round_orders,
+    timing_note,
 )
 
 
@@ -52,3 +54,20 @@ def test_the_plain_step_wins_where_the_cpu_buys_nothing() -> None:
 def test_bad_timings_or_slack_are_refused_naming_what(times, slack, what) -> None:
     with pytest.raises(ValueError, match=what):
         choose_share(times, slack=slack)
+
+
+@pytest.mark.parametrize(
+    ("candidates", "steps", "rounds", "what"),
+    [((0.0, 1.5), 4, 3, "candidate 1.5"), ((-0.25,), 4, 3, "candidate -0.25"),
+     ((True,), 4, 3, "candidate True"), ((0.5,), 0, 3, "steps 0"), ((0.5,), 4, 0, "rounds 0")],
+)  # fmt: skip
+def test_a_bad_timing_is_refused_naming_the_value(candidates, steps, rounds, what) -> None:
+    with pytest.raises(ValueError, match=what):
+        check_timing(candidates, steps, rounds)
+
+
+def test_the_log_line_names_the_share_kept_and_each_median_and_range() -> None:
+    note = timing_note(0.375, {0.0: [15.5, 15.4, 15.6], 0.375: [13.5, 14.9, 14.8]}, 4)
+    assert note.startswith("cpu_share 0.375, chosen by timing 3 rounds of 4 steps")
+    assert "0: 15.50 (15.40-15.60)" in note and "0.375: 14.80 (13.50-14.90)" in note
+    assert "within 3% of the fastest" in note
