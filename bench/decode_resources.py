@@ -3,7 +3,8 @@
 A developer's check, not a bench row: ``kernel_resources`` does it for the prompt-chunk GEMM,
 this for the launches of one decode token. It calls the engine's own launch functions
 (``moe.gate_up``, ``moe.down``, ``matvec``) on CPU tensors of a model's shapes with the cuts the
-GPU path uses (``gpu.decode.TUNED``), catches each launch before it would run (Triton's
+GPU path uses (``gpu.decode.TUNED``, with ``STRATA_DECODE_TUNE`` as the engine reads it: a
+cut is checked here before a GPU lease), catches each launch before it would run (Triton's
 ``JITFunction.run``), and compiles it ahead of time for a CUDA target with the specialisation
 the runtime's JIT gives it: pointers and integers that are multiples of 16 marked 16-byte
 divisible (the slots and planes are 256-byte aligned), integers equal to 1 made constants. The
@@ -134,30 +135,32 @@ def _dtype_name(dtype) -> str:
 
 
 def _launch(form: str, qtype: int, shape: tuple[int, int, int]) -> None:
-    """The engine's launch of ``form`` for ``qtype`` on CPU tensors (caught, never run)."""
+    """The engine's launch of ``form`` for ``qtype`` on CPU tensors (caught, never run), at
+    the GPU's cut (``TUNED``, with ``STRATA_DECODE_TUNE`` as the engine reads it)."""
     import torch
 
-    from strata.engine.gpu.decode import TUNED
+    from strata.engine.gpu.decode import TUNE_ENV, tunes
     from strata.engine.kernels import moe
     from strata.engine.kernels.matvec import Mat, matvec
     from strata.engine.quant.repack import align, repacked_layout
 
+    cuts = tunes(os.environ.get(TUNE_ENV), torch.device("cuda"))  # (no device is asked)
     D, F, NQ = shape
     h, base = torch.zeros(D), torch.zeros(256, dtype=torch.uint8)
     eoffs = torch.zeros(TOP_K, dtype=torch.int64)
     act = torch.zeros(TOP_K, F)
     if form == "gate_up":
         g = repacked_layout(qtype, (F, D))
-        moe.gate_up(act, h, eoffs, base, g, g, align(g.nbytes), **TUNED["gate_up"].kw())
+        moe.gate_up(act, h, eoffs, base, g, g, align(g.nbytes), **cuts["gate_up"].kw())
     elif form == "down":
         dn = repacked_layout(qtype, (D, F))
-        moe.down(h, act, eoffs, torch.zeros(TOP_K), base, dn, 0, **TUNED["down"].kw())
+        moe.down(h, act, eoffs, torch.zeros(TOP_K), base, dn, 0, **cuts["down"].kw())
     elif form == "qkv":
         m = Mat(base, repacked_layout(qtype, (NQ, D)))
-        matvec(torch.zeros(NQ), h, [m], norm=h, eps=1e-6, **TUNED["qkv"].kw())
+        matvec(torch.zeros(NQ), h, [m], norm=h, eps=1e-6, **cuts["qkv"].kw())
     elif form == "o":
         m = Mat(base, repacked_layout(qtype, (D, NQ)))
-        matvec(h, torch.zeros(NQ), [m], residual=True, **TUNED["o"].kw())
+        matvec(h, torch.zeros(NQ), [m], residual=True, **cuts["o"].kw())
     elif form == "router":
         m = Mat(base, repacked_layout(qtype, (N_EXPERT, D)))
         i64, i32 = torch.int64, torch.int32
@@ -167,7 +170,7 @@ def _launch(form: str, qtype: int, shape: tuple[int, int, int]) -> None:
             ticket=torch.zeros(1, dtype=i32),
         )  # fmt: skip
         matvec(torch.zeros(N_EXPERT), h, [m], norm=h, eps=1e-6, h_out=torch.zeros(D),
-               route=route, **TUNED["router"].kw())  # fmt: skip
+               route=route, **cuts["router"].kw())  # fmt: skip
     else:
         raise ValueError(f"{form!r} is not a decode form ({', '.join(FORMS)})")
 
@@ -235,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{f!r} is not a decode form ({', '.join(FORMS)})")
     try:
         shape = _parse_shape(args.shape)
+        import torch
+
+        from strata.engine.gpu.decode import TUNE_ENV, tunes
+
+        tunes(os.environ.get(TUNE_ENV), torch.device("cuda"))  # a bad knob, named before compiling
     except ValueError as e:
         p.error(str(e))
     rows = [usage(known[t], f, args.arch, shape) for t in types for f in forms]

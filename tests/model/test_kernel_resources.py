@@ -176,6 +176,19 @@ def test_the_grid_types_decode_kernels_keep_their_registers() -> None:
         assert r["instructions"] > 0 and r["barriers"] >= 0, r
 
 
+def test_a_cut_from_the_tune_knob_is_the_one_compiled() -> None:
+    """``STRATA_DECODE_TUNE`` reaches the compiled launch as it reaches the engine's: q's
+    matvec at 16 rows and 4 warps, where ``TUNED`` has 4 rows and 8."""
+    from strata.engine.gpu.decode import TUNED
+
+    assert TUNED["qkv"].warps != 4
+    run = _run("--json", "--types", "Q8_0", "--forms", "qkv", tool="decode_resources",
+               env={"STRATA_DECODE_TUNE": "qkv=16:4"})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(run.stdout)
+    assert row["warps"] == 4 and row["stack"] == 0, row
+
+
 def test_the_router_and_its_routing_compile_as_one_launch() -> None:
     """The router form: 128 experts' F32 router with the routing in its last program, compiled
     as the decode step launches it (its barriers are what the routing costs across warps)."""
@@ -201,3 +214,10 @@ def test_the_router_and_its_routing_compile_as_one_launch() -> None:
 def test_the_decode_check_refuses_what_it_cannot_compile(args, message) -> None:
     run = _run(*args, timeout=120, tool="decode_resources")
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
+
+
+def test_the_decode_check_names_a_bad_tune_knob_before_compiling() -> None:
+    run = _run("--types", "Q8_0", "--forms", "qkv", timeout=120, tool="decode_resources",
+               env={"STRATA_DECODE_TUNE": "qkv=3"})  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "STRATA_DECODE_TUNE: qkv rows per program 3" in run.stderr, run.stderr[-2000:]
