@@ -264,55 +264,45 @@ INLINE void blk_q4_k(const uint8_t *const *p, int b, const float *x, const float
  * they are widened: lane k of step j takes byte (j + k) / 8 (x0) or 2 + (j + k) / 8 (x1) of the
  * four, tests its bit k % 8 and keeps 16 where it is set (4.9 -> 5.2 GB/s a thread on AVX-512).
  * With 8 lanes the word is shifted per lane after widening (the byte form there: 4.0 -> 3.6). */
-#if H == 16
 INLINE void blk_q5_k(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
     const uint8_t *qs = p[0] + 128 * b, *qh = p[1] + 32 * b;
     const float d = ld_f16(p[4] + 4 * b), dm = ld_f16(p[4] + 4 * b + 2);
     const v8f ds = d * u8f(p[2] + 8 * b);
     c->m += (dm * u8f(p[3] + 8 * b)) * ldf8(xs + 8 * b);
+#if H == 16
     vb lanes, bit;
     for (int k = 0; k < H; k++) {
         lanes[k] = (uint8_t)k;
         bit[k] = (uint8_t)(1u << (k & 7));
     }
+#else
+    vu lanes;
+    for (int k = 0; k < H; k++) lanes[k] = (uint32_t)k;
+#endif
     x += 256 * b;
 #pragma GCC unroll 16
     for (int s = 0; s < 8 * 16 / H; s++) {
         const int u = s * H / 16, j = s * H % 16;
         const vb q = ldb(qs + 16 * u + j);
+        const vf x0 = ldf(x + 32 * u + j), x1 = ldf(x + 32 * u + 16 + j);
+#if H == 16
         vb four = {0};
         memcpy(&four, qh + 4 * u, 4);
         const vb at = (vb)((lanes + (uint8_t)j) >> 3);
         const vb h0 = (vb)((__builtin_shuffle(four, at) & bit) != 0) & 16;
         const vb h1 = (vb)((__builtin_shuffle(four, (vb)(at + 2)) & bit) != 0) & 16;
-        const vf x0 = ldf(x + 32 * u + j), x1 = ldf(x + 32 * u + 16 + j);
-        c->a[CHAIN(u, j)] += ds[u] * (b2f((q & 15) | h0) * x0 + b2f((shr16(q, 4) & 15) | h1) * x1);
-    }
-}
+        const vf flo = b2f((q & 15) | h0), fhi = b2f((shr16(q, 4) & 15) | h1);
 #else
-INLINE void blk_q5_k(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
-    const uint8_t *qs = p[0] + 128 * b, *qh = p[1] + 32 * b;
-    const float d = ld_f16(p[4] + 4 * b), dm = ld_f16(p[4] + 4 * b + 2);
-    const v8f ds = d * u8f(p[2] + 8 * b);
-    c->m += (dm * u8f(p[3] + 8 * b)) * ldf8(xs + 8 * b);
-    vu lanes;
-    for (int k = 0; k < H; k++) lanes[k] = (uint32_t)k;
-    x += 256 * b;
-#pragma GCC unroll 16
-    for (int s = 0; s < 8 * 16 / H; s++) {
-        const int u = s * H / 16, j = s * H % 16;
-        const vb q = ldb(qs + 16 * u + j);
         const vu w = (vu){0} + ld_u32(qh + 4 * u);
         const vu lo = __builtin_convertvector(q & 15, vu) | ((w >> (lanes + j)) & 1) << 4;
         const vu hi = __builtin_convertvector(shr16(q, 4) & 15, vu) |
                       ((w >> (lanes + 16 + j)) & 1) << 4;
-        const vf x0 = ldf(x + 32 * u + j), x1 = ldf(x + 32 * u + 16 + j);
         const vf flo = __builtin_convertvector((vi)lo, vf);
         const vf fhi = __builtin_convertvector((vi)hi, vf);
+#endif
         c->a[CHAIN(u, j)] += ds[u] * (flo * x0 + fhi * x1);
     }
 }
-#endif
 
 /* Q6_K (256; ql 128, qh 64, sc 16 int8, d 2): the low 4 bits as Q4_K's nibbles; the high two
  * bits of element 64 g + 16 t + m are bits 2t of qh[16 g + m], so unit u (g = u / 2) finds them
