@@ -9,7 +9,6 @@ A developer's tool beside ``strata bench``: its numbers go into the closing note
 from __future__ import annotations
 
 import argparse
-import time
 
 import gguf
 import torch
@@ -42,7 +41,8 @@ def random_repacked(qtype: Q, rows: int, cols: int, gen: torch.Generator) -> tor
 
 def bench(qtype: Q, threads: int, D: int, F: int, k: int, experts: int, reps: int) -> float:
     """GB/s of weight bytes: jobs of ``k`` experts (gate, up, down all ``qtype``), each job's
-    experts the next ones of ``experts`` distinct slots (more than the caches hold)."""
+    experts the next ones of ``experts`` distinct slots (more than the caches hold), timed by
+    the pool from each job's start to its end (the best of three runs of ``reps`` jobs)."""
     gen = torch.Generator().manual_seed(0)
     gate, down = repacked_layout(qtype, (F, D)), repacked_layout(qtype, (D, F))
     up_off = align(gate.nbytes, RUN_ALIGN)
@@ -61,14 +61,16 @@ def bench(qtype: Q, threads: int, D: int, F: int, k: int, experts: int, reps: in
     job.n[0] = k
     job.wts.fill_(1.0 / k)
     job.h.copy_(torch.randn(D, generator=gen))
+    offs = [torch.arange(f, f + k) * slot for f in range(experts - k + 1)]
     best = float("inf")
     for _ in range(3):
-        start = time.perf_counter()
+        before = pool.stats()
         for r in range(reps):
-            first = (r * k) % (experts - k + 1)
-            job.offs.copy_(torch.arange(first, first + k) * slot)
+            job.offs.copy_(offs[(r * k) % len(offs)])
             job.run()
-        best = min(best, (time.perf_counter() - start) / reps)
+        after = pool.stats()
+        # the jobs' own time, from their start to their end in C: not the Python around them
+        best = min(best, (after.busy_s - before.busy_s) / max(1, after.jobs - before.jobs))
     pool.close()
     return k * (2 * gate.nbytes + down.nbytes) / best / 1e9
 

@@ -446,7 +446,8 @@ def sweep(
 # (rows per program, warps; None: one thread per unit of a step) tried by --sweep; the wider
 # ones (16-32 rows) spread a program's fixed costs (its RMS scale, its launch share) over more
 # bytes, for the small dense matrices of a decode step
-CONFIGS = ((1, None), (2, None), (4, None), (8, None), (4, 8), (8, 8), (16, 4), (16, 8), (32, 8))
+CONFIGS = ((1, None), (2, None), (4, None), (8, None), (4, 4), (4, 8), (8, 4), (8, 8), (16, 4),
+           (16, 8), (32, 8))  # fmt: skip
 # and for the router, whose last program routes: in one warp the routing's reductions cross no
 # warps (compiled for sm_90 under Triton 3.6, Qwen3-30B-A3B's router with its routing has 34
 # barriers at 8 warps and 3 at 1; the matvec alone 5 and 0)

@@ -29,7 +29,12 @@
  * reassociation (-ffast-math) is needed. The K-quants use the factored form: per unit,
  * scale * (q . x) - min * (sum of the unit's x), the unit sums computed once per input vector,
  * not once per row. Equal to "dequantise, then multiply" up to float rounding (the Python tests
- * bound the difference). The results do not depend on the number of threads: each row's
+ * bound the difference). On x86 with AVX2 or AVX-512BW the K-quants, the IQ4 types and MXFP4
+ * instead read their input quantised to int8 (a unit of 32 on one scale, once per input vector:
+ * quantize_units) and sum a group's weight-times-input products exactly in int32 (see "the
+ * integer kernels"): 1.5-2.5 times the float kernels' speed, equal to "dequantise, then
+ * multiply" over the int8 input's values up to float rounding (strata_int8_input says which;
+ * the tests check both). The results do not depend on the number of threads: each row's
  * arithmetic is the same whichever thread does it.
  *
  * The threads. A pool has `threads - 1` workers; the thread that runs a job is the last one.
@@ -229,6 +234,15 @@ typedef struct {
     vf a[4];
     v8f m;
 } acc_t;
+
+/* An input quantised to int8 for the integer dot products (the kernels with I8 in TYPES): each
+ * unit of 32 values as round(x / dx) with dx = max |x| / 127, its own; d holds dx once per group
+ * of 16 (twice a unit) and s each group's sum of the quantised values, dx * sum q. */
+typedef struct {
+    const int8_t *q; /* [n] */
+    const float *d;  /* [n / 16] */
+    const float *s;  /* [n / 16] */
+} xq_t;
 
 /* the chain of unit u's step j */
 #define CHAIN(u, j) (((u) * (16 / H) + (j) / H) & 3)
@@ -548,18 +562,23 @@ INLINE void blk_q2_k(const uint8_t *const *p, int b, const float *x, const float
 /* Q3_K (qs 64, hm 32, sc 12, d 2): the third bit of element 32 u + k is bit u of hm[k]
  * (0: the value is q - 4); group g's 6-bit scale has its low 4 bits in nibble g / 8 of sc[g % 8]
  * and its high 2 in bits 2 (g / 4) of sc[8 + g % 4], minus 32. value = (d s) q. */
-INLINE void blk_q3_k(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
-    (void)xs;
-    const uint8_t *qs = p[0] + 64 * b, *hm = p[1] + 32 * b, *sc = p[2] + 12 * b;
-    const float d = ld_f16(p[3] + 2 * b);
-    /* the 16 scales as two vectors of 8 (not 16 scalar assemblies a block): groups 0-7 take
-     * the low nibbles of sc[0..7], 8-15 the high; the high bits of group g are bits 2 (g / 4)
-     * of sc[8 + g % 4] */
+/* Q3_K's 16 scales as two vectors of 8 (not 16 scalar assemblies a block): groups 0-7 take the
+ * low nibbles of sc[0..7], 8-15 the high; the high bits of group g are bits 2 (g / 4) of
+ * sc[8 + g % 4] */
+INLINE void q3_scales(const uint8_t *sc, v8i *s0, v8i *s1) {
     const v8i a = __builtin_convertvector(ldb8(sc), v8i);
     const uint8_t hb[8] = {sc[8], sc[9], sc[10], sc[11], sc[8], sc[9], sc[10], sc[11]};
     const v8i h = __builtin_convertvector(ldb8(hb), v8i);
-    const v8i s0 = ((a & 15) | ((h >> (v8i){0, 0, 0, 0, 2, 2, 2, 2}) & 3) << 4) - 32;
-    const v8i s1 = ((a >> 4) | ((h >> (v8i){4, 4, 4, 4, 6, 6, 6, 6}) & 3) << 4) - 32;
+    *s0 = ((a & 15) | ((h >> (v8i){0, 0, 0, 0, 2, 2, 2, 2}) & 3) << 4) - 32;
+    *s1 = ((a >> 4) | ((h >> (v8i){4, 4, 4, 4, 6, 6, 6, 6}) & 3) << 4) - 32;
+}
+
+INLINE void blk_q3_k(const uint8_t *const *p, int b, const float *x, const float *xs, acc_t *c) {
+    (void)xs;
+    const uint8_t *qs = p[0] + 64 * b, *hm = p[1] + 32 * b;
+    const float d = ld_f16(p[3] + 2 * b);
+    v8i s0, s1;
+    q3_scales(p[2] + 12 * b, &s0, &s1);
     /* As Q2_K's: a value's three bits (q, then the high bit) go under the exponent of 1.0, the
      * float f = 1 + (q | 4 h) / 8, and (q | 4 h) - 4 = 8 f - 12: group g's values are
      * sa[g] f - sb[g], sa = 8 d s and sb = 12 d s (exact: d s has 17 bits) */
@@ -590,6 +609,353 @@ INLINE void blk_q3_k(const uint8_t *const *p, int b, const float *x, const float
         }
     }
 }
+
+/* -- the integer kernels ---------------------------------------------------------------------
+ * Against the input quantised to int8 (xq_t), a group of 16 weights' small unsigned integers
+ * times its 16 input bytes is summed exactly in int32 (x86's u8 x s8 dot products: AVX-512's
+ * VNNI, else AVX-512BW's or AVX2's multiply-adds), then scaled once in float: the group's weight
+ * scale times the unit's input scale. llama.cpp computes its CPU K-quants so (its q8_K input);
+ * here a unit of 32 has its own scale, and the K-quants' mins and offsets take the quantised
+ * input's group sums. Where none of those instructions is there, the float kernels stay. */
+#if defined(STRATA_FLOAT_ONLY) /* (for measuring the two against each other) */
+#define I8 0
+#elif H == 16 && defined(__AVX512BW__)
+#define I8 16
+#elif H == 8 && defined(__AVX2__)
+#define I8 8
+#else
+#define I8 0
+#endif
+
+#if I8
+#include <immintrin.h>
+
+/* a register of bytes */
+#if I8 == 16
+typedef __m512i vbytes;
+#else
+typedef __m256i vbytes;
+#endif
+
+/* lane i: the sum of the products of bytes 4 i .. 4 i + 3 (u unsigned, s signed) */
+#if I8 == 16
+INLINE vi dot4(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return (vi)_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+    return (vi)_mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+#else
+INLINE v8i dot4(__m256i u, __m256i s) {
+    return (v8i)_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#endif
+
+/* Units 0-7 of a 256-block of x's bytes: lo u of 0-3 beside 4 + u (AVX-512), or unit u. */
+#if I8 == 16
+INLINE __m512i x_pair(const int8_t *xq, int u) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + 32 * u));
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(xq + 128 + 32 * u));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+#endif
+
+/* Q2_K and Q3_K: their 2-bit planes hold units u and 4 + u at bits 2 u of the block's 64 bytes
+ * (qs[0..31] and qs[32..63]). f[g]: group g's scale times its input's; a dot4 lane of unit u
+ * covers 4 of a group's elements: with 16 lanes, lanes 0-7 are unit u's groups 2 u, 2 u + 1 and
+ * 8-15 unit 4 + u's. `extra` adds bytes (Q3_K's third bits) to unit u's. */
+#if I8 == 16
+INLINE void units2(const uint8_t *qs, const int8_t *xq, vf f, const __m512i *extra, acc_t *c) {
+    const __m512i bits = _mm512_loadu_si512(qs), three = _mm512_set1_epi8(3);
+    const vi at = {0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9};
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; u++) {
+        __m512i q = _mm512_and_si512(_mm512_srli_epi16(bits, 2 * u), three);
+        if (extra) q = _mm512_or_si512(q, extra[u]);
+        const vf fu = (vf)_mm512_permutexvar_ps((__m512i)(at + 2 * u), (__m512)f);
+        c->a[u] += __builtin_convertvector(dot4(q, x_pair(xq, u)), vf) * fu;
+    }
+}
+#else
+INLINE void units2(const uint8_t *qs, const int8_t *xq, const v8f *f, const __m256i *extra,
+                   acc_t *c) {
+    const __m256i three = _mm256_set1_epi8(3);
+    const v8i at = {0, 0, 0, 0, 1, 1, 1, 1};
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(qs + 32 * (u / 4)));
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (u % 4)), three);
+        if (extra) q = _mm256_or_si256(q, extra[u]);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * u));
+        const v8f fu = (v8f)_mm256_permutevar8x32_ps((__m256)f[u / 4], (__m256i)(at + 2 * (u % 4)));
+        c->a[u & 3] += __builtin_convertvector(dot4(q, x), v8f) * fu;
+    }
+}
+#endif
+
+/* a block's 16 group scales (bytes, low nibbles or as given) times the input's, as floats */
+#if I8 == 16
+#define GROUPS(v) b2f(v)
+#else
+#define GROUPS(v) __builtin_convertvector(__builtin_convertvector(v, v8i), v8f)
+#endif
+
+/* Q2_K: sum over a block = d sum_g sc[g] dx_g (q . xq)_g - dmin sum_g mn[g] s_g */
+INLINE void blk_q2_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const uint8_t *qs = p[0] + 64 * b, *sc = p[1] + 16 * b;
+    const float d = ld_f16(p[2] + 2 * b), dm = ld_f16(p[3] + 2 * b);
+    const float *dx = in->d + 16 * b, *sx = in->s + 16 * b;
+#if I8 == 16
+    const vb s = ldb(sc);
+    c->a[3] -= (dm * GROUPS(shr16(s, 4) & 15)) * ldf(sx);
+    units2(qs, in->q + 256 * b, (d * GROUPS(s & 15)) * ldf(dx), NULL, c);
+#else
+    v8f f[2];
+    for (int h = 0; h < 2; h++) {
+        const v8b s = ldb8(sc + 8 * h);
+        c->a[2 + h] -= (dm * GROUPS(s >> 4)) * ldf(sx + 8 * h);
+        f[h] = (d * GROUPS(s & 15)) * ldf(dx + 8 * h);
+    }
+    units2(qs, in->q + 256 * b, f, NULL, c);
+#endif
+}
+
+/* The 4-bit planes (Q4_K's, Q6_K's low bits): a unit's 16 bytes hold its elements 0-15 in their
+ * low nibbles and 16-31 in their high. With 16 lanes a step takes units 2 w and 2 w + 1: their
+ * values as 64 bytes, elements 0-15 of each, then 16-31 of each (its dot4 lanes 4 c .. 4 c + 3
+ * are of group 4 w + SPREAD[c]), beside x's bytes in that order. */
+#if I8 == 16
+INLINE __m512i nibbles(const uint8_t *q) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)q), m = _mm256_set1_epi8(15);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m)),
+                              _mm256_and_si256(_mm256_srli_epi16(v, 4), m), 1);
+}
+
+INLINE __m512i x_nibbles(const int8_t *xq, int w) {
+    const __m512i v = _mm512_loadu_si512(xq + 64 * w);
+    return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* signed by signed: |w| times x with w's sign (|w|, |x| <= 127: a pair's sum fits int16) */
+INLINE vi sdot4(__m512i w, __m512i x) {
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    return dot4(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+}
+
+/* a step's groups: chunk c of the 64 bytes is of group 4 w + (0, 2, 1, 3)[c]; q signed with
+ * SGN (the level types), else unsigned */
+INLINE void units4(__m512i q, const int8_t *xq, int w, vf f, int sgn, acc_t *c) {
+    const vi at = {0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3};
+    const vf fw = (vf)_mm512_permutexvar_ps((__m512i)(at + 4 * w), (__m512)f);
+    const __m512i x = x_nibbles(xq, w);
+    c->a[w] += __builtin_convertvector(sgn ? sdot4(q, x) : dot4(q, x), vf) * fw;
+}
+
+/* 16 levels (floats holding integers of int8's range) as bytes, in each 128-bit lane */
+INLINE __m512i levels8(const float *lv) {
+    return _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_loadu_ps(lv))));
+}
+
+INLINE __m512i lookup(__m512i levels, __m512i idx) { return _mm512_shuffle_epi8(levels, idx); }
+
+/* each of 8 values twice: lanes 2 u and 2 u + 1 take u's */
+INLINE vf twice(v8f v) {
+    const vi at = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+    return (vf)_mm512_permutexvar_ps((__m512i)at, _mm512_castps256_ps512((__m256)v));
+}
+#else
+INLINE __m256i nibbles(const uint8_t *q) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), m = _mm_set1_epi8(15);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, m)),
+                                   _mm_and_si128(_mm_srli_epi16(v, 4), m), 1);
+}
+
+INLINE v8i sdot4(__m256i w, __m256i x) {
+    return dot4(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+INLINE __m256i levels8(const float *lv) {
+    const __m256i a = _mm256_cvttps_epi32(_mm256_loadu_ps(lv));
+    const __m256i b = _mm256_cvttps_epi32(_mm256_loadu_ps(lv + 8));
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    const __m128i t = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    return _mm256_broadcastsi128_si256(t);
+}
+
+INLINE __m256i lookup(__m256i levels, __m256i idx) { return _mm256_shuffle_epi8(levels, idx); }
+#endif
+
+/* Q4_K: a block's sum is sum_u d sc[u] dx_u (q . xq)_u - dm sum_u mn[u] (s_2u + s_2u+1) */
+INLINE void blk_q4_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const uint8_t *qs = p[0] + 128 * b;
+    const float d = ld_f16(p[3] + 2 * b), dm = ld_f16(p[4] + 2 * b);
+    const float *dx = in->d + 16 * b, *sx = in->s + 16 * b;
+    const int8_t *xq = in->q + 256 * b;
+    const v8f sc = d * u8f(p[1] + 8 * b), mn = dm * u8f(p[2] + 8 * b);
+#if I8 == 16
+    c->a[0] -= twice(mn) * ldf(sx);
+    const vf f = twice(sc) * ldf(dx);
+#pragma GCC unroll 4
+    for (int w = 0; w < 4; w++) units4(nibbles(qs + 32 * w), xq, w, f, 0, c);
+#else
+    const v8i lo = {0, 0, 1, 1, 2, 2, 3, 3}, hi = lo + 4;
+    c->a[0] -= __builtin_shuffle(mn, lo) * ldf(sx);
+    c->a[1] -= __builtin_shuffle(mn, hi) * ldf(sx + 8);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * u));
+        const v8f t = __builtin_convertvector(dot4(nibbles(qs + 16 * u), x), v8f);
+        c->a[u & 3] += t * (sc[u] * dx[2 * u]);
+    }
+#endif
+}
+
+/* Q6_K: values q - 32, q of 6 bits (the 4-bit plane's, the high two from qh: bits 4 (u % 2) and
+ * 4 (u % 2) + 2 of qh[16 (u / 2) + k] for unit u's elements k and 16 + k); group g = 2 u + half
+ * has the int8 scale sc[u + 8 half]. A block's sum: d sum_g sc_g (dx_g (q . xq)_g - 32 s_g). */
+INLINE void blk_q6_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const uint8_t *ql = p[0] + 128 * b, *qh = p[1] + 64 * b;
+    const float d = ld_f16(p[3] + 2 * b);
+    const float *dx = in->d + 16 * b, *sx = in->s + 16 * b;
+    const int8_t *xq = in->q + 256 * b;
+    const v8f sa = d * c8f(p[2] + 16 * b), sb = d * c8f(p[2] + 16 * b + 8);
+#if I8 == 16
+    /* group 2 u takes sa[u], 2 u + 1 sb[u] */
+    const vi mix = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const vf g = (vf)_mm512_permutex2var_ps(_mm512_castps256_ps512((__m256)sa), (__m512i)mix,
+                                            _mm512_castps256_ps512((__m256)sb));
+    c->a[0] -= (32.0f * g) * ldf(sx);
+    const vf f = g * ldf(dx);
+    /* the high bits of units 2 w (elements 0-15, 16-31: qh's bits 0-1, 2-3) and 2 w + 1 (bits
+     * 4-5, 6-7) moved to bits 4-5, in units4's chunk order: shifted left 4, 0, 2, right 2 */
+    /* (16-bit lanes, chunk c is lanes 8 c .. 8 c + 7) */
+    const __m512i left = _mm512_set_epi64(0, 0, 0x0002000200020002, 0x0002000200020002, 0, 0,
+                                          0x0004000400040004, 0x0004000400040004);
+    const __m512i right = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0, 0, 0, 0, 0,
+                                           0);
+    const __m512i m = _mm512_set1_epi8(0x30);
+#pragma GCC unroll 4
+    for (int w = 0; w < 4; w++) {
+        const __m128i h4 = _mm_loadu_si128((const __m128i *)(qh + 16 * w));
+        const __m512i h = _mm512_sllv_epi16(_mm512_broadcast_i32x4(h4), left);
+        const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(h, right), m);
+        units4(_mm512_or_si512(nibbles(ql + 32 * w), hb), xq, w, f, 0, c);
+    }
+#else
+    const v8i ab = {0, 8, 1, 9, 2, 10, 3, 11};
+    const v8f g0 = __builtin_shuffle(sa, sb, ab), g1 = __builtin_shuffle(sa, sb, ab + 4);
+    c->a[0] -= (32.0f * g0) * ldf(sx);
+    c->a[1] -= (32.0f * g1) * ldf(sx + 8);
+    const __m256i m = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * (u / 2)));
+        const __m128i h0 = u & 1 ? h : _mm_slli_epi16(h, 4);
+        const __m128i h1 = u & 1 ? _mm_srli_epi16(h, 2) : _mm_slli_epi16(h, 2);
+        const __m256i hb = _mm256_and_si256(
+            _mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1), m);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * u));
+        const __m256i q = _mm256_or_si256(nibbles(ql + 16 * u), hb);
+        /* lanes 0-3: group 2 u (sa[u]), 4-7: 2 u + 1 (sb[u]) */
+        const v8f fu = {sa[u], sa[u], sa[u], sa[u], sb[u], sb[u], sb[u], sb[u]};
+        c->a[u & 3] += __builtin_convertvector(dot4(q, x), v8f) * (fu * dx[2 * u]);
+    }
+#endif
+}
+
+/* IQ4_XS: as Q4_K's units, each value a level (lv, int8 integers as floats: their bytes looked
+ * up by the nibble), the unit's scale d sc[u] */
+INLINE void blk_iq4_xs8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const uint8_t *qs = p[0] + 128 * b;
+    const v8f ds = ld_f16(p[2] + 2 * b) * c8f(p[1] + 8 * b);
+    const float *dx = in->d + 16 * b;
+    const int8_t *xq = in->q + 256 * b;
+    const vbytes lv = levels8((const float *)p[3]);
+#if I8 == 16
+    const vf f = twice(ds) * ldf(dx);
+#pragma GCC unroll 4
+    for (int w = 0; w < 4; w++) units4(lookup(lv, nibbles(qs + 32 * w)), xq, w, f, 1, c);
+#else
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * u));
+        const v8i t = sdot4(lookup(lv, nibbles(qs + 16 * u)), x);
+        c->a[u & 3] += __builtin_convertvector(t, v8f) * (ds[u] * dx[2 * u]);
+    }
+#endif
+}
+
+/* IQ4_NL and MXFP4 (blocks of 32, one unit: qs 16, d 2 / e 1, lv), two blocks at a time (b: the
+ * pair): each block's scale (d, or MXFP4's 2^(e - 128)) times its unit's dx */
+INLINE void pair_levels(const uint8_t *qs, const float *lv, float s0, float s1, const int8_t *xq,
+                        acc_t *c, int chain) {
+#if I8 == 16
+    const vf f = (vf)_mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+    const __m512i w = lookup(levels8(lv), nibbles(qs));
+    c->a[chain] += __builtin_convertvector(sdot4(w, x_nibbles(xq, 0)), vf) * f;
+#else
+    const __m256i t = levels8(lv);
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
+    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32));
+    c->a[chain] += __builtin_convertvector(sdot4(lookup(t, nibbles(qs)), x0), v8f) * s0;
+    c->a[chain ^ 1] += __builtin_convertvector(sdot4(lookup(t, nibbles(qs + 16)), x1), v8f) * s1;
+#endif
+}
+
+INLINE void blk_iq4_nl8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const float *dx = in->d + 4 * b;
+    const float s0 = ld_f16(p[1] + 4 * b) * dx[0], s1 = ld_f16(p[1] + 4 * b + 2) * dx[2];
+    pair_levels(p[0] + 32 * b, (const float *)p[2], s0, s1, in->q + 64 * b, c, (2 * b) & 3);
+}
+
+INLINE void blk_mxfp48(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const float *dx = in->d + 4 * b;
+    const float s0 = e8m0_half(p[1][2 * b]) * dx[0], s1 = e8m0_half(p[1][2 * b + 1]) * dx[2];
+    pair_levels(p[0] + 32 * b, (const float *)p[2], s0, s1, in->q + 64 * b, c, (2 * b) & 3);
+}
+
+/* Q3_K: its values are (q | 4 h) - 4 (h the third bit), so a block's sum is
+ * d sum_g s[g] (dx_g ((q | 4 h) . xq)_g - 4 s_g): the third bits join the two as bytes of 4 */
+INLINE void blk_q3_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const uint8_t *qs = p[0] + 64 * b, *hm = p[1] + 32 * b;
+    const float d = ld_f16(p[3] + 2 * b);
+    const float *dx = in->d + 16 * b, *sx = in->s + 16 * b;
+    v8i s0, s1;
+    q3_scales(p[2] + 12 * b, &s0, &s1);
+    const v8f f0 = d * __builtin_convertvector(s0, v8f), f1 = d * __builtin_convertvector(s1, v8f);
+#if I8 == 16
+    vf f;
+    memcpy(&f, &f0, sizeof f0);
+    memcpy((char *)&f + sizeof f0, &f1, sizeof f1);
+    c->a[3] -= (4.0f * f) * ldf(sx);
+    /* unit u's third bits are bit u of hm[k]: its bytes 0-31 for unit u, beside those of unit
+     * 4 + u (bits 4 + u: the second copy shifted down by 4), each moved to bit 2 */
+    const __m256i h = _mm256_loadu_si256((const __m256i *)hm);
+    const __m512i hh = _mm512_inserti64x4(
+        _mm512_castsi256_si512(h),
+        _mm256_and_si256(_mm256_srli_epi16(h, 4), _mm256_set1_epi8(15)), 1);
+    const __m512i four = _mm512_set1_epi8(4);
+    const __m512i extra[4] = {
+        _mm512_and_si512(_mm512_slli_epi16(hh, 2), four),
+        _mm512_and_si512(_mm512_slli_epi16(hh, 1), four),
+        _mm512_and_si512(hh, four),
+        _mm512_and_si512(_mm512_srli_epi16(hh, 1), four),
+    };
+    units2(qs, in->q + 256 * b, f * ldf(dx), extra, c);
+#else
+    c->a[2] -= (4.0f * f0) * ldf(sx);
+    c->a[3] -= (4.0f * f1) * ldf(sx + 8);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)hm), four = _mm256_set1_epi8(4);
+    __m256i extra[8];
+    for (int u = 0; u < 8; u++)
+        extra[u] = _mm256_and_si256(u <= 2 ? _mm256_slli_epi16(h, 2 - u)
+                                           : _mm256_srli_epi16(h, u - 2), four);
+    const v8f f[2] = {f0 * ldf(dx), f1 * ldf(dx + 8)};
+    units2(qs, in->q + 256 * b, f, extra, c);
+#endif
+}
+#endif /* I8 */
 
 /* The grid types: four elements are one grid row, eight share a sign byte. The rows are read
  * from float32 copies of the grids (strata_set_grids, from the types' descriptions at load,
@@ -691,14 +1057,17 @@ INLINE float el_bf16(const uint8_t *w, int i) {
 
 /* The elements after a row's last whole block: only the floats' rows have any. */
 #define FLOAT_TAIL(T)                                                                         \
-    INLINE float tail_##T(const uint8_t *const *p, int from, int cols, const float *x) {      \
+    INLINE float tail_##T(const uint8_t *const *p, int from, int cols, const float *x,        \
+                          const xq_t *q) {                                                    \
+        (void)q;                                                                              \
         float s = 0.0f;                                                                       \
         for (int i = from; i < cols; i++) s += el_##T(p[0], i) * x[i];                        \
         return s;                                                                             \
     }
 #define NO_TAIL(T)                                                                            \
-    INLINE float tail_##T(const uint8_t *const *p, int from, int cols, const float *x) {      \
-        (void)p, (void)from, (void)cols, (void)x;                                             \
+    INLINE float tail_##T(const uint8_t *const *p, int from, int cols, const float *x,        \
+                          const xq_t *q) {                                                    \
+        (void)p, (void)from, (void)cols, (void)x, (void)q;                                    \
         return 0.0f;                                                                          \
     }
 FLOAT_TAIL(f32)
@@ -716,6 +1085,25 @@ NO_TAIL(q5_1)
 NO_TAIL(iq4_nl)
 NO_TAIL(mxfp4)
 NO_TAIL(q2_k)
+NO_TAIL(q2_k8)
+NO_TAIL(q3_k8)
+NO_TAIL(q4_k8)
+NO_TAIL(q6_k8)
+NO_TAIL(iq4_xs8)
+/* IQ4_NL's and MXFP4's pairs of blocks: a row of an odd number of blocks ends in one, taken by
+ * the float kernel over the int8 input's values, as the pairs read it */
+#define PAIR_TAIL(T, SCALE)                                                                   \
+    INLINE float tail_##T##8(const uint8_t *const *p, int from, int cols, const float *x,     \
+                             const xq_t *q) {                                                 \
+        (void)x;                                                                              \
+        if (from >= cols) return 0.0f;                                                        \
+        float v[32];                                                                          \
+        for (int i = 0; i < 32; i++) v[i] = q->d[(from + i) / 16] * q->q[from + i];          \
+        const int b = from / 32;                                                              \
+        return (SCALE) * hsum(lv_dot(p[0] + 16 * b, (const float *)p[2], v));                 \
+    }
+PAIR_TAIL(iq4_nl, ld_f16(p[1] + 2 * b))
+PAIR_TAIL(mxfp4, e8m0_half(p[1][b]))
 NO_TAIL(q3_k)
 NO_TAIL(iq3_xxs)
 NO_TAIL(iq3_s)
@@ -726,59 +1114,106 @@ NO_TAIL(iq3_s)
  * dotw: the sum over e < n of w[e] * (row p[e] . x + e * cols): one output row of down against
  *       the n experts' activations. */
 typedef const uint8_t *planes_t[STRATA_MAX_PLANES];
-typedef float (*dot1_fn)(const uint8_t *const *p, int cols, const float *x, const float *xs);
+typedef float (*dot1_fn)(const uint8_t *const *p, int cols, const float *x, const float *xs,
+                         const xq_t *q);
 typedef void (*dot2_fn)(const uint8_t *const *pa, const uint8_t *const *pb, int cols,
-                        const float *x, const float *xs, float *out);
+                        const float *x, const float *xs, const xq_t *q, float *out);
 typedef float (*dotw_fn)(const planes_t *p, int n, int cols, const float *x, const float *xs,
-                         const float *w);
+                         const xq_t *q, const float *w);
 
-#define DOTS(T, BLOCK)                                                                        \
-    static float dot1_##T(const uint8_t *const *p, int cols, const float *x, const float *xs) { \
+/* the quantised input of expert e's part (cols elements a part) */
+INLINE xq_t xq_at(const xq_t *q, int e, int cols) {
+    if (!q->q) return (xq_t){0}; /* no kernel of the job reads it */
+    const int64_t at = (int64_t)e * cols;
+    return (xq_t){q->q + at, q->d + at / 16, q->s + at / 16};
+}
+
+/* The three from a block function of the float input (x and its unit sums; q unread), or with
+ * I8 from one of the quantised input (x unread). */
+#define DOTS_(T, BLOCK, ARGS, ARGS_E)                                                         \
+    static float dot1_##T(const uint8_t *const *p, int cols, const float *x, const float *xs, \
+                          const xq_t *q) {                                                    \
+        (void)x, (void)xs, (void)q;                                                           \
         acc_t c = {0};                                                                        \
         const int nb = cols / (BLOCK);                                                        \
-        for (int b = 0; b < nb; b++) blk_##T(p, b, x, xs, &c);                                \
-        return acc_sum(&c) + tail_##T(p, nb * (BLOCK), cols, x);                              \
+        for (int b = 0; b < nb; b++) blk_##T(p, b, ARGS, &c);                                 \
+        return acc_sum(&c) + tail_##T(p, nb * (BLOCK), cols, x, q);                           \
     }                                                                                         \
     static void dot2_##T(const uint8_t *const *pa, const uint8_t *const *pb, int cols,        \
-                         const float *x, const float *xs, float *out) {                       \
+                         const float *x, const float *xs, const xq_t *q, float *out) {        \
+        (void)x, (void)xs, (void)q;                                                           \
         acc_t a = {0}, c = {0};                                                               \
         const int nb = cols / (BLOCK);                                                        \
         for (int b = 0; b < nb; b++) {                                                        \
-            blk_##T(pa, b, x, xs, &a);                                                        \
-            blk_##T(pb, b, x, xs, &c);                                                        \
+            blk_##T(pa, b, ARGS, &a);                                                         \
+            blk_##T(pb, b, ARGS, &c);                                                         \
         }                                                                                     \
-        out[0] = acc_sum(&a) + tail_##T(pa, nb * (BLOCK), cols, x);                           \
-        out[1] = acc_sum(&c) + tail_##T(pb, nb * (BLOCK), cols, x);                           \
+        out[0] = acc_sum(&a) + tail_##T(pa, nb * (BLOCK), cols, x, q);                        \
+        out[1] = acc_sum(&c) + tail_##T(pb, nb * (BLOCK), cols, x, q);                        \
     }                                                                                         \
     static float dotw_##T(const planes_t *p, int n, int cols, const float *x, const float *xs, \
-                          const float *w) {                                                   \
+                          const xq_t *q, const float *w) {                                    \
+        (void)x, (void)xs, (void)q;                                                           \
         vf all = {0};                                                                         \
         v8f mins = {0};                                                                       \
         float tail = 0.0f;                                                                    \
         const int nb = cols / (BLOCK);                                                        \
         for (int e = 0; e < n; e++) {                                                         \
             const float *xe = x + (int64_t)e * cols, *se = xs + (int64_t)e * (cols / 32);      \
+            const xq_t qe = q ? xq_at(q, e, cols) : (xq_t){0};                                \
+            (void)xe, (void)se, (void)qe;                                                     \
             acc_t c = {0};                                                                    \
-            for (int b = 0; b < nb; b++) blk_##T(p[e], b, xe, se, &c);                        \
+            for (int b = 0; b < nb; b++) blk_##T(p[e], b, ARGS_E, &c);                        \
             all += w[e] * ((c.a[0] + c.a[1]) + (c.a[2] + c.a[3]));                            \
             mins += w[e] * c.m;                                                               \
-            tail += w[e] * tail_##T(p[e], nb * (BLOCK), cols, xe);                            \
+            tail += w[e] * tail_##T(p[e], nb * (BLOCK), cols, xe, &qe);                       \
         }                                                                                     \
         return hsum(all) - hsum8(mins) + tail;                                                \
     }
+#define DOTS(T, BLOCK) DOTS_(T, BLOCK, PASS(x, xs), PASS(xe, se))
+#define DOTS_I8(T, BLOCK) DOTS_(T, BLOCK, q, &qe)
+#define PASS(a, b) a, b
+#if I8
+DOTS_I8(q4_k8, 256)
+#else
 DOTS(q4_k, 256)
+#endif
 DOTS(q5_k, 256)
+#if I8
+DOTS_I8(q6_k8, 256)
+#else
 DOTS(q6_k, 256)
+#endif
+#if I8
+DOTS_I8(iq4_xs8, 256)
+#else
 DOTS(iq4_xs, 256)
+#endif
 DOTS(q8_0, 32)
 DOTS(q4_0, 32)
 DOTS(q4_1, 32)
 DOTS(q5_0, 32)
 DOTS(q5_1, 32)
+#if I8
+DOTS_I8(iq4_nl8, 64)
+#else
 DOTS(iq4_nl, 32)
+#endif
+#if I8
+DOTS_I8(mxfp48, 64)
+#else
 DOTS(mxfp4, 32)
+#endif
+#if I8
+DOTS_I8(q2_k8, 256)
+#else
 DOTS(q2_k, 256)
+#endif
+#if I8
+DOTS_I8(q3_k8, 256)
+#else
 DOTS(q3_k, 256)
+#endif
 DOTS(iq3_xxs, 256)
 DOTS(iq3_s, 256)
 DOTS(f32, H)
@@ -795,23 +1230,52 @@ typedef struct {
     dot1_fn dot1;
     dot2_fn dot2;
     dotw_fn dotw;
+    int32_t i8; /* 1: its kernels read the input quantised (xq_t), not x */
 } qtype_info;
 
 #define FNS(T) dot1_##T, dot2_##T, dotw_##T
 static const qtype_info TYPES[] = {
-    {T_Q4_K, 256, 5, {128, 8, 8, 2, 2}, FNS(q4_k)},
+#if I8
+    {T_Q4_K, 256, 5, {128, 8, 8, 2, 2}, FNS(q4_k8), 1},
+#else
+    {T_Q4_K, 256, 5, {128, 8, 8, 2, 2}, FNS(q4_k), 0},
+#endif
     {T_Q5_K, 256, 5, {128, 32, 8, 8, 4}, FNS(q5_k)},
-    {T_Q6_K, 256, 4, {128, 64, 16, 2}, FNS(q6_k)},
-    {T_IQ4_XS, 256, 4, {128, 8, 2, 0}, FNS(iq4_xs)},
+#if I8
+    {T_Q6_K, 256, 4, {128, 64, 16, 2}, FNS(q6_k8), 1},
+#else
+    {T_Q6_K, 256, 4, {128, 64, 16, 2}, FNS(q6_k), 0},
+#endif
+#if I8
+    {T_IQ4_XS, 256, 4, {128, 8, 2, 0}, FNS(iq4_xs8), 1},
+#else
+    {T_IQ4_XS, 256, 4, {128, 8, 2, 0}, FNS(iq4_xs), 0},
+#endif
     {T_Q8_0, 32, 2, {32, 2}, FNS(q8_0)},
     {T_Q4_0, 32, 2, {16, 2}, FNS(q4_0)},
     {T_Q4_1, 32, 3, {16, 2, 2}, FNS(q4_1)},
     {T_Q5_0, 32, 3, {16, 4, 2}, FNS(q5_0)},
     {T_Q5_1, 32, 4, {16, 4, 2, 2}, FNS(q5_1)},
-    {T_IQ4_NL, 32, 3, {16, 2, 0}, FNS(iq4_nl)},
-    {T_MXFP4, 32, 3, {16, 1, 0}, FNS(mxfp4)},
-    {T_Q2_K, 256, 4, {64, 16, 2, 2}, FNS(q2_k)},
-    {T_Q3_K, 256, 4, {64, 32, 12, 2}, FNS(q3_k)},
+#if I8
+    {T_IQ4_NL, 32, 3, {16, 2, 0}, FNS(iq4_nl8), 1},
+#else
+    {T_IQ4_NL, 32, 3, {16, 2, 0}, FNS(iq4_nl), 0},
+#endif
+#if I8
+    {T_MXFP4, 32, 3, {16, 1, 0}, FNS(mxfp48), 1},
+#else
+    {T_MXFP4, 32, 3, {16, 1, 0}, FNS(mxfp4), 0},
+#endif
+#if I8
+    {T_Q2_K, 256, 4, {64, 16, 2, 2}, FNS(q2_k8), 1},
+#else
+    {T_Q2_K, 256, 4, {64, 16, 2, 2}, FNS(q2_k), 0},
+#endif
+#if I8
+    {T_Q3_K, 256, 4, {64, 32, 12, 2}, FNS(q3_k8), 1},
+#else
+    {T_Q3_K, 256, 4, {64, 32, 12, 2}, FNS(q3_k), 0},
+#endif
     {T_IQ3_XXS, 256, 5, {64, 32, 2, 0, 0}, FNS(iq3_xxs)},
     {T_IQ3_S, 256, 4, {64, 44, 2, 0}, FNS(iq3_s)},
     {T_F32, 1, 1, {4}, FNS(f32)},
@@ -842,6 +1306,13 @@ int strata_supported(int32_t qtype) {
     return type_info(qtype) != NULL;
 }
 
+/* 1 if the library's kernels of qtype read their input quantised to int8 (xq_t): their results
+ * then differ from the float kernels' by that rounding of the input. */
+int strata_int8_input(int32_t qtype) {
+    const qtype_info *ti = type_info(qtype);
+    return ti && ti->i8;
+}
+
 /* sizeof(strata_job): the Python wrapper checks its ctypes mirror against it. */
 size_t strata_job_bytes(void) { return sizeof(strata_job); }
 
@@ -861,6 +1332,64 @@ static void unit_sums(const float *x, int64_t lo, int64_t hi, float *out) {
         for (int i = H; i < 32; i += H) s += ldf(x + 32 * j + i);
         out[j] = hsum(s);
     }
+}
+
+/* Units [lo, hi) of x (32 values each) quantised as xq_t describes, into q, d and s (indexed as
+ * x is: unit j at q + 32 j, d + 2 j, s + 2 j). A unit holding a NaN or an infinity gets the scale
+ * NaN (and zeros), so the products it enters are NaN, as the float kernels' would be. */
+static void quantize_units(const float *x, int64_t lo, int64_t hi, int8_t *q, float *d, float *s) {
+    for (int64_t j = lo; j < hi; j++) {
+        const float *xj = x + 32 * j;
+        float amax = 0.0f;
+        int finite = 1;
+        for (int i = 0; i < 32; i++) {
+            amax = fmaxf(amax, fabsf(xj[i]));
+            finite &= fabsf(xj[i]) <= 3.4028235e38f; /* (fmaxf passes over a NaN) */
+        }
+        int sum[2] = {0, 0};
+        float dx = amax / 127.0f;
+        if (!finite) {
+            dx = NAN;
+            memset(q + 32 * j, 0, 32);
+        } else if (amax > 0.0f) {
+            for (int i = 0; i < 32; i++) {
+                const int v = (int)nearbyintf(xj[i] / dx);
+                q[32 * j + i] = (int8_t)v;
+                sum[i / 16] += v;
+            }
+        } else {
+            memset(q + 32 * j, 0, 32);
+        }
+        for (int g = 0; g < 2; g++) {
+            d[2 * j + g] = dx;
+            s[2 * j + g] = dx * (float)sum[g];
+        }
+    }
+}
+
+/* Row `row` of matrix m (in the slot at `slot`) times x, as a job's kernels compute it, the input
+ * prepared as a job prepares h (its unit sums; quantised for an I8 type): for the tests and the
+ * bench. NaN where the type is not computed here, cols is not whole blocks and units, or the
+ * scratch cannot be had. */
+float strata_dot(const strata_mat *m, const uint8_t *slot, int row, const float *x) {
+    const qtype_info *ti = type_info(m->qtype);
+    if (!ti || m->cols % ti->block || (ti->i8 && m->cols % 32) || row < 0 || row >= m->rows)
+        return NAN;
+    const int64_t units = m->cols / 32;
+    float *f = malloc((size_t)(5 * units) * sizeof(float));
+    int8_t *q = malloc((size_t)m->cols);
+    float out = NAN;
+    if (f && q) {
+        unit_sums(x, 0, units, f);
+        quantize_units(x, 0, units, q, f + units, f + 3 * units);
+        const xq_t in = {q, f + units, f + 3 * units};
+        planes_t p;
+        row_planes(m, ti, slot, row, p);
+        out = ti->dot1(p, m->cols, x, f, &in);
+    }
+    free(f);
+    free(q);
+    return out;
 }
 
 /* -- the pool ------------------------------------------------------------------------------ */
@@ -884,8 +1413,11 @@ struct strata_pool {
     int n;
     float *hsums; /* [D / 32] unit sums of h, by the caller */
     float *asums; /* [n * F / 32] unit sums of act, in phase 1 */
-    float *sums;  /* the storage of both, grown by callers */
+    xq_t hq, aq;  /* h and act quantised, where a kernel of the job reads them (an I8 type) */
+    float *sums;  /* the storage of the sums and the quantised inputs' scales and group sums */
     size_t sums_cap;
+    int8_t *bytes; /* the storage of the quantised inputs' values */
+    size_t bytes_cap;
     int64_t t1; /* when the running job's phase 1 ended everywhere (its caller's clock read) */
     /* each counter on its own cache line: the threads hammer them */
     _Alignas(64) atomic_uint_fast64_t gen; /* bumped once per job; workers run on a change */
@@ -934,10 +1466,10 @@ static void phase1(const strata_pool *pool, const strata_job *job, int lo, int h
         row_planes(&job->up, tu, slot, r, pu);
         float gu[2];
         if (tg == tu) {
-            tg->dot2(pg, pu, D, job->h, pool->hsums, gu);
+            tg->dot2(pg, pu, D, job->h, pool->hsums, &pool->hq, gu);
         } else {
-            gu[0] = tg->dot1(pg, D, job->h, pool->hsums);
-            gu[1] = tu->dot1(pu, D, job->h, pool->hsums);
+            gu[0] = tg->dot1(pg, D, job->h, pool->hsums, &pool->hq);
+            gu[1] = tu->dot1(pu, D, job->h, pool->hsums, &pool->hq);
         }
         if (job->bias_gate) {
             const int64_t at = (int64_t)job->ids[e] * F + r;
@@ -948,6 +1480,9 @@ static void phase1(const strata_pool *pool, const strata_job *job, int lo, int h
                                : silu(gu[0]) * gu[1];
     }
     unit_sums(job->act, lo / 32, hi / 32, pool->asums);
+    if (type_info(job->down.qtype)->i8)
+        quantize_units(job->act, lo / 32, hi / 32, (int8_t *)pool->aq.q, (float *)pool->aq.d,
+                       (float *)pool->aq.s);
 }
 
 /* Phase 2: y[r] for rows [lo, hi) of down, up to 16 experts at a time. */
@@ -961,8 +1496,9 @@ static void phase2(const strata_pool *pool, const strata_job *job, int lo, int h
             const int m = n - e0 < 16 ? n - e0 : 16;
             for (int e = 0; e < m; e++)
                 row_planes(&job->down, td, slot_of(job, e0 + e), r, pd[e]);
+            const xq_t aq = xq_at(&pool->aq, e0, F);
             s += td->dotw(pd, m, F, job->act + (int64_t)e0 * F, pool->asums + e0 * (F / 32),
-                          job->wts + e0);
+                          &aq, job->wts + e0);
         }
         if (job->bias_down) /* each expert's down bias times its weight */
             for (int e = 0; e < n; e++)
@@ -1072,6 +1608,7 @@ static void pool_stop(strata_pool *pool) {
     pthread_cond_destroy(&pool->cv);
     pthread_mutex_destroy(&pool->mu);
     free(pool->sums);
+    free(pool->bytes);
     free(pool->tids);
     free(pool);
 }
@@ -1141,14 +1678,15 @@ void strata_run_job(void *arg) {
     strata_pool *pool = job->pool;
     int n = *(const volatile int32_t *)job->n;
     n = n < 0 ? 0 : n > job->kmax ? job->kmax : n;
-    const size_t hn = (size_t)job->D / 32, need = hn + (size_t)job->kmax * job->F / 32 + 1;
-    if (need > pool->sums_cap) { /* the first job of a shape: no thread reads sums now */
+    /* the sums, then the quantised inputs' scales and group sums, in one float store */
+    const size_t hn = (size_t)job->D / 32, an = (size_t)job->kmax * job->F / 32;
+    const size_t need = hn + an + 4 * (hn + an) + 1, nbytes = 32 * (hn + an) + 1;
+    if (need > pool->sums_cap || nbytes > pool->bytes_cap) { /* a new shape: no thread reads */
         float *grown = realloc(pool->sums, need * sizeof(float));
-        if (!grown) n = -1;
-        else {
-            pool->sums = grown;
-            pool->sums_cap = need;
-        }
+        if (grown) pool->sums = grown, pool->sums_cap = need;
+        int8_t *more = grown ? realloc(pool->bytes, nbytes) : NULL;
+        if (more) pool->bytes = more, pool->bytes_cap = nbytes;
+        if (!more) n = -1;
     }
     if (!type_info(job->gate.qtype) || !type_info(job->up.qtype) || !type_info(job->down.qtype))
         n = -1;
@@ -1160,7 +1698,16 @@ void strata_run_job(void *arg) {
     pool->n = n;
     pool->hsums = pool->sums;
     pool->asums = pool->sums + hn;
+    float *qf = pool->sums + hn + an;
+    const int gi8 = type_info(job->gate.qtype)->i8 || type_info(job->up.qtype)->i8;
+    pool->hq = gi8 ? (xq_t){pool->bytes, qf, qf + 2 * hn} : (xq_t){0};
+    pool->aq = type_info(job->down.qtype)->i8
+                   ? (xq_t){pool->bytes + 32 * hn, qf + 4 * hn, qf + 4 * hn + 2 * an}
+                   : (xq_t){0};
     unit_sums(job->h, 0, (int64_t)hn, pool->hsums);
+    if (gi8)
+        quantize_units(job->h, 0, (int64_t)hn, (int8_t *)pool->hq.q, (float *)pool->hq.d,
+                       (float *)pool->hq.s);
     if (pool->nthreads > 1) {
         atomic_store_explicit(&pool->arrived1, 0, memory_order_relaxed);
         atomic_store_explicit(&pool->arrived2, 0, memory_order_relaxed);

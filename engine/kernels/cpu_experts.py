@@ -10,7 +10,9 @@ driver call in between. From Python, ``CpuJob.run`` calls a job through ctypes, 
 the GIL.
 
 The library is compiled on first use with the system's C compiler (``$CC``, default ``cc``) and
-``-march=native``, so its loops use this machine's vector width. The result is cached under
+``-march=native``, so its loops use this machine's vector width, and on x86 with AVX2 or
+AVX-512BW its integer dot products for the types ``int8_input`` names (their input quantised to
+int8, as llama.cpp's CPU kernels do: ~1% on an expert's output). The result is cached under
 ``$XDG_CACHE_HOME/strata/kernels`` in a file named by a hash of the source, the flags, the
 compiler and the CPU (its model and feature flags), so an edited source, another compiler or a
 home directory now used on another machine builds a new file (a library built for one CPU's
@@ -26,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shlex
@@ -191,6 +194,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.strata_pool_stats.restype = None
     fp = ctypes.POINTER(ctypes.c_float)
     lib.strata_set_grids.argtypes, lib.strata_set_grids.restype = [fp, i32, fp, i32], ctypes.c_int
+    lib.strata_int8_input.argtypes, lib.strata_int8_input.restype = [i32], ctypes.c_int
+    lib.strata_dot.argtypes = [ctypes.POINTER(StrataMat), vp, ctypes.c_int, fp]
+    lib.strata_dot.restype = ctypes.c_float
     return lib
 
 
@@ -420,6 +426,38 @@ class Mailbox:
 def _mat(lay: RepackedLayout, offset: int) -> StrataMat:
     planes = (ctypes.c_int64 * MAX_PLANES)(*lay.offsets)  # unused ones stay 0
     return StrataMat(int(lay.qtype), lay.rows, lay.cols, offset, planes)
+
+
+def int8_input(qtype: int) -> bool:
+    """Whether this machine's kernels of ``qtype`` read their input quantised to int8 (a unit of
+    32 values on one scale, integer dot products: Q2_K where x86's AVX2 or AVX-512BW is there),
+    so their results differ from the float kernels' by that rounding of the input."""
+    return bool(library().strata_int8_input(int(qtype)))
+
+
+def row_dot(
+    lay: RepackedLayout, data: torch.Tensor, row: int, x: torch.Tensor,
+    lib: ctypes.CDLL | None = None,
+) -> float:  # fmt: skip
+    """Row ``row`` of the repacked matrix ``data`` (uint8, ``lay``'s bytes, on the CPU) times
+    ``x`` (float32 [cols]) as a job's kernels compute it, the input prepared as a job prepares
+    it: for the tests and the bench (``lib``: a build of the library other than ``library()``,
+    declared). Raises ValueError for what the library cannot compute."""
+    if data.dtype != torch.uint8 or data.device.type != "cpu" or data.numel() < lay.nbytes:
+        raise ValueError(f"want {lay.nbytes} uint8 bytes on the CPU, got {data.numel()} "
+                         f"{data.dtype} on {data.device}")  # fmt: skip
+    if x.dtype != torch.float32 or x.numel() != lay.cols or not x.is_contiguous():
+        raise ValueError(f"want {lay.cols} contiguous float32 inputs, got {x.numel()} {x.dtype}")
+    if not 0 <= row < lay.rows:
+        raise ValueError(f"row {row} of a {lay.rows}-row matrix")
+    data = data.contiguous()
+    m = _mat(lay, 0)
+    fp = ctypes.POINTER(ctypes.c_float)
+    lib = library() if lib is None else lib
+    out = lib.strata_dot(ctypes.byref(m), data.data_ptr(), row, ctypes.cast(x.data_ptr(), fp))
+    if math.isnan(out) and bool(torch.isfinite(x).all()):
+        raise ValueError(f"the CPU kernels do not compute {lay.qtype.name} rows of {lay.cols}")
+    return float(out)
 
 
 def request_offsets(D: int, kmax: int) -> tuple[int, int, int, int]:

@@ -27,6 +27,24 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PROMPT = [1, 5, 9, 100, 7]
 
 
+# The logits' tolerance beside the GPU's where the CPU computes a share of the RAM experts and
+# its kernels read their input quantised to int8 (``cpu_experts.int8_input``: the K-quants, the
+# IQ4 types and MXFP4 on x86): that rounding moves them by 2-3e-3 of the largest on the tiny
+# Q4_K_M model (every RAM expert on the CPU) and 1.6e-2 on the tiny gpt-oss (MXFP4, its clamped
+# SwiGLU), as llama.cpp's CPU kernels' q8 input does.
+INT8_SHARE_TOL = 3e-2
+
+
+def cpu_share_tol(gpu: GpuRunner, float_tol: float) -> float:
+    """``float_tol`` (the CPU's sums round otherwise than the GPU's), or ``INT8_SHARE_TOL``
+    where a kernel of the CPU's share reads an int8 input for some layer's experts."""
+    from strata.engine.kernels import cpu_experts
+
+    layouts = (lay for slot in gpu.geometry.slot_layouts for lay in slot.layouts)
+    int8 = any(cpu_experts.int8_input(lay.qtype) for lay in layouts)
+    return INT8_SHARE_TOL if int8 else float_tol
+
+
 def reference_runner(path: Path) -> Sequences:
     index = GGUFIndex(path)
     model = architecture_module(index.arch).Model(index, DEVICE)

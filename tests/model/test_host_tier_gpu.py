@@ -94,6 +94,8 @@ def test_the_cpus_share_inside_the_decode_graph_keeps_the_logits(tiny_models, cu
     """The CPU's share of the RAM experts, posted from inside the graph to the CPU pool's server
     and waited for there: the same logits to float rounding, at half a cache and none, and
     counted; no wait gave up."""
+    from fastpath import cpu_share_tol
+
     path = tiny_models.path("qwen3moe", kind)
     want, full = every_expert_in_vram(path, cuda)
     for mib in (full // 2, 0):
@@ -102,9 +104,10 @@ def test_the_cpus_share_inside_the_decode_graph_keeps_the_logits(tiny_models, cu
         assert dec is not None and dec.cpu.on, dec.cpu.reason if dec else None
         assert dec.mode == "cpu" and dec.graph is dec.graphs["cpu"] and e.sequences.can_look_ahead()
         got = run(e)
+        tol = cpu_share_tol(dec, 1e-4)  # Q4_K_M's Q4_K and Q6_K: the CPU reads an int8 input
         for i, (a, b) in enumerate(zip(want[1], got[1], strict=True)):
             err = float((a - b).abs().max() / a.abs().max())
-            assert err < 1e-4, f"cache {mib} MiB, step {i}: logits differ by {err:.2e}"
+            assert err < tol, f"cache {mib} MiB, step {i}: logits differ by {err:.2e}"
         e.sequences.flush_usage()
         st = e.provider.stats
         swaps = e.cache.swaps if e.cache is not None else 0

@@ -127,15 +127,17 @@ def test_gate_up_and_down_of_different_types_load_and_decode_on_every_path(mixed
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     pytest.importorskip("triton", reason="Triton is not installed")
-    from fastpath import decode, fast_runner, reference_runner
+    from fastpath import cpu_share_tol, decode, fast_runner, reference_runner
 
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(mixed_file).tensors}
     assert types["blk.0.ffn_gate_exps.weight"] != types["blk.0.ffn_up_exps.weight"]
     ref = decode(reference_runner(mixed_file), 2, 11)
     # half the experts in VRAM slots, the rest in host homes, half of those on the CPU
-    fast = decode(fast_runner(mixed_file, 0.5, host=True, cpu_share=0.5), 2, 11)
+    runner = fast_runner(mixed_file, 0.5, host=True, cpu_share=0.5)
+    tol = cpu_share_tol(runner.gpu, 1e-4)  # the CPU's sums round otherwise (Q2_K: int8 input)
+    fast = decode(runner, 2, 11)
     for a, b in zip(ref[1:], fast[1:], strict=True):
-        assert float((a - b).abs().max() / a.abs().max()) < 1e-4  # CPU sums round otherwise
+        assert float((a - b).abs().max() / a.abs().max()) < tol
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", *RECIPE_PRESETS])

@@ -8,12 +8,14 @@ Skipped, with the reason printed, where no C compiler is found.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
+import platform
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from strata.engine import cpuinfo
 from strata.engine.kernels import cpu_experts
 from strata.engine.kernels.cpu_experts import CpuExperts, CpuExpertsUnavailable, CpuJob
 from strata.engine.quant import repack
@@ -33,6 +36,29 @@ Q = gguf.GGMLQuantizationType
 SUPPORTED = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_K, Q.Q4_0, Q.IQ4_XS, Q.F16, Q.BF16, Q.F32, Q.Q4_1,
              Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.IQ3_XXS, Q.IQ3_S]  # fmt: skip
 TOL = 1e-4  # relative error of y against the float64 reference
+# and where the kernels read their input quantised to int8 (``int8_input``): h and act each
+# rounded to 8 bits a value (a unit of 32 on one scale) put ~1% into y (0.8-1.4% measured on
+# these tests' experts); a kernel reading the wrong bytes is off by ~100%
+TOL_INT8 = 3e-2
+INT8_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4]  # x86: AVX2, AVX-512BW
+
+
+def tol(qtype: Q) -> float:
+    return TOL_INT8 if cpu_experts.int8_input(qtype) else TOL
+
+
+def q4_tol() -> float:
+    """The tolerance of the Q4_K/Q6_K experts most tests use."""
+    return max(tol(Q.Q4_K), tol(Q.Q6_K))
+
+
+def quantised(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 kernels read it: each unit of 32 as round(x / d) * d, d = max |x| / 127 in
+    float32 (round half to even, as C's nearbyintf)."""
+    units = x.float().reshape(-1, 32)
+    d = units.abs().amax(1, keepdim=True) / 127.0
+    q = torch.where(d > 0, torch.round(units / d), torch.zeros_like(units))
+    return (q * d).reshape(-1)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +189,94 @@ def test_a_job_matches_the_dequantised_reference(qtype: Q, rng) -> None:
     ids = [4, 0, 2]  # n < kmax; the lone odd-address slot first
     fill(job, ex, ids, base=ex.arena.data_ptr() + 3 * RUN_ALIGN, seed=1)  # some offsets < 0
     job.run()
-    assert rel_err(job.y, ex.reference(ids, job.wts, job.h)) < TOL
+    assert rel_err(job.y, ex.reference(ids, job.wts, job.h)) < tol(qtype)
+
+
+def check_rows(qtype: Q, cols: int, rng: np.random.Generator, lib: ctypes.CDLL) -> None:
+    """Three rows, as a job computes them (``row_dot``), against float64 over the dequantised
+    rows and the input as that type's kernels read it: the float input, or its int8 rounding."""
+    raw = torch.from_numpy(raw_bytes(qtype, (3, cols), rng))
+    packed = repack.repack(raw, qtype, (3, cols))
+    w = repack.dequantize_repacked(packed, qtype, (3, cols)).double()
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(9)) * 3
+    x[:32] *= 1e-3  # a unit of small values beside larger ones
+    read = quantised(x) if lib.strata_int8_input(int(qtype)) else x
+    lay = repacked_layout(qtype, (3, cols))
+    for r in range(3):
+        want = float(w[r] @ read.double())
+        got = cpu_experts.row_dot(lay, packed, r, x, lib)
+        assert abs(got - want) <= 1e-5 * float(w[r].abs() @ read.double().abs()), (r, got, want)
+
+
+# the 32-element types the int8 kernels take two blocks at a time: an odd count ends in one
+PAIRED = {Q.IQ4_NL, Q.MXFP4}
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+def test_a_row_matches_the_reference_of_the_input_it_reads(qtype: Q, lib, rng) -> None:
+    check_rows(qtype, shape_for(qtype)[0], rng, lib)
+    if qtype in PAIRED:
+        check_rows(qtype, 96, rng, lib)  # two blocks and one
+
+
+# the library's other code paths, where this CPU can run them: x86's generic float kernels, AVX2's
+# integer ones, AVX-512 without VNNI's (what -march=native chose is tested above)
+MARCHES = {
+    "x86-64": set(),
+    "haswell": {"avx2", "fma", "bmi2"},
+    "skylake-avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"},
+}
+
+
+@pytest.mark.parametrize("march", sorted(MARCHES))
+def test_each_instruction_sets_kernels_match_the_reference(march: str, tmp_path, rng) -> None:
+    cpus = cpuinfo.processors()
+    flags = set(cpus[0].get("flags", "").split()) if cpus else set()
+    if platform.machine() != "x86_64" or not MARCHES[march] <= flags:
+        pytest.skip(f"this CPU cannot run -march={march} code ({platform.machine()})")
+    so = tmp_path / f"cpu_experts-{march}.so"
+    flags_m = [f if f != "-march=native" else f"-march={march}" for f in cpu_experts.FLAGS]
+    cmd = [*cpu_experts.compiler(), *flags_m, "-o", str(so), str(cpu_experts.SOURCE)]
+    done = subprocess.run([*cmd, *cpu_experts.LIBS], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lib = cpu_experts._declare(ctypes.CDLL(str(so)))
+    assert cpu_experts._set_grids(lib)
+    assert bool(lib.strata_int8_input(int(Q.Q4_K))) == (march != "x86-64")
+    for qtype in [*INT8_TYPES, *PAIRED, Q.IQ4_XS, Q.Q8_0]:
+        check_rows(qtype, 96 if qtype in PAIRED else 512, rng, lib)
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+def test_the_int8_kernels_are_those_of_x86_with_avx2(qtype: Q) -> None:
+    cpus = cpuinfo.processors()
+    flags = cpus[0].get("flags", "").split() if cpus else []
+    assert cpu_experts.int8_input(qtype) == ("avx2" in flags)
+    assert not cpu_experts.int8_input(Q.Q8_0)  # a float kernels' type
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_nan_or_infinite_input_gives_nan(qtype: Q, bad: float, rng) -> None:
+    """Not a number made of int8s: the unit holding it gets the scale NaN."""
+    cols = shape_for(qtype)[0]
+    raw = torch.from_numpy(raw_bytes(qtype, (1, cols), rng))
+    packed = repack.repack(raw, qtype, (1, cols))
+    x = torch.randn(cols)
+    x[40] = bad
+    assert math.isnan(cpu_experts.row_dot(repacked_layout(qtype, (1, cols)), packed, 0, x))
+
+
+def test_row_dot_refuses_what_it_cannot_compute() -> None:
+    lay = repacked_layout(Q.Q4_K, (2, 256))
+    data = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="row 2 of a 2-row"):
+        cpu_experts.row_dot(lay, data, 2, torch.zeros(256))
+    with pytest.raises(ValueError, match="256 contiguous float32"):
+        cpu_experts.row_dot(lay, data, 0, torch.zeros(128))
+    with pytest.raises(ValueError, match="uint8 bytes"):
+        cpu_experts.row_dot(lay, data[:10], 0, torch.zeros(256))
+    with pytest.raises(ValueError, match="do not compute TQ1_0"):  # a type the library has not
+        cpu_experts.row_dot(replace(lay, qtype=Q.TQ1_0), data, 0, torch.zeros(256))
 
 
 def test_gate_up_q4_k_with_a_q6_k_down_as_q4_k_m_mixes_them(rng) -> None:
@@ -171,7 +284,7 @@ def test_gate_up_q4_k_with_a_q6_k_down_as_q4_k_m_mixes_them(rng) -> None:
     job = CpuExperts(2).job(ex.layout, kmax=3, pin=False)
     fill(job, ex, [2, 1, 0], base=0, seed=2)  # offsets are absolute addresses
     job.run()
-    assert rel_err(job.y, ex.reference([2, 1, 0], job.wts, job.h)) < TOL
+    assert rel_err(job.y, ex.reference([2, 1, 0], job.wts, job.h)) < q4_tol()
 
 
 def test_a_quantised_gate_beside_a_float_down_of_ragged_width(rng) -> None:
@@ -187,7 +300,7 @@ def test_a_realistic_q4_k_expert(rng) -> None:
     job = CpuExperts(2).job(ex.layout, kmax=2, pin=False)
     fill(job, ex, [0, 1], base=0, seed=4)
     job.run()
-    assert rel_err(job.y, ex.reference([0, 1], job.wts, job.h)) < TOL
+    assert rel_err(job.y, ex.reference([0, 1], job.wts, job.h)) < q4_tol()
 
 
 # -- calls ------------------------------------------------------------------------------------
@@ -205,16 +318,21 @@ def test_no_entries_give_zeros(q4) -> None:
     assert torch.equal(job.y, torch.zeros_like(job.y))
 
 
-def test_the_thread_count_does_not_change_a_bit(q4) -> None:
-    """Each row's arithmetic is the same whichever thread does it."""
+@pytest.mark.parametrize(
+    "types", [(Q.Q4_K, Q.Q6_K), (Q.Q2_K, Q.Q3_K)], ids=["Q4_K-Q6_K", "Q2_K-Q3_K"]
+)
+def test_the_thread_count_does_not_change_a_bit(types: tuple[Q, Q], rng) -> None:
+    """Each row's arithmetic is the same whichever thread does it (and the int8 input's units
+    are quantised the same whichever thread ends them)."""
+    ex = experts(*types, 256, 256, 4, rng)
     ys = []
     for threads in (1, 3):
-        job = CpuExperts(threads).job(q4.layout, kmax=3, pin=False)
-        fill(job, q4, [3, 1, 2], base=0, seed=6)
+        job = CpuExperts(threads).job(ex.layout, kmax=3, pin=False)
+        fill(job, ex, [3, 1, 2], base=0, seed=6)
         job.run()
         ys.append(job.y.clone())
     assert torch.equal(ys[0], ys[1])
-    assert rel_err(ys[0], q4.reference([3, 1, 2], job.wts, job.h)) < TOL
+    assert rel_err(ys[0], ex.reference([3, 1, 2], job.wts, job.h)) < max(map(tol, types))
 
 
 def test_each_run_reads_the_inputs_written_in_place(q4) -> None:
@@ -225,10 +343,10 @@ def test_each_run_reads_the_inputs_written_in_place(q4) -> None:
     fill(job, q4, [2, 3, 0], base=q4.arena.data_ptr(), seed=8)  # n, offs, base, wts, h
     job.run()
     assert not torch.equal(job.y, first)
-    assert rel_err(job.y, q4.reference([2, 3, 0], job.wts, job.h)) < TOL
+    assert rel_err(job.y, q4.reference([2, 3, 0], job.wts, job.h)) < q4_tol()
     job.h.mul_(-1.0)
     job.run()
-    assert rel_err(job.y, q4.reference([2, 3, 0], job.wts, job.h)) < TOL
+    assert rel_err(job.y, q4.reference([2, 3, 0], job.wts, job.h)) < q4_tol()
 
 
 def test_a_job_runs_from_other_threads_one_after_another(q4) -> None:
@@ -239,7 +357,7 @@ def test_a_job_runs_from_other_threads_one_after_another(q4) -> None:
         t = threading.Thread(target=job.run)
         t.start()
         t.join()
-        assert rel_err(job.y, q4.reference([1, 3], job.wts, job.h)) < TOL
+        assert rel_err(job.y, q4.reference([1, 3], job.wts, job.h)) < q4_tol()
 
 
 def answer(mb: cpu_experts.Mailbox, seq: int) -> None:
@@ -262,7 +380,7 @@ def test_a_server_answers_each_post_with_that_job_s_sum(q4) -> None:
         pool.arm(1.0)
         assert mb.post(j) == seq
         answer(mb, seq)
-        assert rel_err(jobs[j].y, q4.reference(ids, jobs[j].wts, jobs[j].h)) < TOL
+        assert rel_err(jobs[j].y, q4.reference(ids, jobs[j].wts, jobs[j].h)) < q4_tol()
     assert pool.stats().jobs == 3 and mb.fault == 0
     pool.close()
 
@@ -277,7 +395,7 @@ def test_a_post_is_answered_once_the_pool_is_armed(q4) -> None:
     seq = mb.post(0)
     pool.arm(0.5)
     answer(mb, seq)
-    assert rel_err(job.y, q4.reference([0, 2], job.wts, job.h)) < TOL
+    assert rel_err(job.y, q4.reference([0, 2], job.wts, job.h)) < q4_tol()
     pool.close()
 
 
