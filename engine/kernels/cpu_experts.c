@@ -29,13 +29,13 @@
  * reassociation (-ffast-math) is needed. The K-quants use the factored form: per unit,
  * scale * (q . x) - min * (sum of the unit's x), the unit sums computed once per input vector,
  * not once per row. Equal to "dequantise, then multiply" up to float rounding (the Python tests
- * bound the difference). On x86 with AVX2 or AVX-512BW the K-quants, the IQ4 types and MXFP4
- * instead read their input quantised to int8 (a unit of 32 on one scale, once per input vector:
- * quantize_units) and sum a group's weight-times-input products exactly in int32 (see "the
- * integer kernels"): 1.5-2.5 times the float kernels' speed, equal to "dequantise, then
- * multiply" over the int8 input's values up to float rounding (strata_int8_input says which;
- * the tests check both). The results do not depend on the number of threads: each row's
- * arithmetic is the same whichever thread does it.
+ * bound the difference). On x86 with AVX2 or AVX-512BW the K-quants (Q2_K to Q6_K), the IQ4
+ * types and MXFP4 instead read their input quantised to int8 (a unit of 32 on one scale, once
+ * per input vector: quantize_units) and sum a group's weight-times-input products exactly in
+ * int32 (see "the integer kernels"): 1.2-2.5 times the float kernels' speed, equal to
+ * "dequantise, then multiply" over the int8 input's values up to float rounding
+ * (strata_int8_input says which; the tests check both). The results do not depend on the number
+ * of threads: each row's arithmetic is the same whichever thread does it.
  *
  * The threads. A pool has `threads - 1` workers; the thread that runs a job is the last one.
  * Phase 1 splits the n * F rows of gate and up (each gate row and its up row in one pass over h)
@@ -811,6 +811,52 @@ INLINE void blk_q4_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) 
 #endif
 }
 
+/* Q5_K (qs 128, qh 32, sc 8, mn 8, dd 4): Q4_K's sum, q with its fifth bit: bit i of the
+ * little-endian uint32 at qh[4 u] is element i of unit u's */
+INLINE void blk_q5_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const uint8_t *qs = p[0] + 128 * b, *qh = p[1] + 32 * b;
+    const float d = ld_f16(p[4] + 4 * b), dm = ld_f16(p[4] + 4 * b + 2);
+    const float *dx = in->d + 16 * b, *sx = in->s + 16 * b;
+    const int8_t *xq = in->q + 256 * b;
+    const v8f sc = d * u8f(p[2] + 8 * b), mn = dm * u8f(p[3] + 8 * b);
+#if I8 == 16
+    c->a[0] -= twice(mn) * ldf(sx);
+    const vf f = twice(sc) * ldf(dx);
+    const __m512i sixteen = _mm512_set1_epi8(16);
+#pragma GCC unroll 4
+    for (int w = 0; w < 4; w++) {
+        /* units 2 w and 2 w + 1's bits as one mask in units4's chunk order: elements 0-15 of
+         * each, then 16-31 of each */
+        uint64_t h;
+        memcpy(&h, qh + 8 * w, 8);
+        const uint64_t m = (h & 0xffffu) | (h >> 32 & 0xffffu) << 16 | (h >> 16 & 0xffffu) << 32 |
+                           (h >> 48) << 48;
+        const __m512i n = nibbles(qs + 32 * w);
+        units4(_mm512_mask_add_epi8(n, (__mmask64)m, n, sixteen), xq, w, f, 0, c);
+    }
+#else
+    const v8i lo = {0, 0, 1, 1, 2, 2, 3, 3}, hi = lo + 4;
+    c->a[0] -= __builtin_shuffle(mn, lo) * ldf(sx);
+    c->a[1] -= __builtin_shuffle(mn, hi) * ldf(sx + 8);
+    /* a unit's 32 bits, byte k % 8 of lane k's byte k / 8, tested bit by bit: 16 where set */
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) {
+        uint32_t h;
+        memcpy(&h, qh + 4 * u, 4);
+        const __m256i by = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), pick);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(by, bit), bit);
+        const __m256i q = _mm256_or_si256(nibbles(qs + 16 * u),
+                                          _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * u));
+        const v8f t = __builtin_convertvector(dot4(q, x), v8f);
+        c->a[u & 3] += t * (sc[u] * dx[2 * u]);
+    }
+#endif
+}
+
 /* Q6_K: values q - 32, q of 6 bits (the 4-bit plane's, the high two from qh: bits 4 (u % 2) and
  * 4 (u % 2) + 2 of qh[16 (u / 2) + k] for unit u's elements k and 16 + k); group g = 2 u + half
  * has the int8 scale sc[u + 8 half]. A block's sum: d sum_g sc_g (dx_g (q . xq)_g - 32 s_g). */
@@ -1089,6 +1135,7 @@ NO_TAIL(q2_k8)
 NO_TAIL(q3_k8)
 NO_TAIL(q4_k8)
 NO_TAIL(q6_k8)
+NO_TAIL(q5_k8)
 NO_TAIL(iq4_xs8)
 /* IQ4_NL's and MXFP4's pairs of blocks: a row of an odd number of blocks ends in one, taken by
  * the float kernel over the int8 input's values, as the pairs read it */
@@ -1178,7 +1225,11 @@ DOTS_I8(q4_k8, 256)
 #else
 DOTS(q4_k, 256)
 #endif
+#if I8
+DOTS_I8(q5_k8, 256)
+#else
 DOTS(q5_k, 256)
+#endif
 #if I8
 DOTS_I8(q6_k8, 256)
 #else
@@ -1240,7 +1291,11 @@ static const qtype_info TYPES[] = {
 #else
     {T_Q4_K, 256, 5, {128, 8, 8, 2, 2}, FNS(q4_k), 0},
 #endif
-    {T_Q5_K, 256, 5, {128, 32, 8, 8, 4}, FNS(q5_k)},
+#if I8
+    {T_Q5_K, 256, 5, {128, 32, 8, 8, 4}, FNS(q5_k8), 1},
+#else
+    {T_Q5_K, 256, 5, {128, 32, 8, 8, 4}, FNS(q5_k), 0},
+#endif
 #if I8
     {T_Q6_K, 256, 4, {128, 64, 16, 2}, FNS(q6_k8), 1},
 #else

@@ -40,7 +40,8 @@ TOL = 1e-4  # relative error of y against the float64 reference
 # rounded to 8 bits a value (a unit of 32 on one scale) put ~1% into y (0.8-1.4% measured on
 # these tests' experts); a kernel reading the wrong bytes is off by ~100%
 TOL_INT8 = 3e-2
-INT8_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4]  # x86: AVX2, AVX-512BW
+# where x86 has AVX2 or AVX-512BW
+INT8_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4]
 
 
 def tol(qtype: Q) -> float:
