@@ -786,75 +786,66 @@ INLINE __m256i levels8(const float *lv) {
 INLINE __m256i lookup(__m256i levels, __m256i idx) { return _mm256_shuffle_epi8(levels, idx); }
 #endif
 
-/* Q4_K: a block's sum is sum_u d sc[u] dx_u (q . xq)_u - dm sum_u mn[u] (s_2u + s_2u+1) */
-INLINE void blk_q4_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
-    const uint8_t *qs = p[0] + 128 * b;
-    const float d = ld_f16(p[3] + 2 * b), dm = ld_f16(p[4] + 2 * b);
+/* Q4_K: a block's sum is sum_u d sc[u] dx_u (q . xq)_u - dm sum_u mn[u] (s_2u + s_2u+1); Q5_K's
+ * the same with q's fifth bit (qh; NULL: Q4_K): bit i of the little-endian uint32 at qh[4 u] is
+ * element i of unit u's */
+INLINE void k45_8(const uint8_t *qs, const uint8_t *qh, float d, float dm, const uint8_t *sc,
+                  const uint8_t *mn, const xq_t *in, int b, acc_t *c) {
     const float *dx = in->d + 16 * b, *sx = in->s + 16 * b;
     const int8_t *xq = in->q + 256 * b;
-    const v8f sc = d * u8f(p[1] + 8 * b), mn = dm * u8f(p[2] + 8 * b);
+    const v8f s = d * u8f(sc), m = dm * u8f(mn);
 #if I8 == 16
-    c->a[0] -= twice(mn) * ldf(sx);
-    const vf f = twice(sc) * ldf(dx);
-#pragma GCC unroll 4
-    for (int w = 0; w < 4; w++) units4(nibbles(qs + 32 * w), xq, w, f, 0, c);
-#else
-    const v8i lo = {0, 0, 1, 1, 2, 2, 3, 3}, hi = lo + 4;
-    c->a[0] -= __builtin_shuffle(mn, lo) * ldf(sx);
-    c->a[1] -= __builtin_shuffle(mn, hi) * ldf(sx + 8);
-#pragma GCC unroll 8
-    for (int u = 0; u < 8; u++) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * u));
-        const v8f t = __builtin_convertvector(dot4(nibbles(qs + 16 * u), x), v8f);
-        c->a[u & 3] += t * (sc[u] * dx[2 * u]);
-    }
-#endif
-}
-
-/* Q5_K (qs 128, qh 32, sc 8, mn 8, dd 4): Q4_K's sum, q with its fifth bit: bit i of the
- * little-endian uint32 at qh[4 u] is element i of unit u's */
-INLINE void blk_q5_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
-    const uint8_t *qs = p[0] + 128 * b, *qh = p[1] + 32 * b;
-    const float d = ld_f16(p[4] + 4 * b), dm = ld_f16(p[4] + 4 * b + 2);
-    const float *dx = in->d + 16 * b, *sx = in->s + 16 * b;
-    const int8_t *xq = in->q + 256 * b;
-    const v8f sc = d * u8f(p[2] + 8 * b), mn = dm * u8f(p[3] + 8 * b);
-#if I8 == 16
-    c->a[0] -= twice(mn) * ldf(sx);
-    const vf f = twice(sc) * ldf(dx);
+    c->a[0] -= twice(m) * ldf(sx);
+    const vf f = twice(s) * ldf(dx);
     const __m512i sixteen = _mm512_set1_epi8(16);
 #pragma GCC unroll 4
     for (int w = 0; w < 4; w++) {
-        /* units 2 w and 2 w + 1's bits as one mask in units4's chunk order: elements 0-15 of
-         * each, then 16-31 of each */
-        uint64_t h;
-        memcpy(&h, qh + 8 * w, 8);
-        const uint64_t m = (h & 0xffffu) | (h >> 32 & 0xffffu) << 16 | (h >> 16 & 0xffffu) << 32 |
-                           (h >> 48) << 48;
-        const __m512i n = nibbles(qs + 32 * w);
-        units4(_mm512_mask_add_epi8(n, (__mmask64)m, n, sixteen), xq, w, f, 0, c);
+        __m512i q = nibbles(qs + 32 * w);
+        if (qh) {
+            /* units 2 w and 2 w + 1's bits as one mask in units4's chunk order: elements 0-15
+             * of each, then 16-31 of each */
+            uint64_t h;
+            memcpy(&h, qh + 8 * w, 8);
+            const uint64_t k = (h & 0xffffu) | (h >> 32 & 0xffffu) << 16 |
+                               (h >> 16 & 0xffffu) << 32 | (h >> 48) << 48;
+            q = _mm512_mask_add_epi8(q, (__mmask64)k, q, sixteen);
+        }
+        units4(q, xq, w, f, 0, c);
     }
 #else
     const v8i lo = {0, 0, 1, 1, 2, 2, 3, 3}, hi = lo + 4;
-    c->a[0] -= __builtin_shuffle(mn, lo) * ldf(sx);
-    c->a[1] -= __builtin_shuffle(mn, hi) * ldf(sx + 8);
-    /* a unit's 32 bits, byte k % 8 of lane k's byte k / 8, tested bit by bit: 16 where set */
+    c->a[0] -= __builtin_shuffle(m, lo) * ldf(sx);
+    c->a[1] -= __builtin_shuffle(m, hi) * ldf(sx + 8);
+    /* a unit's 32 bits: lane k takes byte k / 8 and tests its bit k % 8; 16 where set */
     const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
                                           2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
 #pragma GCC unroll 8
     for (int u = 0; u < 8; u++) {
-        uint32_t h;
-        memcpy(&h, qh + 4 * u, 4);
-        const __m256i by = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), pick);
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(by, bit), bit);
-        const __m256i q = _mm256_or_si256(nibbles(qs + 16 * u),
-                                          _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        __m256i q = nibbles(qs + 16 * u);
+        if (qh) {
+            uint32_t h;
+            memcpy(&h, qh + 4 * u, 4);
+            const __m256i by = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), pick);
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(by, bit), bit);
+            q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        }
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * u));
         const v8f t = __builtin_convertvector(dot4(q, x), v8f);
-        c->a[u & 3] += t * (sc[u] * dx[2 * u]);
+        c->a[u & 3] += t * (s[u] * dx[2 * u]);
     }
 #endif
+}
+
+INLINE void blk_q4_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    k45_8(p[0] + 128 * b, NULL, ld_f16(p[3] + 2 * b), ld_f16(p[4] + 2 * b), p[1] + 8 * b,
+          p[2] + 8 * b, in, b, c);
+}
+
+/* (Q5_K's planes: qs 128, qh 32, sc 8, mn 8, dd 4) */
+INLINE void blk_q5_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    k45_8(p[0] + 128 * b, p[1] + 32 * b, ld_f16(p[4] + 4 * b), ld_f16(p[4] + 4 * b + 2),
+          p[2] + 8 * b, p[3] + 8 * b, in, b, c);
 }
 
 /* Q6_K: values q - 32, q of 6 bits (the 4-bit plane's, the high two from qh: bits 4 (u % 2) and
@@ -1220,51 +1211,28 @@ INLINE xq_t xq_at(const xq_t *q, int e, int cols) {
 #define DOTS(T, BLOCK) DOTS_(T, BLOCK, PASS(x, xs), PASS(xe, se))
 #define DOTS_I8(T, BLOCK) DOTS_(T, BLOCK, q, &qe)
 #define PASS(a, b) a, b
+/* a type with an integer kernel: that one where the machine has it (its blocks taken BLOCK8
+ * elements at a time), else the float one; EITHER names the chosen three in TYPES */
 #if I8
-DOTS_I8(q4_k8, 256)
+#define DOTS_EITHER(T, BLOCK, BLOCK8) DOTS_I8(T##8, BLOCK8)
+#define EITHER(T) FNS(T##8), 1
 #else
-DOTS(q4_k, 256)
+#define DOTS_EITHER(T, BLOCK, BLOCK8) DOTS(T, BLOCK)
+#define EITHER(T) FNS(T), 0
 #endif
-#if I8
-DOTS_I8(q5_k8, 256)
-#else
-DOTS(q5_k, 256)
-#endif
-#if I8
-DOTS_I8(q6_k8, 256)
-#else
-DOTS(q6_k, 256)
-#endif
-#if I8
-DOTS_I8(iq4_xs8, 256)
-#else
-DOTS(iq4_xs, 256)
-#endif
+DOTS_EITHER(q4_k, 256, 256)
+DOTS_EITHER(q5_k, 256, 256)
+DOTS_EITHER(q6_k, 256, 256)
+DOTS_EITHER(iq4_xs, 256, 256)
 DOTS(q8_0, 32)
 DOTS(q4_0, 32)
 DOTS(q4_1, 32)
 DOTS(q5_0, 32)
 DOTS(q5_1, 32)
-#if I8
-DOTS_I8(iq4_nl8, 64)
-#else
-DOTS(iq4_nl, 32)
-#endif
-#if I8
-DOTS_I8(mxfp48, 64)
-#else
-DOTS(mxfp4, 32)
-#endif
-#if I8
-DOTS_I8(q2_k8, 256)
-#else
-DOTS(q2_k, 256)
-#endif
-#if I8
-DOTS_I8(q3_k8, 256)
-#else
-DOTS(q3_k, 256)
-#endif
+DOTS_EITHER(iq4_nl, 32, 64)
+DOTS_EITHER(mxfp4, 32, 64)
+DOTS_EITHER(q2_k, 256, 256)
+DOTS_EITHER(q3_k, 256, 256)
 DOTS(iq3_xxs, 256)
 DOTS(iq3_s, 256)
 DOTS(f32, H)
@@ -1286,51 +1254,19 @@ typedef struct {
 
 #define FNS(T) dot1_##T, dot2_##T, dotw_##T
 static const qtype_info TYPES[] = {
-#if I8
-    {T_Q4_K, 256, 5, {128, 8, 8, 2, 2}, FNS(q4_k8), 1},
-#else
-    {T_Q4_K, 256, 5, {128, 8, 8, 2, 2}, FNS(q4_k), 0},
-#endif
-#if I8
-    {T_Q5_K, 256, 5, {128, 32, 8, 8, 4}, FNS(q5_k8), 1},
-#else
-    {T_Q5_K, 256, 5, {128, 32, 8, 8, 4}, FNS(q5_k), 0},
-#endif
-#if I8
-    {T_Q6_K, 256, 4, {128, 64, 16, 2}, FNS(q6_k8), 1},
-#else
-    {T_Q6_K, 256, 4, {128, 64, 16, 2}, FNS(q6_k), 0},
-#endif
-#if I8
-    {T_IQ4_XS, 256, 4, {128, 8, 2, 0}, FNS(iq4_xs8), 1},
-#else
-    {T_IQ4_XS, 256, 4, {128, 8, 2, 0}, FNS(iq4_xs), 0},
-#endif
+    {T_Q4_K, 256, 5, {128, 8, 8, 2, 2}, EITHER(q4_k)},
+    {T_Q5_K, 256, 5, {128, 32, 8, 8, 4}, EITHER(q5_k)},
+    {T_Q6_K, 256, 4, {128, 64, 16, 2}, EITHER(q6_k)},
+    {T_IQ4_XS, 256, 4, {128, 8, 2, 0}, EITHER(iq4_xs)},
     {T_Q8_0, 32, 2, {32, 2}, FNS(q8_0)},
     {T_Q4_0, 32, 2, {16, 2}, FNS(q4_0)},
     {T_Q4_1, 32, 3, {16, 2, 2}, FNS(q4_1)},
     {T_Q5_0, 32, 3, {16, 4, 2}, FNS(q5_0)},
     {T_Q5_1, 32, 4, {16, 4, 2, 2}, FNS(q5_1)},
-#if I8
-    {T_IQ4_NL, 32, 3, {16, 2, 0}, FNS(iq4_nl8), 1},
-#else
-    {T_IQ4_NL, 32, 3, {16, 2, 0}, FNS(iq4_nl), 0},
-#endif
-#if I8
-    {T_MXFP4, 32, 3, {16, 1, 0}, FNS(mxfp48), 1},
-#else
-    {T_MXFP4, 32, 3, {16, 1, 0}, FNS(mxfp4), 0},
-#endif
-#if I8
-    {T_Q2_K, 256, 4, {64, 16, 2, 2}, FNS(q2_k8), 1},
-#else
-    {T_Q2_K, 256, 4, {64, 16, 2, 2}, FNS(q2_k), 0},
-#endif
-#if I8
-    {T_Q3_K, 256, 4, {64, 32, 12, 2}, FNS(q3_k8), 1},
-#else
-    {T_Q3_K, 256, 4, {64, 32, 12, 2}, FNS(q3_k), 0},
-#endif
+    {T_IQ4_NL, 32, 3, {16, 2, 0}, EITHER(iq4_nl)},
+    {T_MXFP4, 32, 3, {16, 1, 0}, EITHER(mxfp4)},
+    {T_Q2_K, 256, 4, {64, 16, 2, 2}, EITHER(q2_k)},
+    {T_Q3_K, 256, 4, {64, 32, 12, 2}, EITHER(q3_k)},
     {T_IQ3_XXS, 256, 5, {64, 32, 2, 0, 0}, FNS(iq3_xxs)},
     {T_IQ3_S, 256, 4, {64, 44, 2, 0}, FNS(iq3_s)},
     {T_F32, 1, 1, {4}, FNS(f32)},
