@@ -41,7 +41,7 @@ TOL = 1e-4  # relative error of y against the float64 reference
 # these tests' experts); a kernel reading the wrong bytes is off by ~100%
 TOL_INT8 = 3e-2
 # where x86 has AVX2 or AVX-512BW
-INT8_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4]
+INT8_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4, Q.IQ3_S]
 
 
 def tol(qtype: Q) -> float:
@@ -167,18 +167,23 @@ def test_supported_types_are_the_library_s_and_gguf_s_ids(lib) -> None:
 
 
 def test_the_grids_are_handed_in_once_and_a_wrong_size_is_refused(lib, rng) -> None:
-    """The grid types read float32 copies of their grids (``_set_grids``, at load); a call
-    with other sizes is refused and leaves them as they were."""
+    """The grid types read float32 copies of their grids (``_set_grids``, at load), and byte
+    copies for the integer kernels; a call with other sizes, or values that are not bytes, is
+    refused and leaves them as they were."""
     assert lib.strata_supported(int(Q.IQ3_S)) and lib.strata_supported(int(Q.IQ3_XXS))
     zeros = np.zeros(512 * 4, dtype=np.float32)
     p = zeros.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
     assert lib.strata_set_grids(p, 255, p, 512) == 0
     assert lib.strata_set_grids(p, 256, p, 511) == 0
+    for bad in (0.5, -1.0, 256.0, float("nan")):
+        zeros[7] = bad
+        assert lib.strata_set_grids(p, 256, p, 512) == 0, bad
     ex = experts(Q.IQ3_S, Q.IQ3_XXS, 256, 256, 3, rng)
     job = CpuExperts(2).job(ex.layout, kmax=2, pin=False)
     fill(job, ex, [2, 0], base=ex.arena.data_ptr(), seed=3)
     job.run()
-    assert rel_err(job.y, ex.reference([2, 0], job.wts, job.h)) < TOL, "the grids changed"
+    want = max(tol(Q.IQ3_S), tol(Q.IQ3_XXS))
+    assert rel_err(job.y, ex.reference([2, 0], job.wts, job.h)) < want, "the grids changed"
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
