@@ -1411,8 +1411,9 @@ static void quantize_units(const float *x, int64_t lo, int64_t hi, int8_t *q, fl
         float amax = 0.0f;
         int finite = 1;
         for (int i = 0; i < 32; i++) {
-            amax = fmaxf(amax, fabsf(xj[i]));
-            finite &= fabsf(xj[i]) <= 3.4028235e38f; /* (fmaxf passes over a NaN) */
+            const float a = fabsf(xj[i]);
+            amax = a > amax ? a : amax; /* (passes over a NaN: the next line finds it) */
+            finite &= a <= 3.4028235e38f;
         }
         int sum[2] = {0, 0};
         float dx = amax / 127.0f;
