@@ -125,6 +125,22 @@ class CpuShare:
     def on(self) -> bool:
         return self.cpu is not None
 
+    def path_note(self, sharing: bool) -> str:
+        """The decode path's words for the share (empty when off): how much, whether any expert
+        is in RAM now (``sharing``), and the types whose CPU kernels read an int8 input."""
+        if self.cpu is None:
+            return ""
+        from strata.engine.kernels import cpu_experts
+
+        note = f"; the CPU computes {self.share:.0%} of the chosen experts in RAM"
+        types = {lay.qtype for slot in self.geometry.slot_layouts for lay in slot.layouts}
+        int8 = sorted(t.name for t in types if cpu_experts.int8_input(t))
+        if int8:
+            note += f" ({', '.join(int8)} with an int8 input, as llama.cpp's CPU kernels)"
+        if not sharing:
+            note += " (none is in RAM now: every expert has a VRAM slot)"
+        return note
+
     def set(self, share: float, threads: int, tier: HostTier | None) -> None:
         """Let the CPU compute ``share`` (0 to 1) of each layer's chosen RAM experts on
         ``threads`` threads; 0: none. Where the CPU kernels cannot run here (no C compiler, a

@@ -535,11 +535,7 @@ class GpuRunner(StageRunner):
         how = (
             "one CUDA graph per step" if self.graph is not None else f"eager ({self.graph_reason})"
         )
-        how += pdl_note(self.device)
-        if self.cpu.on:
-            how += f"; the CPU computes {self.cpu.share:.0%} of the chosen experts in RAM"
-            if not self.cpu_sharing:
-                how += " (none is in RAM now: every expert has a VRAM slot)"
+        how += pdl_note(self.device) + self.cpu.path_note(self.cpu_sharing)
         return f"fused Triton kernels, {how}{self.ops.cuts_changed()}"
 
     def prefill_path(self) -> str:

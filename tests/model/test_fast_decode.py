@@ -162,6 +162,8 @@ def test_the_cpus_share_of_the_ram_experts_keeps_the_numbers_and_is_counted(
     cpu = fast_runner(path, 0.5, host=True, cpu_share=share)
     _cpu_or_skip(cpu)
     tol = cpu_share_tol(cpu.gpu, 1e-5)
+    # the decode path says so (Q4_K_M on x86: "Q4_K, Q6_K with an int8 input")
+    assert ("with an int8 input" in cpu.gpu.decode_path()) == (tol > 1e-5)
     dec = cpu.gpu
     assert dec.mode == "cpu" and dec.tables.host_count > 0
     steps = {}
