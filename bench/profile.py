@@ -15,6 +15,8 @@ then reports:
   router with its routing, as the step runs it), its weights rotated over more than the L2
   holds, timed as a graph of launches; ``--sweep router,head`` times only those
   (``SWEPT``); with ``--no-decode`` the sweep runs without the decode measurements before it.
+  The matrices behind an RMSNorm (q/k/v, the router, the head) are timed too with the norm a
+  launch of its own before a plain matvec (rows "qkv+norm", ...: ``split_norm``).
 
 With dependent launches on (``STRATA_PDL``, ``docs/gpu-decode.md``) a launch's programs wait on
 the GPU for the launch before, and the profiler counts that wait in the launch's time: the
@@ -333,6 +335,7 @@ def sweep(
     """Each decode kernel family on the model's shapes (those named in ``only``), weights
     rotated past the L2; ``on_row`` hears of each row as it is measured (a sweep cut short
     by a time limit keeps what it printed)."""
+    from strata.bench.split_norm import rms_norm
     from strata.engine.kernels import matvec as mv
     from strata.engine.kernels import moe
 
@@ -412,6 +415,19 @@ def sweep(
                 for s in sets
             ]
             timed(fns, nbytes, label, **asdict(t))
+        if norm is not None:  # the norm a launch of its own, then the plain matvec over it
+            h = torch.empty_like(xin)
+            for t in [Tune(bn, nw) for bn, nw in SPLIT_CONFIGS]:
+                fns = [
+                    (
+                        lambda s=s, t=t, y=y, xin=xin, norm=norm, h=h, rt=routed: (
+                            rms_norm(xin, norm, 1e-6, h),
+                            mv.matvec(y, h, s, route=rt, **t.kw()),
+                        )
+                    )
+                    for s in sets
+                ]
+                timed(fns, nbytes, f"{label}+norm", **asdict(t))
     # the experts: k chosen of a layer's arena slots, rotated over layers' tables
     lay = dec.geometry.slot_layouts[-1]
     wts = torch.full((r.n_used,), 1.0 / r.n_used, device="cuda")
@@ -448,6 +464,9 @@ def sweep(
 # bytes, for the small dense matrices of a decode step
 CONFIGS = ((1, None), (2, None), (4, None), (8, None), (4, 4), (4, 8), (8, 4), (8, 8), (16, 4),
            (16, 8), (32, 8))  # fmt: skip
+# and the matrices behind a norm with the norm a launch of its own (``split_norm``): each of
+# these cuts timed as that launch and the matvec over its output (rows "qkv+norm", ...)
+SPLIT_CONFIGS = ((4, 8), (8, None), (8, 8), (16, 4), (16, 8), (32, 8))
 # and for the router, whose last program routes: in one warp the routing's reductions cross no
 # warps (compiled for sm_90 under Triton 3.6, Qwen3-30B-A3B's router with its routing has 34
 # barriers at 8 warps and 3 at 1; the matvec alone 5 and 0)
