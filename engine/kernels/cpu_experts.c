@@ -611,10 +611,11 @@ INLINE void blk_q3_k(const uint8_t *const *p, int b, const float *x, const float
 }
 
 /* -- the integer kernels ---------------------------------------------------------------------
- * Against the input quantised to int8 (xq_t), a group of 16 weights' small unsigned integers
- * times its 16 input bytes is summed exactly in int32 (x86's u8 x s8 dot products: AVX-512's
- * VNNI, else AVX-512BW's or AVX2's multiply-adds), then scaled once in float: the group's weight
- * scale times the unit's input scale. llama.cpp computes its CPU K-quants so (its q8_K input);
+ * Against the input quantised to int8 (xq_t), a group of 16 weights' small integers (unsigned;
+ * the level types' signed, their signs moved onto the input) times its 16 input bytes is summed
+ * exactly in int32 (x86's u8 x s8 dot products: AVX-512's VNNI, else AVX-512BW's or AVX2's
+ * multiply-adds), then scaled once in float: the group's weight scale times the unit's input
+ * scale. llama.cpp computes its CPU K-quants so (its q8_K input);
  * here a unit of 32 has its own scale, and the K-quants' mins and offsets take the quantised
  * input's group sums. Where none of those instructions is there, the float kernels stay. */
 #if defined(STRATA_FLOAT_ONLY) /* (for measuring the two against each other) */
@@ -652,7 +653,7 @@ INLINE v8i dot4(__m256i u, __m256i s) {
 }
 #endif
 
-/* Units 0-7 of a 256-block of x's bytes: lo u of 0-3 beside 4 + u (AVX-512), or unit u. */
+/* x's bytes of units u and 4 + u of a 256-block side by side (Q2_K's and Q3_K's order) */
 #if I8 == 16
 INLINE __m512i x_pair(const int8_t *xq, int u) {
     const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + 32 * u));
@@ -723,8 +724,8 @@ INLINE void blk_q2_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) 
 
 /* The 4-bit planes (Q4_K's, Q6_K's low bits): a unit's 16 bytes hold its elements 0-15 in their
  * low nibbles and 16-31 in their high. With 16 lanes a step takes units 2 w and 2 w + 1: their
- * values as 64 bytes, elements 0-15 of each, then 16-31 of each (its dot4 lanes 4 c .. 4 c + 3
- * are of group 4 w + SPREAD[c]), beside x's bytes in that order. */
+ * values as 64 bytes, elements 0-15 of each, then 16-31 of each (chunk c of 16 bytes, dot4's
+ * lanes 4 c .. 4 c + 3, is of group 4 w + (0, 2, 1, 3)[c]), beside x's bytes in that order. */
 #if I8 == 16
 INLINE __m512i nibbles(const uint8_t *q) {
     const __m256i v = _mm256_loadu_si256((const __m256i *)q), m = _mm256_set1_epi8(15);
