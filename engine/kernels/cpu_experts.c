@@ -1225,17 +1225,13 @@ NO_TAIL(iq3_xxs)
 NO_TAIL(iq3_s)
 
 /* Per type, from its block function:
- * dot1: one row's dot product with x;
- * dot2: two rows of one type with the same x in one pass (an expert's gate and up rows);
- * dotw: the sum over e < n of w[e] * (row p[e] . x + e * cols): one output row of down against
- *       the n experts' activations. */
+ * dot1: one row's dot product with x (down's rows, and gate's and up's of two types);
+ * dot2: two rows of one type with the same x in one pass (an expert's gate and up rows). */
 typedef const uint8_t *planes_t[STRATA_MAX_PLANES];
 typedef float (*dot1_fn)(const uint8_t *const *p, int cols, const float *x, const float *xs,
                          const xq_t *q);
 typedef void (*dot2_fn)(const uint8_t *const *pa, const uint8_t *const *pb, int cols,
                         const float *x, const float *xs, const xq_t *q, float *out);
-typedef float (*dotw_fn)(const planes_t *p, int n, int cols, const float *x, const float *xs,
-                         const xq_t *q, const float *w);
 
 /* the quantised input of expert e's part (cols elements a part) */
 INLINE xq_t xq_at(const xq_t *q, int e, int cols) {
@@ -1244,9 +1240,9 @@ INLINE xq_t xq_at(const xq_t *q, int e, int cols) {
     return (xq_t){q->q + at, q->d + at / 16, q->s + at / 16};
 }
 
-/* The three from a block function of the float input (x and its unit sums; q unread), or with
- * I8 from one of the quantised input (x unread). */
-#define DOTS_(T, BLOCK, ARGS, ARGS_E)                                                         \
+/* The two from a block function of the float input (x and its unit sums; q unread), or with
+ * I8 from one of the quantised input (x unread but by a pair type's last block). */
+#define DOTS_(T, BLOCK, ARGS)                                                                 \
     static float dot1_##T(const uint8_t *const *p, int cols, const float *x, const float *xs, \
                           const xq_t *q) {                                                    \
         (void)x, (void)xs, (void)q;                                                           \
@@ -1266,28 +1262,10 @@ INLINE xq_t xq_at(const xq_t *q, int e, int cols) {
         }                                                                                     \
         out[0] = acc_sum(&a) + tail_##T(pa, nb * (BLOCK), cols, x, q);                        \
         out[1] = acc_sum(&c) + tail_##T(pb, nb * (BLOCK), cols, x, q);                        \
-    }                                                                                         \
-    static float dotw_##T(const planes_t *p, int n, int cols, const float *x, const float *xs, \
-                          const xq_t *q, const float *w) {                                    \
-        (void)x, (void)xs, (void)q;                                                           \
-        vf all = {0};                                                                         \
-        v8f mins = {0};                                                                       \
-        float tail = 0.0f;                                                                    \
-        const int nb = cols / (BLOCK);                                                        \
-        for (int e = 0; e < n; e++) {                                                         \
-            const float *xe = x + (int64_t)e * cols, *se = xs + (int64_t)e * (cols / 32);      \
-            const xq_t qe = q ? xq_at(q, e, cols) : (xq_t){0};                                \
-            (void)xe, (void)se, (void)qe;                                                     \
-            acc_t c = {0};                                                                    \
-            for (int b = 0; b < nb; b++) blk_##T(p[e], b, ARGS_E, &c);                        \
-            all += w[e] * ((c.a[0] + c.a[1]) + (c.a[2] + c.a[3]));                            \
-            mins += w[e] * c.m;                                                               \
-            tail += w[e] * tail_##T(p[e], nb * (BLOCK), cols, xe, &qe);                       \
-        }                                                                                     \
-        return hsum(all) - hsum8(mins) + tail;                                                \
     }
-#define DOTS(T, BLOCK) DOTS_(T, BLOCK, PASS(x, xs), PASS(xe, se))
-#define DOTS_I8(T, BLOCK) DOTS_(T, BLOCK, q, &qe)
+
+#define DOTS(T, BLOCK) DOTS_(T, BLOCK, PASS(x, xs))
+#define DOTS_I8(T, BLOCK) DOTS_(T, BLOCK, q)
 #define PASS(a, b) a, b
 /* a type with an integer kernel: that one where the machine has it (its blocks taken BLOCK8
  * elements at a time), else the float one; EITHER names the chosen three in TYPES */
@@ -1326,11 +1304,10 @@ typedef struct {
     int32_t bytes[STRATA_MAX_PLANES];
     dot1_fn dot1;
     dot2_fn dot2;
-    dotw_fn dotw;
     int32_t i8; /* 1: its kernels read the input quantised (xq_t), not x */
 } qtype_info;
 
-#define FNS(T) dot1_##T, dot2_##T, dotw_##T
+#define FNS(T) dot1_##T, dot2_##T
 static const qtype_info TYPES[] = {
     {T_Q4_K, 256, 5, {128, 8, 8, 2, 2}, EITHER(q4_k)},
     {T_Q5_K, 256, 5, {128, 32, 8, 8, 4}, EITHER(q5_k)},
@@ -1555,26 +1532,32 @@ static void phase1(const strata_pool *pool, const strata_job *job, int lo, int h
                        (float *)pool->aq.s);
 }
 
-/* Phase 2: y[r] for rows [lo, hi) of down, up to 16 experts at a time. */
+/* Phase 2: y[r] for rows [lo, hi) of down: expert by expert, each one's rows in order (its
+ * planes read as a few sequential streams; row by row across the experts they were 5 a chosen
+ * expert, more than the prefetchers follow), y[r] += wts[e] * (row r of expert e's down . act_e);
+ * each row's sum in the experts' order, whichever thread takes it. */
 static void phase2(const strata_pool *pool, const strata_job *job, int lo, int hi) {
     const qtype_info *td = type_info(job->down.qtype);
     const int F = job->F, n = pool->n;
-    planes_t pd[16];
-    for (int r = lo; r < hi; r++) {
-        float s = 0.0f;
-        for (int e0 = 0; e0 < n; e0 += 16) {
-            const int m = n - e0 < 16 ? n - e0 : 16;
-            for (int e = 0; e < m; e++)
-                row_planes(&job->down, td, slot_of(job, e0 + e), r, pd[e]);
-            const xq_t aq = xq_at(&pool->aq, e0, F);
-            s += td->dotw(pd, m, F, job->act + (int64_t)e0 * F, pool->asums + e0 * (F / 32),
-                          &aq, job->wts + e0);
+    int64_t step[STRATA_MAX_PLANES]; /* a row's bytes in each plane (0: a fixed plane) */
+    const int64_t nb = job->down.cols / td->block;
+    for (int i = 0; i < td->nplanes; i++) step[i] = nb * td->bytes[i];
+    for (int r = lo; r < hi; r++) job->y[r] = 0.0f;
+    for (int e = 0; e < n; e++) {
+        planes_t pd;
+        row_planes(&job->down, td, slot_of(job, e), lo, pd);
+        const xq_t aq = xq_at(&pool->aq, e, F);
+        const float *act = job->act + (int64_t)e * F, *sums = pool->asums + e * (F / 32);
+        const float w = job->wts[e];
+        for (int r = lo; r < hi; r++) {
+            job->y[r] += w * td->dot1(pd, F, act, sums, &aq);
+            for (int i = 0; i < td->nplanes; i++) pd[i] += step[i];
         }
-        if (job->bias_down) /* each expert's down bias times its weight */
-            for (int e = 0; e < n; e++)
-                s += job->wts[e] * job->bias_down[(int64_t)job->ids[e] * job->D + r];
-        job->y[r] = s;
     }
+    if (job->bias_down) /* each expert's down bias times its weight */
+        for (int r = lo; r < hi; r++)
+            for (int e = 0; e < n; e++)
+                job->y[r] += job->wts[e] * job->bias_down[(int64_t)job->ids[e] * job->D + r];
 }
 
 INLINE void cpu_relax(void) {
