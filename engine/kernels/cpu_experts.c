@@ -532,9 +532,9 @@ INLINE void blk_q2_k(const uint8_t *const *p, int b, const float *x, const float
      * made as vectors. */
     float a[16], cm[16];
     for (int h = 0; h < 16; h += 8) {
-        const v8b s = ldb8(sc + h);
-        const v8f lo = __builtin_convertvector(__builtin_convertvector(s & 15, v8i), v8f);
-        const v8f hi = __builtin_convertvector(__builtin_convertvector(s >> 4, v8i), v8f);
+        const v8i s = __builtin_convertvector(ldb8(sc + h), v8i); /* (x86 has no byte shift) */
+        const v8f lo = __builtin_convertvector(s & 15, v8f);
+        const v8f hi = __builtin_convertvector(s >> 4, v8f);
         const v8f av = (4.0f * d) * lo, cv = av + dm * hi;
         memcpy(a + h, &av, sizeof av);
         memcpy(cm + h, &cv, sizeof cv);
@@ -695,13 +695,6 @@ INLINE void units2(const uint8_t *qs, const int8_t *xq, const v8f *f, const __m2
 }
 #endif
 
-/* a block's 16 group scales (bytes, low nibbles or as given) times the input's, as floats */
-#if I8 == 16
-#define GROUPS(v) b2f(v)
-#else
-#define GROUPS(v) __builtin_convertvector(__builtin_convertvector(v, v8i), v8f)
-#endif
-
 /* Q2_K: sum over a block = d sum_g sc[g] dx_g (q . xq)_g - dmin sum_g mn[g] s_g */
 INLINE void blk_q2_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
     const uint8_t *qs = p[0] + 64 * b, *sc = p[1] + 16 * b;
@@ -709,15 +702,16 @@ INLINE void blk_q2_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) 
     const float *dx = in->d + 16 * b, *sx = in->s + 16 * b;
 #if I8 == 16
     const vb s = ldb(sc);
-    c->a[3] -= (dm * GROUPS(shr16(s, 4) & 15)) * ldf(sx);
-    units2(qs, in->q + 256 * b, (d * GROUPS(s & 15)) * ldf(dx), NULL, c);
+    c->a[3] -= (dm * b2f(shr16(s, 4) & 15)) * ldf(sx);
+    units2(qs, in->q + 256 * b, (d * b2f(s & 15)) * ldf(dx), NULL, c);
 #else
-    v8f f[2];
-    for (int h = 0; h < 2; h++) {
-        const v8b s = ldb8(sc + 8 * h);
-        c->a[2 + h] -= (dm * GROUPS(s >> 4)) * ldf(sx + 8 * h);
-        f[h] = (d * GROUPS(s & 15)) * ldf(dx + 8 * h);
-    }
+    /* (the nibbles split as int32 lanes: AVX2 has no byte shift, and GCC made one of each) */
+    const v8i s0 = __builtin_convertvector(ldb8(sc), v8i);
+    const v8i s1 = __builtin_convertvector(ldb8(sc + 8), v8i);
+    c->a[2] -= (dm * __builtin_convertvector(s0 >> 4, v8f)) * ldf(sx);
+    c->a[3] -= (dm * __builtin_convertvector(s1 >> 4, v8f)) * ldf(sx + 8);
+    const v8f f[2] = {(d * __builtin_convertvector(s0 & 15, v8f)) * ldf(dx),
+                      (d * __builtin_convertvector(s1 & 15, v8f)) * ldf(dx + 8)};
     units2(qs, in->q + 256 * b, f, NULL, c);
 #endif
 }
