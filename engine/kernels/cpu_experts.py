@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import math
 import os
 import platform
 import shlex
@@ -430,8 +429,9 @@ def _mat(lay: RepackedLayout, offset: int) -> StrataMat:
 
 def int8_input(qtype: int) -> bool:
     """Whether this machine's kernels of ``qtype`` read their input quantised to int8 (a unit of
-    32 values on one scale, integer dot products: Q2_K where x86's AVX2 or AVX-512BW is there),
-    so their results differ from the float kernels' by that rounding of the input."""
+    32 values on one scale, integer dot products: the K-quants, the IQ4 types, MXFP4 and IQ3_S
+    where x86's AVX2 or AVX-512BW is there), so their results differ from the float kernels' by
+    that rounding of the input."""
     return bool(library().strata_int8_input(int(qtype)))
 
 
@@ -450,14 +450,12 @@ def row_dot(
         raise ValueError(f"want {lay.cols} contiguous float32 inputs, got {x.numel()} {x.dtype}")
     if not 0 <= row < lay.rows:
         raise ValueError(f"row {row} of a {lay.rows}-row matrix")
-    data = data.contiguous()
-    m = _mat(lay, 0)
-    fp = ctypes.POINTER(ctypes.c_float)
     lib = library() if lib is None else lib
-    out = lib.strata_dot(ctypes.byref(m), data.data_ptr(), row, ctypes.cast(x.data_ptr(), fp))
-    if math.isnan(out) and bool(torch.isfinite(x).all()):
-        raise ValueError(f"the CPU kernels do not compute {lay.qtype.name} rows of {lay.cols}")
-    return float(out)
+    if not lib.strata_supported(int(lay.qtype)):
+        raise ValueError(f"the CPU kernels do not compute {lay.qtype.name}")
+    data = data.contiguous()
+    xp = ctypes.cast(x.data_ptr(), ctypes.POINTER(ctypes.c_float))
+    return float(lib.strata_dot(ctypes.byref(_mat(lay, 0)), data.data_ptr(), row, xp))
 
 
 def request_offsets(D: int, kmax: int) -> tuple[int, int, int, int]:
