@@ -1520,10 +1520,11 @@ static void phase1(const strata_pool *pool, const strata_job *job, int lo, int h
         job->act[i] = job->oai ? swiglu_oai(gu[0], gu[1], job->alpha, job->limit)
                                : silu(gu[0]) * gu[1];
     }
-    unit_sums(job->act, lo / 32, hi / 32, pool->asums);
-    if (type_info(job->down.qtype)->i8)
+    if (pool->aq.q) /* down reads act quantised, else (the float kernels) its unit sums */
         quantize_units(job->act, lo / 32, hi / 32, (int8_t *)pool->aq.q, (float *)pool->aq.d,
                        (float *)pool->aq.s);
+    else
+        unit_sums(job->act, lo / 32, hi / 32, pool->asums);
 }
 
 /* Phase 2: y[r] for rows [lo, hi) of down: expert by expert, each one's rows in order (its
@@ -1751,7 +1752,8 @@ void strata_run_job(void *arg) {
     pool->aq = type_info(job->down.qtype)->i8
                    ? (xq_t){pool->bytes + 32 * hn, qf + 4 * hn, qf + 4 * hn + 2 * an}
                    : (xq_t){0};
-    unit_sums(job->h, 0, (int64_t)hn, pool->hsums);
+    if (!type_info(job->gate.qtype)->i8 || !type_info(job->up.qtype)->i8) /* a float kernel's */
+        unit_sums(job->h, 0, (int64_t)hn, pool->hsums);
     if (gi8)
         quantize_units(job->h, 0, (int64_t)hn, (int8_t *)pool->hq.q, (float *)pool->hq.d,
                        (float *)pool->hq.s);
