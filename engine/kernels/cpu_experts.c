@@ -1736,8 +1736,9 @@ void strata_run_job(void *arg) {
         if (more) pool->bytes = more, pool->bytes_cap = nbytes;
         if (!more) n = -1;
     }
-    if (!type_info(job->gate.qtype) || !type_info(job->up.qtype) || !type_info(job->down.qtype))
-        n = -1;
+    const qtype_info *tg = type_info(job->gate.qtype), *tu = type_info(job->up.qtype),
+                     *td = type_info(job->down.qtype);
+    if (!tg || !tu || !td) n = -1;
     if (n <= 0) { /* zeros; NaN for a type it cannot compute or scratch it could not allocate */
         for (int i = 0; i < job->D; i++) job->y[i] = n == 0 ? 0.0f : NAN;
         return;
@@ -1747,12 +1748,11 @@ void strata_run_job(void *arg) {
     pool->hsums = pool->sums;
     pool->asums = pool->sums + hn;
     float *qf = pool->sums + hn + an;
-    const int gi8 = type_info(job->gate.qtype)->i8 || type_info(job->up.qtype)->i8;
+    const int gi8 = tg->i8 || tu->i8;
     pool->hq = gi8 ? (xq_t){pool->bytes, qf, qf + 2 * hn} : (xq_t){0};
-    pool->aq = type_info(job->down.qtype)->i8
-                   ? (xq_t){pool->bytes + 32 * hn, qf + 4 * hn, qf + 4 * hn + 2 * an}
-                   : (xq_t){0};
-    if (!type_info(job->gate.qtype)->i8 || !type_info(job->up.qtype)->i8) /* a float kernel's */
+    pool->aq = td->i8 ? (xq_t){pool->bytes + 32 * hn, qf + 4 * hn, qf + 4 * hn + 2 * an}
+                      : (xq_t){0};
+    if (!tg->i8 || !tu->i8) /* a float kernel reads h's unit sums */
         unit_sums(job->h, 0, (int64_t)hn, pool->hsums);
     if (gi8)
         quantize_units(job->h, 0, (int64_t)hn, (int8_t *)pool->hq.q, (float *)pool->hq.d,
