@@ -189,13 +189,15 @@ def configure_gpu(runners: Sequence, model: MoEModel, options: EngineOptions,
 def time_cpu_share(runners: Sequence, options: EngineOptions,
                    step: Callable[[str], None] | None = None) -> None:  # fmt: skip
     """Time the automatic ``cpu_share`` for the experts in RAM now, on each runner that has
-    some: at load (``configure_gpu``), and again after a resize, where a load with that cache
-    would have chosen another share (a cache whole at load has nothing to time, and keeps the
-    start's); the bench does so at each budget. Run where no sequence's K/V matters (the timed
-    steps write rows of the first page). A pool that an earlier timing turned off (share 0)
-    starts again, with the CPU mode's graph, to be timed; one the machine refused (no C
-    compiler: ``cpu.reason``) is not asked again. A share the options fix, copies ahead, a
-    runner on the CPU or without experts in RAM: nothing. ``step`` hears of the timing."""
+    some: at load (``configure_gpu``; a cache whole at load has nothing to time, and keeps the
+    start's), and in the bench at each budget, where a load with that cache would have chosen
+    another share. The daemon keeps the load's share across resizes: a timing is a second or
+    two of the GPU's steps, just when a borrower has taken its memory. Run where no sequence's
+    K/V matters (the timed steps write rows of the first page). A pool that an earlier timing
+    turned off (share 0) starts again, with the CPU mode's graph, to be timed; one the machine
+    refused (no C compiler: ``cpu.reason``) is not asked again. A share the options fix, copies
+    ahead, a runner on the CPU or without experts in RAM: nothing. ``step`` hears of the
+    timing."""
     if options.cpu_share is not None or options.prefetch_experts:
         return
     todo = [r for r in runners if r.device.type == "cuda" and r.tables.host_count > 0]
