@@ -30,9 +30,10 @@
  * scale * (q . x) - min * (sum of the unit's x), the unit sums computed once per input vector,
  * not once per row. Equal to "dequantise, then multiply" up to float rounding (the Python tests
  * bound the difference). On x86 with AVX2 or AVX-512BW the K-quants (Q2_K to Q6_K), the IQ4
- * types, MXFP4 and IQ3_S instead read their input quantised to int8 (a unit of 32 on one scale,
- * once per input vector: quantize_units) and sum a group's weight-times-input products exactly in
- * int32 (see "the integer kernels"): 1.2-2.5 times the float kernels' speed, equal to
+ * types, MXFP4 and IQ3_S (and IQ3_XXS with AVX-512 VBMI) instead read their input quantised to
+ * int8 (a unit of 32 on one scale, once per input vector: quantize_units) and sum a group's
+ * weight-times-input products exactly in int32 (see "the integer kernels"): 1.2-2.5 times the
+ * float kernels' speed, equal to
  * "dequantise, then multiply" over the int8 input's values up to float rounding
  * (strata_int8_input says which; the tests check both). The results do not depend on the number
  * of threads: each row's arithmetic is the same whichever thread does it.
@@ -237,11 +238,21 @@ typedef struct {
 
 /* An input quantised to int8 for the integer dot products (the kernels with I8 in TYPES): each
  * unit of 32 values as round(x / dx) with dx = max |x| / 127, its own; d holds dx once per group
- * of 16 (twice a unit) and s each group's sum of the quantised values, dx * sum q. */
+ * of 16 (twice a unit) and s each group's sum of the quantised values, dx * sum q. With
+ * LEVEL_SUMS, n holds -128 times each 4 values' sum (int32), in the order the level types' dot
+ * products take x's bytes (x_nibbles: of each 64 values, 0-15, 32-47, 16-31, 48-63), so that
+ * (level + 128), unsigned, times x starts from it and sums to level times x exactly: one
+ * unsigned-by-signed VNNI dot product, not the sign moved onto x (level_dot). */
+#if !defined(STRATA_FLOAT_ONLY) && H == 16 && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LEVEL_SUMS 1
+#else
+#define LEVEL_SUMS 0
+#endif
 typedef struct {
-    const int8_t *q; /* [n] */
-    const float *d;  /* [n / 16] */
-    const float *s;  /* [n / 16] */
+    const int8_t *q;  /* [n] */
+    const float *d;   /* [n / 16] */
+    const float *s;   /* [n / 16] */
+    const int32_t *n; /* [n / 4] with LEVEL_SUMS, else NULL */
 } xq_t;
 
 /* the chain of unit u's step j */
@@ -627,6 +638,13 @@ INLINE void blk_q3_k(const uint8_t *const *p, int b, const float *x, const float
 #else
 #define I8 0
 #endif
+/* the grid types' values from their codes in registers (AVX-512 VBMI's byte and word lookups),
+ * not gathered: IQ3_S's integer kernel so, and IQ3_XXS's only so */
+#if I8 == 16 && defined(__AVX512VBMI__)
+#define GRID_CODES 1
+#else
+#define GRID_CODES 0
+#endif
 
 #if I8
 #include <immintrin.h>
@@ -732,24 +750,43 @@ INLINE __m512i x_nibbles(const int8_t *xq, int w) {
     return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
+/* xq_t's n from lane `at` on (NULL without LEVEL_SUMS: level_dot reads none) */
+INLINE const int32_t *level_sums(const xq_t *in, int at) {
+    return LEVEL_SUMS ? in->n + at : NULL;
+}
+
+#if LEVEL_SUMS
+/* A level type's values (levels looked up as level_bytes made them) times x's bytes at n's sums
+ * (xq_t): (level + 128) unsigned times x, started from -128 times x's sums, exactly level times
+ * x in int32 (VNNI's sum of 4 products does not saturate) */
+INLINE vi level_dot(__m512i w, __m512i x, const int32_t *n) {
+    return (vi)_mm512_dpbusd_epi32(_mm512_loadu_si512(n), w, x);
+}
+#else
 /* signed by signed: |w| times x with w's sign (|w|, |x| <= 127: a pair's sum fits int16) */
-INLINE vi sdot4(__m512i w, __m512i x) {
+INLINE vi level_dot(__m512i w, __m512i x, const int32_t *n) {
+    (void)n;
     const __mmask64 neg = _mm512_movepi8_mask(w);
     return dot4(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
 }
+#endif
 
-/* a step's groups: chunk c of the 64 bytes is of group 4 w + (0, 2, 1, 3)[c]; q signed with
- * SGN (the level types), else unsigned */
-INLINE void units4(__m512i q, const int8_t *xq, int w, vf f, int sgn, acc_t *c) {
+/* a step's groups: chunk c of the 64 bytes is of group 4 w + (0, 2, 1, 3)[c]; q unsigned, or
+ * with LV levels (the level types: level_dot, at the step's sums of x n) */
+INLINE void units4(__m512i q, const int8_t *xq, int w, vf f, int lv, const int32_t *n,
+                   acc_t *c) {
     const vi at = {0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3};
     const vf fw = (vf)_mm512_permutexvar_ps((__m512i)(at + 4 * w), (__m512)f);
     const __m512i x = x_nibbles(xq, w);
-    c->a[w] += __builtin_convertvector(sgn ? sdot4(q, x) : dot4(q, x), vf) * fw;
+    c->a[w] += __builtin_convertvector(lv ? level_dot(q, x, n) : dot4(q, x), vf) * fw;
 }
 
-/* 16 levels (floats holding integers of int8's range) as bytes, in each 128-bit lane */
+/* 16 levels (floats holding integers of int8's range) as bytes, in each 128-bit lane: with
+ * LEVEL_SUMS plus 128, unsigned (level_dot) */
 INLINE __m512i levels8(const float *lv) {
-    return _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_loadu_ps(lv))));
+    const __m512i b =
+        _mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_loadu_ps(lv))));
+    return LEVEL_SUMS ? _mm512_xor_si512(b, _mm512_set1_epi8((char)0x80)) : b;
 }
 
 INLINE __m512i lookup(__m512i levels, __m512i idx) { return _mm512_shuffle_epi8(levels, idx); }
@@ -805,7 +842,7 @@ INLINE void k45_8(const uint8_t *qs, const uint8_t *qh, float d, float dm, const
                                (h >> 16 & 0xffffu) << 32 | (h >> 48) << 48;
             q = _mm512_mask_add_epi8(q, (__mmask64)k, q, sixteen);
         }
-        units4(q, xq, w, f, 0, c);
+        units4(q, xq, w, f, 0, NULL, c);
     }
 #else
     const v8i lo = {0, 0, 1, 1, 2, 2, 3, 3}, hi = lo + 4;
@@ -872,7 +909,7 @@ INLINE void blk_q6_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) 
         const __m128i h4 = _mm_loadu_si128((const __m128i *)(qh + 16 * w));
         const __m512i h = _mm512_sllv_epi16(_mm512_broadcast_i32x4(h4), left);
         const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(h, right), m);
-        units4(_mm512_or_si512(nibbles(ql + 32 * w), hb), xq, w, f, 0, c);
+        units4(_mm512_or_si512(nibbles(ql + 32 * w), hb), xq, w, f, 0, NULL, c);
     }
 #else
     const v8i ab = {0, 8, 1, 9, 2, 10, 3, 11};
@@ -907,7 +944,8 @@ INLINE void blk_iq4_xs8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c
 #if I8 == 16
     const vf f = twice(ds) * ldf(dx);
 #pragma GCC unroll 4
-    for (int w = 0; w < 4; w++) units4(lookup(lv, nibbles(qs + 32 * w)), xq, w, f, 1, c);
+    for (int w = 0; w < 4; w++)
+        units4(lookup(lv, nibbles(qs + 32 * w)), xq, w, f, 1, level_sums(in, 64 * b + 16 * w), c);
 #else
 #pragma GCC unroll 8
     for (int u = 0; u < 8; u++) {
@@ -921,12 +959,14 @@ INLINE void blk_iq4_xs8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c
 /* IQ4_NL and MXFP4 (blocks of 32, one unit: qs 16, d 2 / e 1, lv), two blocks at a time (b: the
  * pair): each block's scale (d, or MXFP4's 2^(e - 128)) times its unit's dx. Into fixed chains:
  * one picked by b (not known when compiling) kept the sums in memory (MXFP4 8.4 -> 9.6 GB/s). */
-INLINE void pair_levels(const uint8_t *qs, const float *lv, float s0, float s1, const int8_t *xq,
-                        acc_t *c) {
+INLINE void pair_levels(const uint8_t *qs, const float *lv, float s0, float s1, const xq_t *in,
+                        int b, acc_t *c) {
+    const int8_t *xq = in->q + 64 * b;
 #if I8 == 16
     const vf f = (vf)_mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
     const __m512i w = lookup(levels8(lv), nibbles(qs));
-    c->a[0] += __builtin_convertvector(sdot4(w, x_nibbles(xq, 0)), vf) * f;
+    const vi t = level_dot(w, x_nibbles(xq, 0), level_sums(in, 16 * b));
+    c->a[0] += __builtin_convertvector(t, vf) * f;
 #else
     const __m256i t = levels8(lv);
     const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
@@ -939,13 +979,13 @@ INLINE void pair_levels(const uint8_t *qs, const float *lv, float s0, float s1, 
 INLINE void blk_iq4_nl8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
     const float *dx = in->d + 4 * b;
     const float s0 = ld_f16(p[1] + 4 * b) * dx[0], s1 = ld_f16(p[1] + 4 * b + 2) * dx[2];
-    pair_levels(p[0] + 32 * b, (const float *)p[2], s0, s1, in->q + 64 * b, c);
+    pair_levels(p[0] + 32 * b, (const float *)p[2], s0, s1, in, b, c);
 }
 
 INLINE void blk_mxfp48(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
     const float *dx = in->d + 4 * b;
     const float s0 = e8m0_half(p[1][2 * b]) * dx[0], s1 = e8m0_half(p[1][2 * b + 1]) * dx[2];
-    pair_levels(p[0] + 32 * b, (const float *)p[2], s0, s1, in->q + 64 * b, c);
+    pair_levels(p[0] + 32 * b, (const float *)p[2], s0, s1, in, b, c);
 }
 
 /* Q3_K: its values are (q | 4 h) - 4 (h the third bit), so a block's sum is
@@ -1000,18 +1040,51 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef float uv4f __attribute__((vector_size(16), aligned(1), may_alias));
 
 static float grid_iq3_xxs[256 * 4], grid_iq3_s[512 * 4];
-/* and IQ3_S's as bytes, a row's 4 values a word (its integer kernel gathers them) */
+/* IQ3_S's as bytes, a row's 4 values a word (its integer kernel gathers them without VBMI);
+ * and each grid's values (at most 8) and its rows as codes, 3 bits a value (its place among
+ * those), two values a byte: [0][r] values 0 and 1 of row r, [1][r] values 2 and 3 (the integer
+ * kernels with AVX-512 VBMI look the codes up in registers) */
 static uint32_t grid8_iq3_s[512];
+static uint8_t codes_iq3_xxs[2][256], codes_iq3_s[2][512];
+static uint8_t levels_iq3_xxs[16], levels_iq3_s[16];
 static atomic_int grids_set;
 
 INLINE int byte_valued(float v) { return v >= 0.0f && v <= 255.0f && v == (float)(int)v; }
 
+/* A grid's rows as codes (3 bits a value: its place among the grid's values, in levels), two
+ * a byte (codes[k / 2][r], value k at bit 3 (k % 2)): 0 if it has more than 8 values */
+static int grid_codes(const float *grid, int rows, uint8_t *codes, uint8_t *levels) {
+    int n = 0;
+    memset(levels, 0, 16);
+    for (int r = 0; r < rows; r++) {
+        codes[r] = codes[rows + r] = 0;
+        for (int k = 0; k < 4; k++) {
+            const uint8_t v = (uint8_t)grid[4 * r + k];
+            int at = 0;
+            while (at < n && levels[at] != v) at++;
+            if (at == n) {
+                if (n == 8) return 0;
+                levels[n++] = v;
+            }
+            codes[(k / 2) * rows + r] |= (uint8_t)(at << (3 * (k % 2)));
+        }
+    }
+    return 1;
+}
+
 /* Copy the float32 grids of IQ3_XXS (256 rows of 4) and IQ3_S (512 rows): 1 if their sizes
- * are these, else 0 and the grid types stay unsupported. */
+ * are these and their values bytes, 8 or fewer a grid; else 0, and the grids stay as they were
+ * (the grid types unsupported until a call succeeds). */
 int strata_set_grids(const float *iq3_xxs, int xxs_rows, const float *iq3_s, int s_rows) {
     if (xxs_rows != 256 || s_rows != 512) return 0;
-    for (int i = 0; i < 4 * 512; i++) /* the grids' values are integers 0..255 */
+    for (int i = 0; i < 4 * 512; i++) /* the grids' values are integers 0..255, 8 or fewer */
         if (!byte_valued(iq3_s[i]) || (i < 4 * 256 && !byte_valued(iq3_xxs[i]))) return 0;
+    uint8_t cx[2 * 256], cs[2 * 512], lx[16], ls[16];
+    if (!grid_codes(iq3_xxs, 256, cx, lx) || !grid_codes(iq3_s, 512, cs, ls)) return 0;
+    memcpy(codes_iq3_xxs, cx, sizeof cx);
+    memcpy(codes_iq3_s, cs, sizeof cs);
+    memcpy(levels_iq3_xxs, lx, sizeof lx);
+    memcpy(levels_iq3_s, ls, sizeof ls);
     memcpy(grid_iq3_xxs, iq3_xxs, sizeof grid_iq3_xxs);
     memcpy(grid_iq3_s, iq3_s, sizeof grid_iq3_s);
     for (int r = 0; r < 512; r++) {
@@ -1094,19 +1167,38 @@ INLINE void blk_iq3_s(const uint8_t *const *p, int b, const float *x, const floa
 }
 
 #if I8
-/* IQ3_S's integer kernel: a unit's 8 grid rows gathered as 32 bytes (its values in order), the
+/* The grid types' integer kernels: a unit's 8 grid rows as 32 bytes (its values in order), the
  * signs put on x's bytes (a bit an element), a unit's scale times its dx. 16 lanes: units 2 w
- * and 2 w + 1 a step, lanes 0-7 the first's. (idx: the 8 or 16 rows, sg: their sign bits.)
- * IQ3_XXS keeps its float kernel: so, with its four sign patterns a unit looked up, it ran at
- * 2.2 GB/s a thread against the float kernel's 2.7 (IQ3_S: 3.1 against 2.3). */
+ * and 2 w + 1 a step, lanes 0-7 the first's (g: their values; sg: their sign bits). The rows'
+ * values: with AVX-512 VBMI from their codes, looked up in registers (row_codes, code_values);
+ * else IQ3_S's gathered (idx: the 8 or 16 rows), and IQ3_XXS keeps its float kernel. Per thread
+ * on a Zen 4 core: IQ3_S 2.3 GB/s in float, 3.3 gathered, 4.5 from codes; IQ3_XXS 2.7 in
+ * float, 2.2-2.9 gathered or loaded row by row, 4.2-4.8 from codes (the gather alone took 60%
+ * of IQ3_S's time). */
 #if I8 == 16
-INLINE void grid_units(const uint32_t *grid, __m512i idx, uint64_t sg, const int8_t *xq,
-                       float s0, float s1, acc_t *c, int chain) {
-    const __m512i g = _mm512_i32gather_epi32(idx, (const void *)grid, 4);
+/* g: two units' values, 32 bytes each */
+INLINE void grid_units_f(__m512i g, uint64_t sg, const int8_t *xq, vf f, acc_t *c, int chain) {
     const __m512i x = _mm512_loadu_si512(xq);
     const __m512i sx = _mm512_mask_sub_epi8(x, (__mmask64)sg, _mm512_setzero_si512(), x);
-    const vf f = (vf)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
     c->a[chain] += __builtin_convertvector(dot4(g, sx), vf) * f;
+}
+
+INLINE void grid_units(__m512i g, uint64_t sg, const int8_t *xq, float s0, float s1, acc_t *c,
+                       int chain) {
+    const vf f = (vf)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+    grid_units_f(g, sg, xq, f, c, chain);
+}
+
+/* a block's 8 unit scales times their dx (dx: the block's 16, twice a unit), and those of step
+ * w's two units as lanes 0-7 and 8-15 */
+INLINE v8f unit_scales(v8f s, const float *dx) {
+    const vi even = {0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0};
+    return s * (v8f)_mm512_castps512_ps256(_mm512_permutexvar_ps((__m512i)even, ldf(dx)));
+}
+
+INLINE vf step_scales(v8f s, int w) {
+    const vi at = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+    return (vf)_mm512_permutexvar_ps((__m512i)(at + 2 * w), _mm512_castps256_ps512((__m256)s));
 }
 #else
 INLINE void grid_units(const uint32_t *grid, __m256i idx, uint32_t sg, const int8_t *xq,
@@ -1123,6 +1215,38 @@ INLINE void grid_units(const uint32_t *grid, __m256i idx, uint32_t sg, const int
 }
 #endif
 
+#if GRID_CODES
+/* A code byte of each of 64 grid rows (idx: the rows' low 8 bits, ninth: their bit 8 where
+ * the grid has 512): a two-register byte lookup for each 128 rows, picked by bits 7 and 8 */
+INLINE __m512i row_codes(const uint8_t *t, int rows, __m512i idx, __mmask64 ninth) {
+    const __mmask64 b7 = _mm512_test_epi8_mask(idx, _mm512_set1_epi8((char)0x80));
+    __m512i r[4];
+    for (int i = 0; i < rows / 128; i++)
+        r[i] = _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128 * i), idx,
+                                        _mm512_loadu_si512(t + 128 * i + 64));
+    __m512i out = _mm512_mask_mov_epi8(r[0], b7, r[1]);
+    if (rows == 512) out = _mm512_mask_mov_epi8(out, ninth, _mm512_mask_mov_epi8(r[2], b7, r[3]));
+    return out;
+}
+
+/* the values of rows 16 w .. 16 w + 15 as 64 bytes, from their code bytes (c01: values 0 and 1
+ * of 64 rows, c23: 2 and 3): each row's word as its bytes [c01, c01, c23, c23], each byte's
+ * value (bits 0-2, or 3-5 in the odd bytes) looked up among the levels */
+INLINE __m512i code_values(__m512i c01, __m512i c23, int w, const uint8_t *levels) {
+    const __m512i lane = _mm512_set_epi8(
+        79, 79, 15, 15, 78, 78, 14, 14, 77, 77, 13, 13, 76, 76, 12, 12, 75, 75, 11, 11, 74, 74,
+        10, 10, 73, 73, 9, 9, 72, 72, 8, 8, 71, 71, 7, 7, 70, 70, 6, 6, 69, 69, 5, 5, 68, 68, 4,
+        4, 67, 67, 3, 3, 66, 66, 2, 2, 65, 65, 1, 1, 64, 64, 0, 0);
+    const __m512i at = _mm512_add_epi8(lane, _mm512_set1_epi8((char)(16 * w)));
+    const __m512i word = _mm512_permutex2var_epi8(c01, at, c23), seven = _mm512_set1_epi8(7);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(word, 3), seven);
+    const __m512i code =
+        _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, _mm512_and_si512(word, seven), odd);
+    const __m512i lv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels));
+    return _mm512_shuffle_epi8(lv, code);
+}
+#endif
+
 /* IQ3_S: unit j's 8 indices at qs[8 j..] with their ninth bits in hs[j], its 32 sign bits at
  * hs[8 + 4 j..], its scale d (1 + 2 s), s nibble j % 2 of hs[40 + j / 2] */
 INLINE void blk_iq3_s8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
@@ -1130,6 +1254,23 @@ INLINE void blk_iq3_s8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c)
     const float d = ld_f16(p[2] + 2 * b);
     const float *dx = in->d + 16 * b;
     const int8_t *xq = in->q + 256 * b;
+#if GRID_CODES
+    const uint8_t *h4 = hs + 40;
+    const v8u nib = (v8u){h4[0], h4[0], h4[1], h4[1], h4[2], h4[2], h4[3], h4[3]} >>
+                    (v8u){0, 4, 0, 4, 0, 4, 0, 4} & 15;
+    const v8f sc = unit_scales(d * (1.0f + 2.0f * __builtin_convertvector(nib, v8f)), dx);
+    const __m512i idx = _mm512_loadu_si512(qs);
+    uint64_t ninth, sg[4];
+    memcpy(&ninth, hs, 8);
+    memcpy(sg, hs + 8, sizeof sg);
+    const __m512i c01 = row_codes(codes_iq3_s[0], 512, idx, ninth);
+    const __m512i c23 = row_codes(codes_iq3_s[1], 512, idx, ninth);
+#pragma GCC unroll 4
+    for (int w = 0; w < 4; w++) {
+        const __m512i g = code_values(c01, c23, w, levels_iq3_s);
+        grid_units_f(g, sg[w], xq + 64 * w, step_scales(sc, w), c, w);
+    }
+#else
     float sc[8];
     for (int j = 0; j < 8; j++)
         sc[j] = d * (float)(1 + 2 * ((hs[40 + j / 2] >> (4 * (j % 2))) & 15)) * dx[2 * j];
@@ -1141,7 +1282,8 @@ INLINE void blk_iq3_s8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c)
         idx = _mm512_mask_or_epi32(idx, high, idx, _mm512_set1_epi32(256));
         uint64_t sg;
         memcpy(&sg, hs + 8 + 8 * w, 8);
-        grid_units(grid8_iq3_s, idx, sg, xq + 64 * w, sc[2 * w], sc[2 * w + 1], c, w);
+        const __m512i g = _mm512_i32gather_epi32(idx, (const void *)grid8_iq3_s, 4);
+        grid_units(g, sg, xq + 64 * w, sc[2 * w], sc[2 * w + 1], c, w);
     }
 #else
     const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -1154,7 +1296,47 @@ INLINE void blk_iq3_s8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c)
         grid_units(grid8_iq3_s, idx, ld_u32(hs + 8 + 4 * j), xq + 32 * j, sc[j], c, j & 3);
     }
 #endif
+#endif
 }
+
+#if GRID_CODES
+/* IQ3_XXS's sign bits of a block's 8 units, 32 a unit, from each unit's word's four 7-bit
+ * patterns: a pattern's eighth bit makes its count of set bits even (the ks table's rule,
+ * computed for the 8 at once, not looked up 32 times) */
+INLINE v8u xxs_signs(v8u word) {
+    const v8u s = (word & 0x7f) | (word & 0x3f80) << 1 | (word & 0x1fc000) << 2 |
+                  (word & 0xfe00000) << 3;
+    v8u par = s ^ s >> 4;
+    par ^= par >> 2;
+    par ^= par >> 1;
+    return s | (par & 0x01010101u) << 7;
+}
+
+/* IQ3_XXS: unit j's 8 indices at qs[8 j..], its word (scale and sign patterns) at ss[4 j]; the
+ * values from the codes (the gathers, with or without AVX-512, and AVX2's sign lookups were no
+ * faster than the float kernel) */
+INLINE void blk_iq3_xxs8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const uint8_t *qs = p[0] + 64 * b, *ss = p[1] + 32 * b;
+    const float d = ld_f16(p[2] + 2 * b);
+    const float *dx = in->d + 16 * b;
+    const int8_t *xq = in->q + 256 * b;
+    v8u words;
+    memcpy(&words, ss, sizeof words);
+    const v8u signs = xxs_signs(words);
+    uint64_t sg[4];
+    memcpy(sg, &signs, sizeof sg);
+    const v8f sc = unit_scales((0.5f * d) * (0.5f + __builtin_convertvector(words >> 28, v8f)),
+                               dx);
+    const __m512i idx = _mm512_loadu_si512(qs);
+    const __m512i c01 = row_codes(codes_iq3_xxs[0], 256, idx, 0);
+    const __m512i c23 = row_codes(codes_iq3_xxs[1], 256, idx, 0);
+#pragma GCC unroll 4
+    for (int w = 0; w < 4; w++) {
+        const __m512i g = code_values(c01, c23, w, levels_iq3_xxs);
+        grid_units_f(g, sg[w], xq + 64 * w, step_scales(sc, w), c, w);
+    }
+}
+#endif
 #endif /* I8 */
 
 INLINE float el_f32(const uint8_t *w, int i) { return u2f(ld_u32(w + 4 * i)); }
@@ -1198,6 +1380,9 @@ NO_TAIL(q3_k8)
 NO_TAIL(q4_k8)
 NO_TAIL(q6_k8)
 NO_TAIL(iq3_s8)
+#if GRID_CODES
+NO_TAIL(iq3_xxs8)
+#endif
 NO_TAIL(q5_k8)
 NO_TAIL(iq4_xs8)
 /* IQ4_NL's and MXFP4's pairs of blocks: a row of an odd number of blocks ends in one, taken by
@@ -1231,7 +1416,7 @@ typedef void (*dot2_fn)(const uint8_t *const *pa, const uint8_t *const *pb, int 
 INLINE xq_t xq_at(const xq_t *q, int e, int cols) {
     if (!q->q) return (xq_t){0}; /* no kernel of the job reads it */
     const int64_t at = (int64_t)e * cols;
-    return (xq_t){q->q + at, q->d + at / 16, q->s + at / 16};
+    return (xq_t){q->q + at, q->d + at / 16, q->s + at / 16, q->n ? q->n + at / 4 : NULL};
 }
 
 /* The two from a block function of the float input (x and its unit sums; q unread), or with
@@ -1283,7 +1468,11 @@ DOTS_EITHER(iq4_nl, 32, 64)
 DOTS_EITHER(mxfp4, 32, 64)
 DOTS_EITHER(q2_k, 256, 256)
 DOTS_EITHER(q3_k, 256, 256)
+#if GRID_CODES
+DOTS_EITHER(iq3_xxs, 256, 256)
+#else
 DOTS(iq3_xxs, 256)
+#endif
 DOTS_EITHER(iq3_s, 256, 256)
 DOTS(f32, H)
 DOTS(f16, H)
@@ -1316,7 +1505,11 @@ static const qtype_info TYPES[] = {
     {T_MXFP4, 32, 3, {16, 1, 0}, EITHER(mxfp4)},
     {T_Q2_K, 256, 4, {64, 16, 2, 2}, EITHER(q2_k)},
     {T_Q3_K, 256, 4, {64, 32, 12, 2}, EITHER(q3_k)},
+#if GRID_CODES
+    {T_IQ3_XXS, 256, 5, {64, 32, 2, 0, 0}, EITHER(iq3_xxs)},
+#else
     {T_IQ3_XXS, 256, 5, {64, 32, 2, 0, 0}, FNS(iq3_xxs), 0},
+#endif
     {T_IQ3_S, 256, 4, {64, 44, 2, 0}, EITHER(iq3_s)},
     {T_F32, 1, 1, {4}, FNS(f32)},
     {T_F16, 1, 1, {2}, FNS(f16)},
@@ -1375,9 +1568,13 @@ static void unit_sums(const float *x, int64_t lo, int64_t hi, float *out) {
 }
 
 /* Units [lo, hi) of x (32 values each) quantised as xq_t describes, into q, d and s (indexed as
- * x is: unit j at q + 32 j, d + 2 j, s + 2 j). A unit holding a NaN or an infinity gets the scale
- * NaN (and zeros), so the products it enters are NaN, as the float kernels' would be. */
-static void quantize_units(const float *x, int64_t lo, int64_t hi, int8_t *q, float *d, float *s) {
+ * x is: unit j at q + 32 j, d + 2 j, s + 2 j) and, with LEVEL_SUMS, n (x is made of parts of
+ * `per` units each, a row's input: each part's 64-value steps start at its first unit; a part's
+ * last unit of an odd count, which the kernels take in float, gets none). A unit holding a NaN or
+ * an infinity gets the scale NaN (and zeros), so the products it enters are NaN, as the float
+ * kernels' would be. */
+static void quantize_units(const float *x, int64_t lo, int64_t hi, int64_t per, int8_t *q,
+                           float *d, float *s, int32_t *n) {
     for (int64_t j = lo; j < hi; j++) {
         const float *xj = x + 32 * j;
         float amax = 0.0f;
@@ -1405,6 +1602,15 @@ static void quantize_units(const float *x, int64_t lo, int64_t hi, int8_t *q, fl
             d[2 * j + g] = dx;
             s[2 * j + g] = dx * (float)sum[g];
         }
+        const int64_t u = j % per;
+        if (!n || (u == per - 1 && per % 2)) continue;
+        /* values 16 h + 4 l .. + 3 of unit u go to lane l of chunk (u odd) + 2 h of its step */
+        int32_t *out = n + 8 * (j - u) + 16 * (u / 2) + 4 * (u % 2);
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 4; l++) {
+                const int8_t *v = q + 32 * j + 16 * h + 4 * l;
+                out[8 * h + l] = -128 * (v[0] + v[1] + v[2] + v[3]);
+            }
     }
 }
 
@@ -1419,17 +1625,19 @@ float strata_dot(const strata_mat *m, const uint8_t *slot, int row, const float 
     const int64_t units = m->cols / 32;
     float *f = malloc((size_t)(5 * units) * sizeof(float));
     int8_t *q = malloc((size_t)m->cols);
+    int32_t *n = LEVEL_SUMS ? malloc((size_t)m->cols) : NULL; /* (8 a unit: cols / 4) */
     float out = NAN;
-    if (f && q) {
+    if (f && q && (n || !LEVEL_SUMS)) {
         unit_sums(x, 0, units, f);
-        quantize_units(x, 0, units, q, f + units, f + 3 * units);
-        const xq_t in = {q, f + units, f + 3 * units};
+        quantize_units(x, 0, units, units, q, f + units, f + 3 * units, n);
+        const xq_t in = {q, f + units, f + 3 * units, n};
         planes_t p;
         row_planes(m, ti, slot, row, p);
         out = ti->dot1(p, m->cols, x, f, &in);
     }
     free(f);
     free(q);
+    free(n);
     return out;
 }
 
@@ -1521,8 +1729,8 @@ static void phase1(const strata_pool *pool, const strata_job *job, int lo, int h
                                : silu(gu[0]) * gu[1];
     }
     if (pool->aq.q) /* down reads act quantised, else (the float kernels) its unit sums */
-        quantize_units(job->act, lo / 32, hi / 32, (int8_t *)pool->aq.q, (float *)pool->aq.d,
-                       (float *)pool->aq.s);
+        quantize_units(job->act, lo / 32, hi / 32, F / 32, (int8_t *)pool->aq.q,
+                       (float *)pool->aq.d, (float *)pool->aq.s, (int32_t *)pool->aq.n);
     else
         unit_sums(job->act, lo / 32, hi / 32, pool->asums);
 }
@@ -1726,9 +1934,10 @@ void strata_run_job(void *arg) {
     strata_pool *pool = job->pool;
     int n = *(const volatile int32_t *)job->n;
     n = n < 0 ? 0 : n > job->kmax ? job->kmax : n;
-    /* the sums, then the quantised inputs' scales and group sums, in one float store */
+    /* the sums, then the quantised inputs' scales and group sums, in one float store; their
+     * values, then (LEVEL_SUMS) their sums by 4, in one byte store */
     const size_t hn = (size_t)job->D / 32, an = (size_t)job->kmax * job->F / 32;
-    const size_t need = hn + an + 4 * (hn + an) + 1, nbytes = 32 * (hn + an) + 1;
+    const size_t need = hn + an + 4 * (hn + an) + 1, nbytes = (LEVEL_SUMS + 1) * 32 * (hn + an) + 1;
     if (need > pool->sums_cap || nbytes > pool->bytes_cap) { /* a new shape: no thread reads */
         float *grown = realloc(pool->sums, need * sizeof(float));
         if (grown) pool->sums = grown, pool->sums_cap = need;
@@ -1749,14 +1958,16 @@ void strata_run_job(void *arg) {
     pool->asums = pool->sums + hn;
     float *qf = pool->sums + hn + an;
     const int gi8 = tg->i8 || tu->i8;
-    pool->hq = gi8 ? (xq_t){pool->bytes, qf, qf + 2 * hn} : (xq_t){0};
-    pool->aq = td->i8 ? (xq_t){pool->bytes + 32 * hn, qf + 4 * hn, qf + 4 * hn + 2 * an}
+    int32_t *qn = LEVEL_SUMS ? (int32_t *)(pool->bytes + 32 * (hn + an)) : NULL;
+    pool->hq = gi8 ? (xq_t){pool->bytes, qf, qf + 2 * hn, qn} : (xq_t){0};
+    pool->aq = td->i8 ? (xq_t){pool->bytes + 32 * hn, qf + 4 * hn, qf + 4 * hn + 2 * an,
+                               qn ? qn + 8 * hn : NULL}
                       : (xq_t){0};
     if (!tg->i8 || !tu->i8) /* a float kernel reads h's unit sums */
         unit_sums(job->h, 0, (int64_t)hn, pool->hsums);
     if (gi8)
-        quantize_units(job->h, 0, (int64_t)hn, (int8_t *)pool->hq.q, (float *)pool->hq.d,
-                       (float *)pool->hq.s);
+        quantize_units(job->h, 0, (int64_t)hn, (int64_t)hn, (int8_t *)pool->hq.q,
+                       (float *)pool->hq.d, (float *)pool->hq.s, (int32_t *)pool->hq.n);
     if (pool->nthreads > 1) {
         atomic_store_explicit(&pool->arrived1, 0, memory_order_relaxed);
         atomic_store_explicit(&pool->arrived2, 0, memory_order_relaxed);

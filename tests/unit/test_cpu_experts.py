@@ -40,8 +40,9 @@ TOL = 1e-4  # relative error of y against the float64 reference
 # rounded to 8 bits a value (a unit of 32 on one scale) put ~1% into y (0.8-1.4% measured on
 # these tests' experts); a kernel reading the wrong bytes is off by ~100%
 TOL_INT8 = 3e-2
-# where x86 has AVX2 or AVX-512BW
+# where x86 has AVX2 or AVX-512BW (IQ3_XXS: AVX-512 with VBMI)
 INT8_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4, Q.IQ3_S]
+INT8_TYPES += [Q.IQ3_XXS]
 
 
 def tol(qtype: Q) -> float:
@@ -169,7 +170,8 @@ def test_supported_types_are_the_library_s_and_gguf_s_ids(lib) -> None:
 def test_the_grids_are_handed_in_once_and_a_wrong_size_is_refused(lib, rng) -> None:
     """The grid types read float32 copies of their grids (``_set_grids``, at load), and byte
     copies for the integer kernels; a call with other sizes, or values that are not bytes, is
-    refused and leaves them as they were."""
+    refused and leaves them as they were; so is a grid of more than 8 values (3 bits a value:
+    the codes the integer kernels look up with AVX-512 VBMI)."""
     assert lib.strata_supported(int(Q.IQ3_S)) and lib.strata_supported(int(Q.IQ3_XXS))
     zeros = np.zeros(512 * 4, dtype=np.float32)
     p = zeros.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
@@ -178,6 +180,11 @@ def test_the_grids_are_handed_in_once_and_a_wrong_size_is_refused(lib, rng) -> N
     for bad in (0.5, -1.0, 256.0, float("nan")):
         zeros[7] = bad
         assert lib.strata_set_grids(p, 256, p, 512) == 0, bad
+    zeros[:9] = np.arange(9)
+    assert lib.strata_set_grids(p, 256, p, 512) == 0, "nine values"
+    zeros[8] = 0
+    assert lib.strata_set_grids(p, 256, p, 512) == 1, "eight values"
+    assert cpu_experts._set_grids(lib)  # (the real ones again)
     ex = experts(Q.IQ3_S, Q.IQ3_XXS, 256, 256, 3, rng)
     job = CpuExperts(2).job(ex.layout, kmax=2, pin=False)
     fill(job, ex, [2, 0], base=ex.arena.data_ptr(), seed=3)
@@ -225,12 +232,27 @@ def test_a_row_matches_the_reference_of_the_input_it_reads(qtype: Q, lib, rng) -
         check_rows(qtype, 96, rng, lib)  # two blocks and one
 
 
+@pytest.mark.parametrize("qtype", sorted(PAIRED), ids=lambda t: t.name)
+def test_a_job_of_rows_ending_in_one_block_matches_the_reference(qtype: Q, rng) -> None:
+    """Rows of three blocks (a pair and one) both ways: the second expert's act starts mid-pair
+    in the job's buffer, and its pair still meets its own input's sums (``xq_t``'s n)."""
+    ex = experts(qtype, qtype, 96, 96, 4, rng)
+    job = CpuExperts(2).job(ex.layout, kmax=3, pin=False)
+    ids = [1, 3, 0]
+    fill(job, ex, ids, base=ex.arena.data_ptr(), seed=2)
+    job.run()
+    assert rel_err(job.y, ex.reference(ids, job.wts, job.h)) < tol(qtype)
+
+
 # the library's other code paths, where this CPU can run them: x86's generic float kernels, AVX2's
-# integer ones, AVX-512 without VNNI's (what -march=native chose is tested above)
+# integer ones, AVX-512 without VNNI's, and with VNNI but not VBMI (what -march=native chose is
+# tested above)
 MARCHES = {
     "x86-64": set(),
     "haswell": {"avx2", "fma", "bmi2"},
     "skylake-avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"},
+    # VNNI without VBMI: the level types' sums (xq_t's n), IQ3_S's gather
+    "cascadelake": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"},
 }
 
 
@@ -258,6 +280,8 @@ def test_the_int8_kernels_are_those_of_x86_with_avx2(qtype: Q) -> None:
     flags = cpus[0].get("flags", "").split() if cpus else []
     # AVX2 (8 lanes), or AVX-512 with its byte instructions (16 lanes; AVX-512F alone: floats)
     want = "avx2" in flags and ("avx512f" not in flags or "avx512bw" in flags)
+    if qtype == Q.IQ3_XXS:  # only with its grid's codes in registers (AVX-512 VBMI)
+        want = want and "avx512bw" in flags and "avx512vbmi" in flags
     assert cpu_experts.int8_input(qtype) == want
     assert not cpu_experts.int8_input(Q.Q8_0)  # a float kernels' type
 
