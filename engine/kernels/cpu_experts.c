@@ -1575,32 +1575,43 @@ static void unit_sums(const float *x, int64_t lo, int64_t hi, float *out) {
  * kernels' would be. */
 static void quantize_units(const float *x, int64_t lo, int64_t hi, int64_t per, int8_t *q,
                            float *d, float *s, int32_t *n) {
+    /* a unit in vectors: |x|'s largest, whether all are finite (a NaN compares false), then
+     * x / dx rounded half to even (adding and taking away 1.5 2^23: exact below 2^22, as
+     * nearbyintf in the default rounding), the group sums in lanes */
+    const vf round = (vf){0} + 12582912.0f;
     for (int64_t j = lo; j < hi; j++) {
         const float *xj = x + 32 * j;
-        float amax = 0.0f;
-        int finite = 1;
-        for (int i = 0; i < 32; i++) {
-            const float a = fabsf(xj[i]);
-            amax = a > amax ? a : amax; /* (passes over a NaN: the next line finds it) */
-            finite &= a <= 3.4028235e38f;
+        vf top = {0};
+        vi finite = (vi){0} - 1;
+        for (int i = 0; i < 32; i += H) {
+            const vf a = (vf)((vu)ldf(xj + i) & 0x7fffffffu);
+            const vi more = (vi)(a > top);
+            top = (vf)(((vi)a & more) | ((vi)top & ~more));
+            finite &= (vi)(a <= 3.4028235e38f);
         }
-        int sum[2] = {0, 0};
-        float dx = amax / 127.0f;
-        if (!finite) {
-            dx = NAN;
-            memset(q + 32 * j, 0, 32);
-        } else if (amax > 0.0f) {
-            for (int i = 0; i < 32; i++) {
-                const int v = (int)nearbyintf(xj[i] / dx);
-                q[32 * j + i] = (int8_t)v;
+        float amax = 0.0f;
+        int ok = 1;
+        for (int k = 0; k < H; k++) {
+            amax = top[k] > amax ? top[k] : amax;
+            ok &= finite[k] != 0;
+        }
+        const float dx = ok ? amax / 127.0f : NAN;
+        vi sum[2] = {{0}, {0}};
+        if (ok && amax > 0.0f) {
+            for (int i = 0; i < 32; i += H) {
+                const vi v = __builtin_convertvector((ldf(xj + i) / dx + round) - round, vi);
+                const vc b = __builtin_convertvector(v, vc);
+                memcpy(q + 32 * j + i, &b, H);
                 sum[i / 16] += v;
             }
         } else {
             memset(q + 32 * j, 0, 32);
         }
         for (int g = 0; g < 2; g++) {
+            int total = 0;
+            for (int k = 0; k < H; k++) total += sum[g][k];
             d[2 * j + g] = dx;
-            s[2 * j + g] = dx * (float)sum[g];
+            s[2 * j + g] = dx * (float)total;
         }
         const int64_t u = j % per;
         if (!n || (u == per - 1 && per % 2)) continue;
