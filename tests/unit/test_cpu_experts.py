@@ -63,6 +63,46 @@ def quantised(x: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(-1)
 
 
+def hostile_input(rng: np.random.Generator) -> torch.Tensor:
+    """Units of 32 the quantisation must get exactly: values that scale to halves (ties to
+    even), tiny and huge ones, all zeros, one NaN, one infinity, one at the largest float."""
+    x = torch.from_numpy(rng.integers(-1000, 1001, 32 * 64).astype(np.float32) / 8)
+    u = x.view(-1, 32)
+    u[1] *= 1e-30
+    u[2] = torch.arange(-16, 16, dtype=torch.float32) + 0.5  # max 15.5: x / d at .5 steps
+    u[2, 0] = 127 / 2
+    u[3] = 0
+    u[4, 9] = float("nan")
+    u[5, 30] = float("-inf")
+    u[6, 3] = torch.finfo(torch.float32).max
+    u[7] *= 3e37
+    return x
+
+
+def check_quantised(lib: ctypes.CDLL, x: torch.Tensor) -> None:
+    """strata_quantize's bytes, scales and group sums against torch's, bit for bit."""
+    n = x.numel()
+    q = torch.full((n,), 99, dtype=torch.int8)
+    d, s = torch.full((n // 16,), 7.0), torch.full((n // 16,), 7.0)
+    fp = ctypes.POINTER(ctypes.c_float)
+    ptr = [ctypes.cast(t.data_ptr(), fp) for t in (x, d, s)]
+    lib.strata_quantize(ptr[0], n, q.data_ptr(), ptr[1], ptr[2])
+    units = x.view(-1, 32)
+    finite = units.isfinite().all(1, keepdim=True)
+    dx = torch.where(finite, units.abs().amax(1, keepdim=True) / 127.0, float("nan"))
+    want_q = torch.where(finite & (dx > 0), torch.round(units / dx), 0).to(torch.int8)
+    assert torch.equal(q.view(-1, 32), want_q)
+    groups = want_q.view(-1, 16).sum(1, dtype=torch.int32).float()
+    want_d = dx.repeat_interleave(2)
+    for got, want in ((d, want_d), (s, want_d * groups)):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_the_input_is_quantised_as_the_tests_emulate_it(lib, rng) -> None:
+    check_quantised(lib, hostile_input(rng))
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")  # an XDG_CACHE_HOME of the tests' own
@@ -270,6 +310,7 @@ def test_each_instruction_sets_kernels_match_the_reference(march: str, tmp_path,
     lib = cpu_experts._declare(ctypes.CDLL(str(so)))
     assert cpu_experts._set_grids(lib)
     assert bool(lib.strata_int8_input(int(Q.Q4_K))) == (march != "x86-64")
+    check_quantised(lib, hostile_input(rng))
     for qtype in [*INT8_TYPES, *PAIRED, Q.IQ4_XS, Q.Q8_0]:
         check_rows(qtype, 96 if qtype in PAIRED else 512, rng, lib)
 
