@@ -29,12 +29,12 @@
  * reassociation (-ffast-math) is needed. The K-quants use the factored form: per unit,
  * scale * (q . x) - min * (sum of the unit's x), the unit sums computed once per input vector,
  * not once per row. Equal to "dequantise, then multiply" up to float rounding (the Python tests
- * bound the difference). On x86 with AVX2 or AVX-512BW the K-quants (Q2_K to Q6_K), the IQ4
- * types, MXFP4 and IQ3_S (and IQ3_XXS with AVX-512 VBMI) instead read their input quantised to
- * int8 (a unit of 32 on one scale, once per input vector: quantize_units) and sum a group's
- * weight-times-input products exactly in int32 (see "the integer kernels"): 1.2-2.5 times the
- * float kernels' speed, equal to
- * "dequantise, then multiply" over the int8 input's values up to float rounding
+ * bound the difference). On x86 with AVX2 or AVX-512BW the block types (the K-quants, the IQ4
+ * types, MXFP4, IQ3_S, Q8_0 and Q4_0 to Q5_1; IQ3_XXS with AVX-512 VBMI) instead read their
+ * input quantised to int8 (a unit of 32 on one scale, once per input vector: quantize_units) and
+ * sum a group's weight-times-input products exactly in int32 (see "the integer kernels"):
+ * 1.3-2.6 times the float kernels' speed, equal to "dequantise, then multiply" over the int8
+ * input's values up to float rounding
  * (strata_int8_input says which; the tests check both). The results do not depend on the number
  * of threads: each row's arithmetic is the same whichever thread does it.
  *
@@ -147,7 +147,13 @@ INLINE float half(uint16_t h) {
     return u2f(sign | r);
 }
 
+#if defined(__F16C__)
+#include <immintrin.h>
+/* (the same values, NaNs aside: F16C quiets a signalling one) */
+INLINE float ld_f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8)); }
+#else
 INLINE float ld_f16(const uint8_t *p) { return half((uint16_t)(p[0] | p[1] << 8)); }
+#endif
 
 INLINE uint32_t ld_u32(const uint8_t *p) {
     uint32_t v;
@@ -988,6 +994,114 @@ INLINE void blk_mxfp48(const uint8_t *const *p, int b, const xq_t *in, acc_t *c)
     pair_levels(p[0] + 32 * b, (const float *)p[2], s0, s1, in, b, c);
 }
 
+/* The 32-element types of one scale a block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), two blocks at a time
+ * (b: the pair), as IQ4_NL's: a block's sum is d dx (q . xq) plus its offset times the block's
+ * input sum: Q4_0's -8 d and Q5_0's -16 d (off: 8, 16), Q4_1's and Q5_1's m (mins: the two; else
+ * NULL). With LEVEL_SUMS those come from xq_t's n: -8 and -16 times x's sums of 4 are n / 16 and
+ * n / 8, where the integer sums start; the mins' sums in float, as vectors. Else from the group
+ * sums (pair_offsets). qh: Q5's fifth bits (bit k of a block's word: element k), NULL for Q4;
+ * d0, d1: the two blocks' d. */
+INLINE void pair_offsets(float o0, float o1, const xq_t *in, int b, acc_t *c);
+INLINE void pair_nibbles(const uint8_t *qs, const uint8_t *qh, float d0, float d1, int off,
+                         const float *mins, const xq_t *in, int b, acc_t *c) {
+    const float *dx = in->d + 4 * b;
+    const int8_t *xq = in->q + 64 * b;
+#if I8 == 16
+    __m512i q = nibbles(qs);
+    if (qh) { /* bytes: elements 0-15 of each block, then 16-31 of each */
+        const uint64_t h0 = ld_u32(qh), h1 = ld_u32(qh + 4);
+        const __mmask64 m =
+            (h0 & 0xffff) | (h1 & 0xffff) << 16 | (h0 >> 16) << 32 | (h1 >> 16) << 48;
+        q = _mm512_mask_add_epi8(q, m, q, _mm512_set1_epi8(16));
+    }
+    const vf f = (vf)_mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(d0 * dx[0]),
+                                          _mm512_set1_ps(d1 * dx[2]));
+#if LEVEL_SUMS
+    const __m512i n = _mm512_loadu_si512(in->n + 16 * b);
+    const __m512i start = off == 8    ? _mm512_srai_epi32(n, 4)
+                          : off == 16 ? _mm512_srai_epi32(n, 3)
+                                      : _mm512_setzero_si512();
+    const vi t = (vi)_mm512_dpbusd_epi32(start, q, x_nibbles(xq, 0));
+    c->a[0] += __builtin_convertvector(t, vf) * f;
+    if (mins) {
+        const vf g = (vf)_mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(mins[0] * dx[0]),
+                                              _mm512_set1_ps(mins[1] * dx[2]));
+        c->a[1] += __builtin_convertvector((vi)n, vf) * (g * (-1.0f / 128));
+    }
+    return;
+#else
+    c->a[0] += __builtin_convertvector(dot4(q, x_nibbles(xq, 0)), vf) * f;
+#endif
+#else
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    for (int k = 0; k < 2; k++) {
+        __m256i q = nibbles(qs + 16 * k);
+        if (qh) {
+            const __m256i word = _mm256_set1_epi32((int)ld_u32(qh + 4 * k));
+            const __m256i by = _mm256_shuffle_epi8(word, pick);
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(by, bit), bit);
+            q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        }
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * k));
+        c->a[k] += __builtin_convertvector(dot4(q, x), v8f) * ((k ? d1 : d0) * dx[2 * k]);
+    }
+#endif
+    if (mins)
+        pair_offsets(mins[0], mins[1], in, b, c);
+    else
+        pair_offsets(-off * d0, -off * d1, in, b, c);
+}
+
+/* a pair's offsets: o0, o1 times each block's input sum */
+INLINE void pair_offsets(float o0, float o1, const xq_t *in, int b, acc_t *c) {
+    const float *s = in->s + 4 * b;
+    c->a[2][0] += o0 * (s[0] + s[1]) + o1 * (s[2] + s[3]);
+}
+
+INLINE void blk_q4_08(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const float d0 = ld_f16(p[1] + 4 * b), d1 = ld_f16(p[1] + 4 * b + 2);
+    pair_nibbles(p[0] + 32 * b, NULL, d0, d1, 8, NULL, in, b, c);
+}
+
+INLINE void blk_q4_18(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const float d0 = ld_f16(p[1] + 4 * b), d1 = ld_f16(p[1] + 4 * b + 2);
+    const float m[2] = {ld_f16(p[2] + 4 * b), ld_f16(p[2] + 4 * b + 2)};
+    pair_nibbles(p[0] + 32 * b, NULL, d0, d1, 0, m, in, b, c);
+}
+
+INLINE void blk_q5_08(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const float d0 = ld_f16(p[2] + 4 * b), d1 = ld_f16(p[2] + 4 * b + 2);
+    pair_nibbles(p[0] + 32 * b, p[1] + 8 * b, d0, d1, 16, NULL, in, b, c);
+}
+
+INLINE void blk_q5_18(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const float d0 = ld_f16(p[2] + 4 * b), d1 = ld_f16(p[2] + 4 * b + 2);
+    const float m[2] = {ld_f16(p[3] + 4 * b), ld_f16(p[3] + 4 * b + 2)};
+    pair_nibbles(p[0] + 32 * b, p[1] + 8 * b, d0, d1, 0, m, in, b, c);
+}
+
+/* Q8_0: its signed bytes times x's in their order (|w| times x with w's sign) */
+INLINE void blk_q8_08(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
+    const float *dx = in->d + 4 * b;
+    const float d0 = ld_f16(p[1] + 4 * b) * dx[0], d1 = ld_f16(p[1] + 4 * b + 2) * dx[2];
+    const uint8_t *w = p[0] + 64 * b;
+    const int8_t *xq = in->q + 64 * b;
+#if I8 == 16
+    const __m512i v = _mm512_loadu_si512(w), x = _mm512_loadu_si512(xq);
+    const __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(v), _mm512_setzero_si512(), x);
+    const vf f = (vf)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+    c->a[0] += __builtin_convertvector(dot4(_mm512_abs_epi8(v), sx), vf) * f;
+#else
+    for (int k = 0; k < 2; k++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * k));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * k));
+        c->a[k] += __builtin_convertvector(sdot4(v, x), v8f) * (k ? d1 : d0);
+    }
+#endif
+}
+
 /* Q3_K: its values are (q | 4 h) - 4 (h the third bit), so a block's sum is
  * d sum_g s[g] (dx_g ((q | 4 h) . xq)_g - 4 s_g): the third bits join the two as bytes of 4 */
 INLINE void blk_q3_k8(const uint8_t *const *p, int b, const xq_t *in, acc_t *c) {
@@ -1399,6 +1513,26 @@ NO_TAIL(iq4_xs8)
     }
 PAIR_TAIL(iq4_nl, ld_f16(p[1] + 2 * b))
 PAIR_TAIL(mxfp4, e8m0_half(p[1][b]))
+/* the one-scale types' lone last block: their float kernel's, its planes from that block on */
+#define BLOCK_TAIL(T, B0, B1, B2, B3)                                                         \
+    INLINE float tail_##T##8(const uint8_t *const *p, int from, int cols, const float *x,     \
+                             const xq_t *q) {                                                 \
+        (void)x;                                                                              \
+        if (from >= cols) return 0.0f;                                                        \
+        float v[32], sum = 0.0f;                                                              \
+        for (int i = 0; i < 32; i++) sum += v[i] = q->d[(from + i) / 16] * q->q[from + i];   \
+        const int b = from / 32;                                                              \
+        const uint8_t *at[4] = {p[0] + (B0) * b, p[1] + (B1) * b, p[(B2) ? 2 : 1] + (B2) * b, \
+                                p[(B3) ? 3 : 1] + (B3) * b};                                  \
+        acc_t c = {0};                                                                        \
+        blk_##T(at, 0, v, &sum, &c);                                                          \
+        return acc_sum(&c);                                                                   \
+    }
+BLOCK_TAIL(q8_0, 32, 2, 0, 0)
+BLOCK_TAIL(q4_0, 16, 2, 0, 0)
+BLOCK_TAIL(q4_1, 16, 2, 2, 0)
+BLOCK_TAIL(q5_0, 16, 4, 2, 0)
+BLOCK_TAIL(q5_1, 16, 4, 2, 2)
 NO_TAIL(q3_k)
 NO_TAIL(iq3_xxs)
 NO_TAIL(iq3_s)
@@ -1459,11 +1593,11 @@ DOTS_EITHER(q4_k, 256, 256)
 DOTS_EITHER(q5_k, 256, 256)
 DOTS_EITHER(q6_k, 256, 256)
 DOTS_EITHER(iq4_xs, 256, 256)
-DOTS(q8_0, 32)
-DOTS(q4_0, 32)
-DOTS(q4_1, 32)
-DOTS(q5_0, 32)
-DOTS(q5_1, 32)
+DOTS_EITHER(q8_0, 32, 64)
+DOTS_EITHER(q4_0, 32, 64)
+DOTS_EITHER(q4_1, 32, 64)
+DOTS_EITHER(q5_0, 32, 64)
+DOTS_EITHER(q5_1, 32, 64)
 DOTS_EITHER(iq4_nl, 32, 64)
 DOTS_EITHER(mxfp4, 32, 64)
 DOTS_EITHER(q2_k, 256, 256)
@@ -1496,11 +1630,11 @@ static const qtype_info TYPES[] = {
     {T_Q5_K, 256, 5, {128, 32, 8, 8, 4}, EITHER(q5_k)},
     {T_Q6_K, 256, 4, {128, 64, 16, 2}, EITHER(q6_k)},
     {T_IQ4_XS, 256, 4, {128, 8, 2, 0}, EITHER(iq4_xs)},
-    {T_Q8_0, 32, 2, {32, 2}, FNS(q8_0)},
-    {T_Q4_0, 32, 2, {16, 2}, FNS(q4_0)},
-    {T_Q4_1, 32, 3, {16, 2, 2}, FNS(q4_1)},
-    {T_Q5_0, 32, 3, {16, 4, 2}, FNS(q5_0)},
-    {T_Q5_1, 32, 4, {16, 4, 2, 2}, FNS(q5_1)},
+    {T_Q8_0, 32, 2, {32, 2}, EITHER(q8_0)},
+    {T_Q4_0, 32, 2, {16, 2}, EITHER(q4_0)},
+    {T_Q4_1, 32, 3, {16, 2, 2}, EITHER(q4_1)},
+    {T_Q5_0, 32, 3, {16, 4, 2}, EITHER(q5_0)},
+    {T_Q5_1, 32, 4, {16, 4, 2, 2}, EITHER(q5_1)},
     {T_IQ4_NL, 32, 3, {16, 2, 0}, EITHER(iq4_nl)},
     {T_MXFP4, 32, 3, {16, 1, 0}, EITHER(mxfp4)},
     {T_Q2_K, 256, 4, {64, 16, 2, 2}, EITHER(q2_k)},

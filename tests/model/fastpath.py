@@ -28,10 +28,10 @@ PROMPT = [1, 5, 9, 100, 7]
 
 
 # The logits' tolerance beside the GPU's where the CPU computes a share of the RAM experts and
-# its kernels read their input quantised to int8 (``cpu_experts.int8_input``: the K-quants, the
-# IQ4 types, MXFP4 and IQ3_S on x86): that rounding moves them by 2-3e-3 of the largest on the tiny
-# Q4_K_M model (every RAM expert on the CPU) and 1.6e-2 on the tiny gpt-oss (MXFP4, its clamped
-# SwiGLU), as llama.cpp's CPU kernels' q8 input does.
+# its kernels read their input quantised to int8 (``cpu_experts.int8_input``: every block type
+# on x86 with AVX2 or AVX-512BW, IQ3_XXS with VBMI): that rounding moves them by 2-3e-3 of the
+# largest on the tiny Q4_K_M model (every RAM expert on the CPU) and 1.6e-2 on the tiny gpt-oss
+# (MXFP4, its clamped SwiGLU), as llama.cpp's CPU kernels' q8 input does.
 INT8_SHARE_TOL = 3e-2
 
 

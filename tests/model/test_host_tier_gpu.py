@@ -143,10 +143,13 @@ def test_an_automatic_cpu_share_is_chosen_by_timing_and_keeps_the_logits(
     assert all(dec.cpu.tuned[s] > fastest * (1 + CPU_SHARE_SLACK)
                for s in CPU_SHARE_CANDIDATES if s < dec.cpu.share)  # fmt: skip
     print(f"\nautomatic cpu_share {dec.cpu.share}: ms per step {dec.cpu.tuned}")
+    from fastpath import cpu_share_tol
+
+    tol = cpu_share_tol(dec, 1e-4) if dec.cpu.on else 1e-4  # (Q8_0 on x86: an int8 input)
     got = run(e)
     for i, (a, b) in enumerate(zip(want[1], got[1], strict=True)):
         err = float((a - b).abs().max() / a.abs().max())
-        assert err < 1e-4, f"step {i}: logits differ by {err:.2e}"
+        assert err < tol, f"step {i}: logits differ by {err:.2e}"
     e.close()
 
 
