@@ -824,6 +824,26 @@ INLINE __m256i levels8(const float *lv) {
 INLINE __m256i lookup(__m256i levels, __m256i idx) { return _mm256_shuffle_epi8(levels, idx); }
 #endif
 
+/* Fifth bits (Q5_K's, Q5_0's, Q5_1's: bit k of a unit's word is its element k's) as 16 added to
+ * the nibbles: with 16 lanes two units' words (h0, h1) in the nibbles' chunk order, elements 0-15
+ * of each, then 16-31 of each; with 8 a unit's, its lane k taking byte k / 8 and testing its bit
+ * k % 8 */
+#if I8 == 16
+INLINE __m512i add_fifth(__m512i q, uint64_t h0, uint64_t h1) {
+    const uint64_t k = (h0 & 0xffff) | (h1 & 0xffff) << 16 | (h0 >> 16) << 32 | (h1 >> 16) << 48;
+    return _mm512_mask_add_epi8(q, (__mmask64)k, q, _mm512_set1_epi8(16));
+}
+#else
+INLINE __m256i add_fifth(__m256i q, uint32_t h) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    const __m256i by = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), pick);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(by, bit), bit);
+    return _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+#endif
+
 /* Q4_K: a block's sum is sum_u d sc[u] dx_u (q . xq)_u - dm sum_u mn[u] (s_2u + s_2u+1); Q5_K's
  * the same with q's fifth bit (qh; NULL: Q4_K): bit i of the little-endian uint32 at qh[4 u] is
  * element i of unit u's */
@@ -835,39 +855,20 @@ INLINE void k45_8(const uint8_t *qs, const uint8_t *qh, float d, float dm, const
 #if I8 == 16
     c->a[0] -= twice(m) * ldf(sx);
     const vf f = twice(s) * ldf(dx);
-    const __m512i sixteen = _mm512_set1_epi8(16);
 #pragma GCC unroll 4
     for (int w = 0; w < 4; w++) {
         __m512i q = nibbles(qs + 32 * w);
-        if (qh) {
-            /* units 2 w and 2 w + 1's bits as one mask in units4's chunk order: elements 0-15
-             * of each, then 16-31 of each */
-            uint64_t h;
-            memcpy(&h, qh + 8 * w, 8);
-            const uint64_t k = (h & 0xffffu) | (h >> 32 & 0xffffu) << 16 |
-                               (h >> 16 & 0xffffu) << 32 | (h >> 48) << 48;
-            q = _mm512_mask_add_epi8(q, (__mmask64)k, q, sixteen);
-        }
+        if (qh) q = add_fifth(q, ld_u32(qh + 8 * w), ld_u32(qh + 8 * w + 4)); /* units 2 w, +1 */
         units4(q, xq, w, f, 0, NULL, c);
     }
 #else
     const v8i lo = {0, 0, 1, 1, 2, 2, 3, 3}, hi = lo + 4;
     c->a[0] -= __builtin_shuffle(m, lo) * ldf(sx);
     c->a[1] -= __builtin_shuffle(m, hi) * ldf(sx + 8);
-    /* a unit's 32 bits: lane k takes byte k / 8 and tests its bit k % 8; 16 where set */
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
-                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
 #pragma GCC unroll 8
     for (int u = 0; u < 8; u++) {
         __m256i q = nibbles(qs + 16 * u);
-        if (qh) {
-            uint32_t h;
-            memcpy(&h, qh + 4 * u, 4);
-            const __m256i by = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), pick);
-            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(by, bit), bit);
-            q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-        }
+        if (qh) q = add_fifth(q, ld_u32(qh + 4 * u));
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * u));
         const v8f t = __builtin_convertvector(dot4(q, x), v8f);
         c->a[u & 3] += t * (s[u] * dx[2 * u]);
@@ -1008,12 +1009,7 @@ INLINE void pair_nibbles(const uint8_t *qs, const uint8_t *qh, float d0, float d
     const int8_t *xq = in->q + 64 * b;
 #if I8 == 16
     __m512i q = nibbles(qs);
-    if (qh) { /* bytes: elements 0-15 of each block, then 16-31 of each */
-        const uint64_t h0 = ld_u32(qh), h1 = ld_u32(qh + 4);
-        const __mmask64 m =
-            (h0 & 0xffff) | (h1 & 0xffff) << 16 | (h0 >> 16) << 32 | (h1 >> 16) << 48;
-        q = _mm512_mask_add_epi8(q, m, q, _mm512_set1_epi8(16));
-    }
+    if (qh) q = add_fifth(q, ld_u32(qh), ld_u32(qh + 4));
     const vf f = (vf)_mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(d0 * dx[0]),
                                           _mm512_set1_ps(d1 * dx[2]));
 #if LEVEL_SUMS
@@ -1033,17 +1029,9 @@ INLINE void pair_nibbles(const uint8_t *qs, const uint8_t *qh, float d0, float d
     c->a[0] += __builtin_convertvector(dot4(q, x_nibbles(xq, 0)), vf) * f;
 #endif
 #else
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
-                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
     for (int k = 0; k < 2; k++) {
         __m256i q = nibbles(qs + 16 * k);
-        if (qh) {
-            const __m256i word = _mm256_set1_epi32((int)ld_u32(qh + 4 * k));
-            const __m256i by = _mm256_shuffle_epi8(word, pick);
-            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(by, bit), bit);
-            q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-        }
+        if (qh) q = add_fifth(q, ld_u32(qh + 4 * k));
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * k));
         c->a[k] += __builtin_convertvector(dot4(q, x), v8f) * ((k ? d1 : d0) * dx[2 * k]);
     }
