@@ -449,12 +449,14 @@ INLINE float e8m0_half(uint32_t e) {
     return u2f(e < 2 ? 0x00200000u << e : (e - 1) << 23);
 }
 
-/* The lanes' numbers 0..H-1, for picking each lane's bit of a word. */
+/* The lanes' numbers 0..H-1, for picking each lane's bit of a word (and as a shuffle's). */
 INLINE vu lane_ids(void) {
     vu lanes;
     for (int k = 0; k < H; k++) lanes[k] = (uint32_t)k;
     return lanes;
 }
+
+INLINE vi lane_ids_i(void) { return (vi)lane_ids(); }
 
 /* Blocks of 32 (one unit): byte k of qs holds element k (low nibble) and 16 + k (high nibble);
  * xs[b] is the block's sum of x. Q4_1 (qs 16, d 2, m 2): value = d q + m, so the block adds
@@ -1718,6 +1720,11 @@ static void quantize_units(const float *x, int64_t lo, int64_t hi, int64_t per, 
             ok &= finite[k] != 0;
         }
         const float dx = ok ? amax / 127.0f : NAN;
+        /* n: values 16 h + 4 l .. + 3 of unit u go to lane l of chunk (u odd) + 2 h of its
+         * step, at out[8 h + l] */
+        const int64_t u = j % per;
+        int32_t *out = n && !(u == per - 1 && per % 2)
+                           ? n + 8 * (j - u) + 16 * (u / 2) + 4 * (u % 2) : NULL;
         vi sum[2] = {{0}, {0}};
         if (ok && amax > 0.0f) {
             for (int i = 0; i < 32; i += H) {
@@ -1725,9 +1732,17 @@ static void quantize_units(const float *x, int64_t lo, int64_t hi, int64_t per, 
                 const vc b = __builtin_convertvector(v, vc);
                 memcpy(q + 32 * j + i, &b, H);
                 sum[i / 16] += v;
+                if (out) { /* sums of 4 lanes: lane 4 k holds lanes 4 k .. 4 k + 3's */
+                    const vi s2 = v + __builtin_shuffle(v, lane_ids_i() ^ 1);
+                    const vi s4 = s2 + __builtin_shuffle(s2, lane_ids_i() ^ 2);
+                    for (int k = 0; k < H / 4; k++)
+                        out[8 * (i / 16) + (i % 16) / 4 + k] = -128 * s4[4 * k];
+                }
             }
         } else {
             memset(q + 32 * j, 0, 32);
+            if (out)
+                for (int h = 0; h < 2; h++) memset(out + 8 * h, 0, 4 * sizeof *out);
         }
         for (int g = 0; g < 2; g++) {
             int total = 0;
@@ -1735,15 +1750,6 @@ static void quantize_units(const float *x, int64_t lo, int64_t hi, int64_t per, 
             d[2 * j + g] = dx;
             s[2 * j + g] = dx * (float)total;
         }
-        const int64_t u = j % per;
-        if (!n || (u == per - 1 && per % 2)) continue;
-        /* values 16 h + 4 l .. + 3 of unit u go to lane l of chunk (u odd) + 2 h of its step */
-        int32_t *out = n + 8 * (j - u) + 16 * (u / 2) + 4 * (u % 2);
-        for (int h = 0; h < 2; h++)
-            for (int l = 0; l < 4; l++) {
-                const int8_t *v = q + 32 * j + 16 * h + 4 * l;
-                out[8 * h + l] = -128 * (v[0] + v[1] + v[2] + v[3]);
-            }
     }
 }
 
