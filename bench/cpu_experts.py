@@ -30,9 +30,12 @@ def random_repacked(qtype: Q, rows: int, cols: int, gen: torch.Generator) -> tor
         plane = lay.plane(data, p.name)
         if p.fixed_bytes:
             plane.copy_(FIXED_PLANES[qtype, p.name])
-        elif p.name in ("d", "dm", "dd"):  # the f16 scales
+        elif p.name in ("d", "dm", "dd", "m"):  # the f16 scales and mins
             scales = (torch.rand(plane.numel() // 2, generator=gen) * 0.01).half()
             plane.copy_(scales.view(torch.uint8).view(plane.shape))
+        elif p.name == "e":  # MXFP4's e8m0 scales near 1, as trained weights have them (random
+            # bytes made half the products subnormal, and those took the CPU's slow path)
+            plane.copy_(torch.randint(118, 131, plane.shape, dtype=torch.uint8, generator=gen))
         elif qtype in floats:
             w = torch.randn(plane.numel() // floats[qtype].itemsize, generator=gen)
             plane.copy_(w.to(floats[qtype]).view(torch.uint8).view(plane.shape))
