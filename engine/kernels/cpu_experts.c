@@ -764,7 +764,7 @@ INLINE const int32_t *level_sums(const xq_t *in, int at) {
 }
 
 #if LEVEL_SUMS
-/* A level type's values (levels looked up as level_bytes made them) times x's bytes at n's sums
+/* A level type's values (levels looked up as levels8 made them) times x's bytes at n's sums
  * (xq_t): (level + 128) unsigned times x, started from -128 times x's sums, exactly level times
  * x in int32 (VNNI's sum of 4 products does not saturate) */
 INLINE vi level_dot(__m512i w, __m512i x, const int32_t *n) {
