@@ -1753,10 +1753,12 @@ static void quantize_units(const float *x, int64_t lo, int64_t hi, int64_t per, 
     }
 }
 
-/* x's n values (whole units of 32) quantised as a job quantises its input, into q [n], d and s
- * [n / 16] (xq_t): for the tests. */
-void strata_quantize(const float *x, int n, int8_t *q, float *d, float *s) {
-    if (n > 0 && n % 32 == 0) quantize_units(x, 0, n / 32, n / 32, q, d, s, NULL);
+/* x's n values quantised as a job quantises its input, into q [n], d and s [n / 16] (xq_t): for
+ * the tests. 0 (and nothing written) unless n is whole units of 32. */
+int strata_quantize(const float *x, int n, int8_t *q, float *d, float *s) {
+    if (n <= 0 || n % 32) return 0;
+    quantize_units(x, 0, n / 32, n / 32, q, d, s, NULL);
+    return 1;
 }
 
 /* Row `row` of matrix m (in the slot at `slot`) times x, as a job's kernels compute it, the input

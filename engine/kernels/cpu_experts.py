@@ -195,7 +195,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.strata_set_grids.argtypes, lib.strata_set_grids.restype = [fp, i32, fp, i32], ctypes.c_int
     lib.strata_int8_input.argtypes, lib.strata_int8_input.restype = [i32], ctypes.c_int
     lib.strata_quantize.argtypes = [fp, ctypes.c_int, vp, fp, fp]
-    lib.strata_quantize.restype = None
+    lib.strata_quantize.restype = ctypes.c_int
     lib.strata_dot.argtypes = [ctypes.POINTER(StrataMat), vp, ctypes.c_int, fp]
     lib.strata_dot.restype = ctypes.c_float
     return lib

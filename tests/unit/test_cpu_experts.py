@@ -86,7 +86,9 @@ def check_quantised(lib: ctypes.CDLL, x: torch.Tensor) -> None:
     d, s = torch.full((n // 16,), 7.0), torch.full((n // 16,), 7.0)
     fp = ctypes.POINTER(ctypes.c_float)
     ptr = [ctypes.cast(t.data_ptr(), fp) for t in (x, d, s)]
-    lib.strata_quantize(ptr[0], n, q.data_ptr(), ptr[1], ptr[2])
+    assert lib.strata_quantize(ptr[0], n - 1, q.data_ptr(), ptr[1], ptr[2]) == 0  # not units
+    assert (q == 99).all() and (d == 7).all(), "a refused call wrote"
+    assert lib.strata_quantize(ptr[0], n, q.data_ptr(), ptr[1], ptr[2]) == 1
     units = x.view(-1, 32)
     finite = units.isfinite().all(1, keepdim=True)
     dx = torch.where(finite, units.abs().amax(1, keepdim=True) / 127.0, float("nan"))
