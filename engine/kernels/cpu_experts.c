@@ -1489,40 +1489,31 @@ NO_TAIL(iq3_xxs8)
 #endif
 NO_TAIL(q5_k8)
 NO_TAIL(iq4_xs8)
-/* IQ4_NL's and MXFP4's pairs of blocks: a row of an odd number of blocks ends in one, taken by
- * the float kernel over the int8 input's values, as the pairs read it */
-#define PAIR_TAIL(T, SCALE)                                                                   \
-    INLINE float tail_##T##8(const uint8_t *const *p, int from, int cols, const float *x,     \
-                             const xq_t *q) {                                                 \
-        (void)x;                                                                              \
-        if (from >= cols) return 0.0f;                                                        \
-        float v[32];                                                                          \
-        for (int i = 0; i < 32; i++) v[i] = q->d[(from + i) / 16] * q->q[from + i];          \
-        const int b = from / 32;                                                              \
-        return (SCALE) * hsum(lv_dot(p[0] + 16 * b, (const float *)p[2], v));                 \
-    }
-PAIR_TAIL(iq4_nl, ld_f16(p[1] + 2 * b))
-PAIR_TAIL(mxfp4, e8m0_half(p[1][b]))
-/* the one-scale types' lone last block: their float kernel's, its planes from that block on */
-#define BLOCK_TAIL(T, B0, B1, B2, B3)                                                         \
+/* The types taken two blocks a step (IQ4_NL, MXFP4, the one-scale types): a row of an odd number
+ * of blocks ends in one, taken by the type's float kernel over the int8 input's values (as the
+ * pairs read them), its N planes from that block on (B: each plane's bytes a block; 0: a fixed
+ * plane, as it is) */
+#define LONE_TAIL(T, N, B0, B1, B2, B3)                                                      \
     INLINE float tail_##T##8(const uint8_t *const *p, int from, int cols, const float *x,     \
                              const xq_t *q) {                                                 \
         (void)x;                                                                              \
         if (from >= cols) return 0.0f;                                                        \
         float v[32], sum = 0.0f;                                                              \
         for (int i = 0; i < 32; i++) sum += v[i] = q->d[(from + i) / 16] * q->q[from + i];   \
-        const int b = from / 32;                                                              \
-        const uint8_t *at[4] = {p[0] + (B0) * b, p[1] + (B1) * b, p[(B2) ? 2 : 1] + (B2) * b, \
-                                p[(B3) ? 3 : 1] + (B3) * b};                                  \
+        const int b = from / 32, bytes[4] = {B0, B1, B2, B3};                                 \
+        const uint8_t *at[4];                                                                 \
+        for (int i = 0; i < 4; i++) at[i] = i < (N) ? p[i] + bytes[i] * b : p[0];             \
         acc_t c = {0};                                                                        \
         blk_##T(at, 0, v, &sum, &c);                                                          \
         return acc_sum(&c);                                                                   \
     }
-BLOCK_TAIL(q8_0, 32, 2, 0, 0)
-BLOCK_TAIL(q4_0, 16, 2, 0, 0)
-BLOCK_TAIL(q4_1, 16, 2, 2, 0)
-BLOCK_TAIL(q5_0, 16, 4, 2, 0)
-BLOCK_TAIL(q5_1, 16, 4, 2, 2)
+LONE_TAIL(iq4_nl, 3, 16, 2, 0, 0)
+LONE_TAIL(mxfp4, 3, 16, 1, 0, 0)
+LONE_TAIL(q8_0, 2, 32, 2, 0, 0)
+LONE_TAIL(q4_0, 2, 16, 2, 0, 0)
+LONE_TAIL(q4_1, 3, 16, 2, 2, 0)
+LONE_TAIL(q5_0, 3, 16, 4, 2, 0)
+LONE_TAIL(q5_1, 4, 16, 4, 2, 2)
 NO_TAIL(q3_k)
 NO_TAIL(iq3_xxs)
 NO_TAIL(iq3_s)
