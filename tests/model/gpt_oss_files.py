@@ -44,23 +44,70 @@ class GptOssFiles:
         return llama_cpp_quantize(llama_cpp, self.path("F32"), dst, kind)
 
 
-def near_ties(monkeypatch: pytest.MonkeyPatch, n_layer: int, chunks: list[int],
-               margin: float) -> set[int]:  # fmt: skip
-    """Install a recorder of the reference path's routing; returns the set it fills with the
-    prompt rows whose k-th and (k+1)-th router logits lie within ``margin`` at some layer."""
-    from strata.engine.ops import reference as ops
-    from strata.engine.weights import linear
+class NearTies:
+    """The reference path's routing choices on a near-tie, recorded to be imposed on the fast
+    path. A prompt row whose k-th and (k+1)-th router logits lie within ``margin`` at some
+    layer may choose the other expert under the fast path's float16 products (they move a
+    router logit by ~1e-3); that row is then another function of its input, and every later
+    row that attends to it sees its other key and value (the tiny gpt-oss files: such a flip
+    moved the next rows' logits by 4e-2). ``pin`` makes the fast path's chunks choose the
+    reference's experts on exactly those rows and layers (the weights from its own logits), so
+    the comparison measures the products' rounding at every row and no row is left out."""
 
-    real, rows, calls = ops.route, set(), [0]
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, chunks: list[int], margin: float) -> None:
+        from strata.engine.ops import reference as ops
+        from strata.engine.weights import linear
 
-    def recording(x, router, spec, bias=None):
-        logits = linear(x, router) + (0 if bias is None else bias)  # [T, E]
-        top = torch.topk(logits.float(), spec.n_used + 1, dim=-1).values
-        at = sum(chunks[: calls[0] // n_layer])  # the chunk's first row
-        calls[0] += 1
-        close = (top[:, -2] - top[:, -1]).abs() < margin
-        rows.update(at + int(i) for i in torch.nonzero(close).flatten())
-        return real(x, router, spec, bias)
+        self.chunks, self.pinned = chunks, 0
+        self.calls: list[dict[int, torch.Tensor]] = []  # a route call's tied rows -> their ids
+        real = ops.route
 
-    monkeypatch.setattr(ops, "route", recording)
-    return rows
+        def recording(x, router, spec, bias=None):
+            logits = linear(x, router) + (0 if bias is None else bias)  # [T, E]
+            top = torch.topk(logits.float(), spec.n_used + 1, dim=-1)
+            close = (top.values[:, -2] - top.values[:, -1]).abs() < margin
+            self.calls.append({int(i): top.indices[i, :-1].cpu() for i in torch.nonzero(close)})
+            return real(x, router, spec, bias)
+
+        monkeypatch.setattr(ops, "route", recording)
+
+    def rows(self, n_layer: int) -> set[int]:
+        """The prompt rows that routed on a near-tie at some layer (the chunks' calls are
+        n_layer each, in order)."""
+        out: set[int] = set()
+        for c, tied in enumerate(self.calls):
+            at = sum(self.chunks[: c // n_layer])  # the chunk's first row
+            out.update(at + i for i in tied)
+        return out
+
+    def pin(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The GPU path's chunk routing (``gpu.oss.route``) from here on takes the recorded
+        ids on the recorded rows, call by call in the reference's order."""
+        from strata.engine.gpu import oss
+
+        real, calls = oss.route, iter(self.calls)
+
+        def pinned(logits, k, spec):
+            wts, ids = real(logits, k, spec)
+            tied = next(calls, None)
+            assert tied is not None, "the fast path routed more chunks than the reference"
+            if not tied:
+                return wts, ids
+            ids = ids.clone()
+            for i, want in tied.items():
+                ids[i] = want.to(ids.device)
+            self.pinned += 1
+            chosen = logits.gather(-1, ids)
+            if spec.softmax_after_topk:
+                return torch.softmax(chosen, dim=-1), ids
+            probs = torch.softmax(logits, dim=-1).gather(-1, ids)
+            return (probs / probs.sum(dim=-1, keepdim=True) if spec.norm_topk else probs), ids
+
+        monkeypatch.setattr(oss, "route", pinned)
+
+    def check_pinned(self) -> None:
+        """Every recorded call with a near-tie was pinned (the fast path routed through
+        ``gpu.oss.route`` as often as the reference did)."""
+        assert self.pinned == sum(1 for tied in self.calls if tied), (
+            f"{self.pinned} chunk routings pinned of {sum(1 for t in self.calls if t)} near-ties"
+        )

@@ -8,8 +8,9 @@ decode tolerance.
 
 Tolerances (``test_fast_decode_gpu``'s and ``test_fast_prefill_gpu``'s): a decode step's
 logits within 1e-4 of their largest magnitude (float32 sums in another order), a prompt's
-within 1e-2 (float16 products with float32 sums); the top token the same wherever the
-reference's top-2 margin exceeds twice that.
+within 1e-2 (float16 products with float32 sums; MXFP4_MOE's 2e-2, ``PROMPT_TOL`` says why),
+the reference's routing imposed where it is a near-tie (``NearTies``); the top token the same
+wherever the reference's top-2 margin exceeds twice the tolerance.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from fastpath import cpu_share_tol, forced_logits, worst
-from gpt_oss_files import SPEC, GptOssFiles, near_ties
+from gpt_oss_files import SPEC, GptOssFiles, NearTies
 
 from strata.engine.generate import Engine
 from strata.engine.gpu.runner import GpuRunner
@@ -30,7 +31,12 @@ from strata.engine.params import SamplingParams
 pytestmark = pytest.mark.gpu
 MiB = 2**20
 DECODE_TOL = 1e-4
-PROMPT_TOL = 1e-2
+# A prompt's logits by weight type: F32's products run in TF32 (its weights rounded to 10 bits,
+# as float16's), MXFP4's in float16 with float16 inputs. On this prompt the reference itself,
+# with only its products' inputs rounded to float16 and its near-tie routings kept, lies
+# 1.9e-2 from its float32 self at worst (MXFP4_MOE, row 56; F32 1.0e-3): that rounding, not the
+# kernels, sets MXFP4's bar (the GPU measured 9.3e-3 and 1.04e-2 on two days' code).
+PROMPT_TOL = {"F32": 1e-2, "MXFP4_MOE": 2e-2}
 # several windows of 16 long; tokens of the test vocabulary, no control tokens
 PROMPT = [(i * 37 + 11) % 2600 + 3 for i in range(70)]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
@@ -96,23 +102,27 @@ def test_decode_steps_and_greedy_tokens_agree_with_the_reference_path(files, cud
 
 
 @pytest.mark.parametrize("kind", ["F32", "MXFP4_MOE"])
-def test_prompt_logits_at_every_position_stay_within_tolerance(files, cuda, kind,
-                                                               monkeypatch) -> None:  # fmt: skip
+def test_prompt_logits_at_every_position_stay_within_tolerance(files, cuda, kind) -> None:
     path = files.path(kind)
     fast, ref = load(path, cuda), load(path, cuda, fast_decode=False)
     try:
         assert fast.sequences.gpu is not None and fast.sequences.gpu.prefill is not None
         chunks = [40, 17, 13]  # later chunks start past the window, mid-page
-        # rows the reference routes on a near-tie are left out (test_gpt_oss_fast says why)
-        tied = near_ties(monkeypatch, SPEC.n_layer, chunks, 2e-2)
-        a = ref.sequences.logits_all(PROMPT, chunks)
-        monkeypatch.undo()
-        b = fast.sequences.logits_all(PROMPT, chunks)
-        assert len(tied) <= len(PROMPT) // 8, f"rows {sorted(tied)} route on near-ties"
-        keep = [i for i in range(len(PROMPT)) if i not in tied]
-        err = worst(a[keep], b[keep], PROMPT_TOL)
-        print(f"\ngpt-oss {kind}: prompt logits within {err:.2e} of the reference")
-        assert err < PROMPT_TOL
+        # the reference's near-tie routings imposed on the fast path (NearTies says why)
+        with pytest.MonkeyPatch.context() as mp:
+            ties = NearTies(mp, chunks, 2e-2)
+            a = ref.sequences.logits_all(PROMPT, chunks)
+        with pytest.MonkeyPatch.context() as mp:
+            ties.pin(mp)
+            b = fast.sequences.logits_all(PROMPT, chunks)
+        ties.check_pinned()
+        err = worst(a, b, PROMPT_TOL[kind])
+        tied = sorted(ties.rows(SPEC.n_layer))
+        print(
+            f"\ngpt-oss {kind}: prompt logits within {err:.2e} of the reference (rows {tied} "
+            "pinned to its routing)"
+        )
+        assert err < PROMPT_TOL[kind]
         # the chunk graphs (32 tokens, a shorter chunk padded) give the eager chunks' bits
         eager = fast.sequences.logits_all(PROMPT, [32, 32, 6])[-1]
         fast.sequences.rewind(0)
