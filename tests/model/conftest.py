@@ -18,8 +18,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
+import interpreter_patch
 import pytest
 from tiny_models import LlamaCppMissing, TinyModels, load_llama_cpp
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Triton's interpreter, where the collected tests imported it, without its repeated
+    patching of the language inside a launch (``interpreter_patch``)."""
+    interpreter_patch.install()
 
 
 def skip_without_llama_cpp(reason: str) -> NoReturn:
