@@ -43,9 +43,14 @@ def install() -> bool:
         def restore(self) -> None:
             pass
 
-    def langs(fn: Any) -> set[int]:
-        core = (tl, tl.core)
-        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in core}
+    seen_in: dict[Any, frozenset[int]] = {}  # a function's language modules, by function
+
+    def langs(fn: Any) -> frozenset[int]:
+        if fn not in seen_in:  # (a module's imports are made when it loads)
+            core = (tl, tl.core)
+            mods = (v for v in fn.__globals__.values() if inspect.ismodule(v) and v in core)
+            seen_in[fn] = frozenset(id(v) for v in mods)
+        return seen_in[fn]
 
     def patch_lang(fn: Any) -> Any:
         seen = langs(fn)
@@ -55,7 +60,7 @@ def install() -> bool:
         if patched:  # a helper seeing another module: patched as before, kept for the launch
             patched[0] |= seen
             return scope
-        patched.append(seen)  # the launch's patch: its restore ends the shortcut
+        patched.append(set(seen))  # the launch's patch: its restore ends the shortcut
         restore = scope.restore
 
         def restore_and_forget() -> None:
