@@ -217,9 +217,16 @@ def sampled_lines(rows: Sequence[Row]) -> list[str]:
         ratio = g.get("vs_greedy")
         s = g.get("sampler") or {}
         how = ", ".join(f"{k} {v:g}" for k, v in s.items())
+        # its own tokens route to other experts: where some are in RAM, say how many it hit
+        hit, greedy_hit = g.get("hit_rate"), (r.get("decode") or {}).get("hit_rate")
+        hits = (
+            f" (hit rate {hit:.1%} against the greedy's {greedy_hit:.1%})"
+            if hit is not None and greedy_hit is not None and 0 < greedy_hit < 1
+            else ""
+        )
         out.append(
             f"{r['budget']}: decode sampled ({how}, seeded) {_spread(g.get('tok_s'))} tok/s, "
-            f"{'—' if ratio is None else f'{ratio:.2f}×'} the greedy"
+            f"{'—' if ratio is None else f'{ratio:.2f}×'} the greedy{hits}"
         )
     return out
 

@@ -312,7 +312,9 @@ class StrataBench:
         return row
 
     def _sampled_row(self, runs: list[Row], greedy: Row) -> Row:
-        """The decode with ``BENCH_SAMPLED`` beside the greedy one: tok/s and their ratio."""
+        """The decode with ``BENCH_SAMPLED`` beside the greedy one: tok/s, their ratio, and its
+        own hit rate (its tokens differ from the greedy run's, so its experts do: with part of
+        them in RAM, a ratio under 1 may be more misses, not a slower step)."""
         rate = stats.summary(stats.decode_rates(runs))
         base = (greedy.get("tok_s") or {}).get("median")
         p = BENCH_SAMPLED
@@ -320,6 +322,7 @@ class StrataBench:
             "runs": runs,
             "tok_s": rate,
             "vs_greedy": rate["median"] / base if rate and base else None,
+            "hit_rate": stats.hit_rate(runs),
             "sampler": {
                 name: getattr(p, name)
                 for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")

@@ -72,6 +72,9 @@ def check_rates(row: dict[str, Any], reps: int) -> None:
         statistics.median(srates) / decode["tok_s"]["median"]
     )
     assert sampled["sampler"]["temperature"] == 0.7 and sampled["sampler"]["top_k"] == 40
+    shits = sum(r["hits"] for r in sampled["runs"])
+    smisses = sum(r["misses"] for r in sampled["runs"])
+    assert sampled["hit_rate"] == pytest.approx(shits / (shits + smisses))
     for p in row["prefill"]:
         if p.get("skipped"):
             continue
