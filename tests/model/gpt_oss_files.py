@@ -66,7 +66,8 @@ class NearTies:
             logits = linear(x, router) + (0 if bias is None else bias)  # [T, E]
             top = torch.topk(logits.float(), spec.n_used + 1, dim=-1)
             close = (top.values[:, -2] - top.values[:, -1]).abs() < margin
-            self.calls.append({int(i): top.indices[i, :-1].cpu() for i in torch.nonzero(close)})
+            tied = torch.nonzero(close).flatten().tolist()
+            self.calls.append({i: top.indices[i, :-1].cpu() for i in tied})
             return real(x, router, spec, bias)
 
         monkeypatch.setattr(ops, "route", recording)
