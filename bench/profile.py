@@ -483,14 +483,51 @@ DOWN_EXPERTS = (Tune(4, None, None, 4), Tune(4, None, None, 2), Tune(4, None, No
 
 
 def _swept(engine: Any, only: frozenset[str]) -> list[dict[str, Any]]:
-    """``sweep``'s rows, printed one a line and then the fastest cut of each kernel."""
+    """``sweep``'s rows, printed one a line, then the fastest cut of each kernel and each
+    kernel's table cut against it (``against_table``)."""
     rows = sweep(engine, only, on_row=lambda r: print(json.dumps(r), flush=True))
     best: dict[str, dict[str, Any]] = {}
     for r in rows:
         if "us" in r and (r["kernel"] not in best or r["us"] < best[r["kernel"]]["us"]):
             best[r["kernel"]] = r
     print("best:", json.dumps(best), flush=True)
+    for line in against_table(rows, len(engine.sequences.gpu.layers)):
+        print(line, flush=True)
     return rows
+
+
+def against_table(
+    rows: list[dict[str, Any]], n_layer: int, table: dict[str, Tune] | None = None
+) -> list[str]:
+    """Each swept kernel's cut from the table (``decode.TUNED``; a "+norm" form by its op's)
+    beside the fastest cut timed, with what a step would gain: the difference times the
+    launches a step makes of it (one in each of ``n_layer`` layers; the head once). A kernel
+    whose table cut was not timed says so."""
+    from strata.engine.gpu.decode import TUNED
+
+    table = TUNED if table is None else table
+    out = []
+    for kernel in dict.fromkeys(r["kernel"] for r in rows if "us" in r):
+        timed = [r for r in rows if r["kernel"] == kernel and "us" in r]
+        fast = min(timed, key=lambda r: r["us"])
+        cut = table.get(kernel.split("+")[0])
+        if cut is None:
+            continue
+
+        def of(r: dict[str, Any]) -> Tune:
+            return Tune(r["bn"], r.get("warps"), r.get("regs"), r.get("ept"))
+
+        mine = [r for r in timed if of(r) == cut]
+        if not mine:
+            out.append(f"sweep: {kernel}: the table's cut {cut} was not timed; fastest "
+                       f"{of(fast)} {fast['us']:.2f} us")  # fmt: skip
+            continue
+        us = min(r["us"] for r in mine)
+        per_step = 1 if kernel.startswith("head") else n_layer
+        out.append(f"sweep: {kernel}: the table's cut {cut} {us:.2f} us, fastest {of(fast)} "
+                   f"{fast['us']:.2f} us ({fast['us'] / us:.2f}x, "
+                   f"{per_step * (us - fast['us']):.0f} us a step)")  # fmt: skip
+    return out
 
 
 def _mat_of(w: Any) -> Any:

@@ -234,3 +234,28 @@ def test_the_profiles_dense_bytes_count_every_matrix_a_step_reads(tmp_path, arch
     )  # fmt: skip
     assert any(".ssm_out." in n for n in index.tensors) and want > 0
     assert _dense_bytes(model) == want
+
+
+def test_the_profiles_sweep_sets_each_table_cut_beside_the_fastest() -> None:
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from strata.bench.profile import against_table
+    from strata.engine.gpu.decode import Tune
+
+    table = {"router": Tune(2), "head": Tune(4, 8), "down": Tune(4)}
+    rows = [
+        {"kernel": "router", "bn": 2, "warps": None, "regs": None, "ept": None, "us": 8.0},
+        {"kernel": "router", "bn": 4, "warps": 1, "regs": None, "ept": None, "us": 5.0},
+        {"kernel": "head", "bn": 4, "warps": 8, "regs": None, "ept": None, "us": 200.0},
+        {"kernel": "head", "bn": 8, "warps": 4, "regs": None, "ept": None, "us": 150.0},
+        {"kernel": "down", "bn": 8, "warps": None, "regs": None, "ept": None, "us": 9.0},
+        {"kernel": "o", "bn": 8, "warps": None, "regs": None, "ept": None, "us": 5.0},  # untabled
+        {"kernel": "router+norm", "bn": 2, "warps": None, "regs": None, "ept": None, "us": 9.0},
+        {"kernel": "router", "bn": 1, "warps": None, "regs": None, "ept": None, "error": "x"},
+    ]
+    lines = against_table(rows, 48, table)
+    assert lines == [
+        "sweep: router: the table's cut 2 8.00 us, fastest 4:1 5.00 us (0.62x, 144 us a step)",
+        "sweep: head: the table's cut 4:8 200.00 us, fastest 8:4 150.00 us (0.75x, 50 us a step)",
+        "sweep: down: the table's cut 4 was not timed; fastest 8 9.00 us",
+        "sweep: router+norm: the table's cut 2 9.00 us, fastest 2 9.00 us (1.00x, 0 us a step)",
+    ]
