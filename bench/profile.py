@@ -513,21 +513,22 @@ def against_table(
         cut = table.get(kernel.split("+")[0])
         if cut is None:
             continue
-
-        def of(r: dict[str, Any]) -> Tune:
-            return Tune(r["bn"], r.get("warps"), r.get("regs"), r.get("ept"))
-
-        mine = [r for r in timed if of(r) == cut]
+        mine = [r for r in timed if _cut(r) == cut]
         if not mine:
             out.append(f"sweep: {kernel}: the table's cut {cut} was not timed; fastest "
-                       f"{of(fast)} {fast['us']:.2f} us")  # fmt: skip
+                       f"{_cut(fast)} {fast['us']:.2f} us")  # fmt: skip
             continue
         us = min(r["us"] for r in mine)
         per_step = 1 if kernel.startswith("head") else n_layer
-        out.append(f"sweep: {kernel}: the table's cut {cut} {us:.2f} us, fastest {of(fast)} "
+        out.append(f"sweep: {kernel}: the table's cut {cut} {us:.2f} us, fastest {_cut(fast)} "
                    f"{fast['us']:.2f} us ({fast['us'] / us:.2f}x, "
                    f"{per_step * (us - fast['us']):.0f} us a step)")  # fmt: skip
     return out
+
+
+def _cut(row: dict[str, Any]) -> Tune:
+    """The cut a sweep row timed."""
+    return Tune(row["bn"], row.get("warps"), row.get("regs"), row.get("ept"))
 
 
 def _mat_of(w: Any) -> Any:

@@ -35,7 +35,7 @@ def install() -> bool:
     import triton.language as tl
 
     real = mod._patch_lang
-    patched: list[set[int]] = []  # the running launch's patched modules (empty: no launch runs)
+    patched: set[int] | None = None  # the running launch's patched modules (None: no launch)
 
     class Done:
         """The scope of a patch that was not needed: nothing to restore."""
@@ -53,18 +53,20 @@ def install() -> bool:
         return seen_in[fn]
 
     def patch_lang(fn: Any) -> Any:
+        nonlocal patched
         seen = langs(fn)
-        if patched and seen <= patched[0]:
+        if patched is not None and seen <= patched:
             return Done()
         scope = real(fn)
-        if patched:  # a helper seeing another module: patched as before, kept for the launch
-            patched[0] |= seen
+        if patched is not None:  # a helper seeing another module: patched as before
+            patched |= seen
             return scope
-        patched.append(set(seen))  # the launch's patch: its restore ends the shortcut
+        patched = set(seen)  # the launch's patch: its restore ends the shortcut
         restore = scope.restore
 
         def restore_and_forget() -> None:
-            patched.clear()
+            nonlocal patched
+            patched = None
             restore()
 
         scope.restore = restore_and_forget

@@ -8,9 +8,9 @@ decode tolerance.
 
 Tolerances (``test_fast_decode_gpu``'s and ``test_fast_prefill_gpu``'s): a decode step's
 logits within 1e-4 of their largest magnitude (float32 sums in another order), a prompt's
-within 1e-2 (float16 products with float32 sums; MXFP4_MOE's 2e-2, ``PROMPT_TOL`` says why),
-the reference's routing imposed where it is a near-tie (``NearTies``); the top token the same
-wherever the reference's top-2 margin exceeds twice the tolerance.
+within 1e-2 (float16 products with float32 sums), the reference's routing imposed where it is
+a near-tie (``NearTies``); the top token the same wherever the reference's top-2 margin
+exceeds twice that.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from strata.engine.params import SamplingParams
 pytestmark = pytest.mark.gpu
 MiB = 2**20
 DECODE_TOL = 1e-4
-# A prompt's logits by weight type: F32's products run in TF32 (its weights rounded to 10 bits,
-# as float16's), MXFP4's in float16 with float16 inputs. On this prompt the reference itself,
-# with only its products' inputs rounded to float16 and its near-tie routings kept, lies
-# 1.9e-2 from its float32 self at worst (MXFP4_MOE, row 56; F32 1.0e-3): that rounding, not the
-# kernels, sets MXFP4's bar (the GPU measured 9.3e-3 and 1.04e-2 on two days' code).
-PROMPT_TOL = {"F32": 1e-2, "MXFP4_MOE": 2e-2}
+# A prompt's logits: float16 products (F32's in TF32, its weights rounded to 10 bits). On this
+# prompt the reference itself, with only its products' inputs rounded to float16 and its
+# near-tie routings kept, lies 1.9e-2 from its float32 self at worst (MXFP4_MOE, row 56; F32
+# 1.0e-3), so MXFP4's margin under this bar is the kernels' rounding being kinder than that
+# (the GPU measured 9.3e-3 and 1.04e-2, the latter with the near-tie rows' readers unpinned).
+PROMPT_TOL = 1e-2
 # several windows of 16 long; tokens of the test vocabulary, no control tokens
 PROMPT = [(i * 37 + 11) % 2600 + 3 for i in range(70)]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
@@ -116,13 +116,14 @@ def test_prompt_logits_at_every_position_stay_within_tolerance(files, cuda, kind
             ties.pin(mp)
             b = fast.sequences.logits_all(PROMPT, chunks)
         ties.check_pinned()
-        err = worst(a, b, PROMPT_TOL[kind])
         tied = sorted(ties.rows(SPEC.n_layer))
+        assert len(tied) <= len(PROMPT) // 8, f"rows {tied} route on near-ties"
+        err = worst(a, b, PROMPT_TOL)
         print(
             f"\ngpt-oss {kind}: prompt logits within {err:.2e} of the reference (rows {tied} "
             "pinned to its routing)"
         )
-        assert err < PROMPT_TOL[kind]
+        assert err < PROMPT_TOL
         # the chunk graphs (32 tokens, a shorter chunk padded) give the eager chunks' bits
         eager = fast.sequences.logits_all(PROMPT, [32, 32, 6])[-1]
         fast.sequences.rewind(0)
