@@ -26,7 +26,7 @@ from strata.engine.quant.unit_kernels import (
     IQ3XXS_SS,
     K_UNITS,
     SIGN_BIT,
-    u_float,
+    byte_float,
 )
 
 
@@ -88,9 +88,10 @@ def _grid_entry(acc, wp2, o3, q, high, i: tl.constexpr, H: tl.constexpr, m2, sw,
     idx = (q >> (8 * i)) & 0xFF
     if QT == IQ3_S:
         idx |= ((high >> (H + i)) & 1) << 8
-    g = _word(wp2 + o3, idx, m2)  # the grid row: 4 byte values
+    # the grid row: 4 byte values, unmasked (a masked unit's index is 0, a row of the table)
+    g = tl.load((wp2 + o3 + 4 * idx).to(tl.pointer_type(tl.int32)))
     for b in tl.static_range(4):  # element 4 (H + i) + b of the unit
-        mag = u_float((g >> (8 * b)) & 0xFF, 0.0)
+        mag = byte_float(g, b, 0.0)
         neg = (sw << (31 - 4 * (H + i) - b)) & SIGN_BIT
         v = (mag.to(tl.int32, bitcast=True) ^ neg).to(tl.float32, bitcast=True)
         acc += v * _per_unit(xin(x, nw, rms, xo + 4 * (H + i) + b, um, XIN))

@@ -16,6 +16,8 @@ With ``TRITON_INTERPRET=1`` set before the import the decoders run on CPU tensor
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import triton
 import triton.language as tl
@@ -155,6 +157,111 @@ def _level_words(levels: tuple[int, ...]) -> tuple[tl.constexpr, ...]:
 
 
 NL_W0, NL_W1, NL_W2, NL_W3 = _level_words(legacy.IQ4_NL_LEVELS)
+# the same levels plus 128 (0..255, as unsigned bytes): ``nl_dot``'s table for byte permutes
+NLU_W0, NLU_W1, NLU_W2, NLU_W3 = _level_words(tuple(v + 128 - 256 * (v >= 0) for v in
+                                                    legacy.IQ4_NL_LEVELS))  # fmt: skip
+_INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def prmt(a, b, c):
+    """PTX ``prmt.b32`` (a byte permute, one instruction): byte i of the result is byte
+    (c >> 4i) & 15 of the eight bytes of b:a (a's are 0-3), each selector's bit 3 clear (set,
+    the hardware would copy the byte's sign instead). int32 tensors; in Triton's interpreter,
+    the same from shifts."""
+    if _INTERPRETED:
+        out = a * 0
+        for i in tl.static_range(4):
+            s = (c >> (4 * i)) & 7
+            v = tl.where(s < 4, a >> (8 * (s & 3)), b >> (8 * (s & 3))) & 0xFF
+            out = out | (v << (8 * i))
+        return out
+    else:
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _nl_pair(qs, ch, sh: tl.constexpr):
+    """Four levels plus 128, as the bytes of a word, of the four nibbles at bits sh .. sh + 15
+    of the words (``nl_dot``): each nibble's three low bits pick a byte of the low and of the
+    high half of the table, its fourth which of the two."""
+    sel = qs >> sh
+    return prmt(prmt(NLU_W0, NLU_W1, sel), prmt(NLU_W2, NLU_W3, sel), ch >> sh)
+
+
+@triton.jit
+def byte_float(t, byte: tl.constexpr, bias: tl.constexpr):
+    """Byte ``byte`` (0..3) of the int32 words t, less ``bias``, as float32, exactly: the byte
+    put under the exponent of 2^23 (``u_float``'s) by one byte permute, and a subtraction.
+    The selector is written into the instruction and the constant is the permute's first
+    operand: as a register operand, or with the constant last, the compiler rematerialises a
+    constant before each permute."""
+    if _INTERPRETED:
+        f = prmt(MAGIC + t * 0, t, 0x3004 | byte)
+    elif byte == 0:
+        f = _magic_prmt(t, "prmt.b32 $0, $1, $2, 0x3004;")
+    elif byte == 1:
+        f = _magic_prmt(t, "prmt.b32 $0, $1, $2, 0x3005;")
+    elif byte == 2:
+        f = _magic_prmt(t, "prmt.b32 $0, $1, $2, 0x3006;")
+    else:
+        f = _magic_prmt(t, "prmt.b32 $0, $1, $2, 0x3007;")
+    return f.to(tl.float32, bitcast=True) - (TWO23 + bias)
+
+
+@triton.jit
+def _magic_prmt(t, asm: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        asm, "=r,r,r", [t * 0 + MAGIC, t], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _nl_float(t, byte: tl.constexpr):
+    """Byte ``byte`` of t, a level plus 128, as the float32 level."""
+    return byte_float(t, byte, 128.0)
+
+
+@triton.jit
+def nl_dot(q, xl, xh):
+    """IQ4_NL's (and IQ4_XS's) levels dotted with the input: q [BN, T, 16] a unit's bytes
+    (int32, byte k: element k's index in its low nibble, 16 + k's in its high one), xl, xh
+    [T, 16] -> [BN, T], the sum of level(q & 15) xl + level(q >> 4) xh. Four bytes go into a
+    word, and three byte permutes (PTX ``prmt``) look up four nibbles' levels at once, as
+    llama.cpp's CUDA kernels do; a level becomes a float with one more permute and a
+    subtraction (``nl_level``'s selects and conversion cost twice Q4_K's instructions an
+    element)."""
+    b0, b1, b2, b3 = _quarters(q)  # bytes 4w + j, j = 0..3: [BN, T, 4]
+    w = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+    qs = w & 0x77777777
+    ch = ((w >> 1) & 0x44444444) | 0x32103210  # byte i from the low table or the high one
+    t0 = _nl_pair(qs, ch, 0)  # the levels of b0's low, b0's high, b1's low, b1's high nibble
+    t1 = _nl_pair(qs, ch, 16)  # b2's and b3's
+    l0, l1, l2, l3 = _quarters(xl[None, :, :])
+    h0, h1, h2, h3 = _quarters(xh[None, :, :])
+    acc = _nl_float(t0, 0) * l0  # (a chain of fused multiply-adds)
+    acc = _nl_float(t0, 2) * l1 + acc
+    acc = _nl_float(t1, 0) * l2 + acc
+    acc = _nl_float(t1, 2) * l3 + acc
+    acc = _nl_float(t0, 1) * h0 + acc
+    acc = _nl_float(t0, 3) * h1 + acc
+    acc = _nl_float(t1, 1) * h2 + acc
+    acc = _nl_float(t1, 3) * h3 + acc
+    return tl.sum(acc, 2)
+
+
+@triton.jit
+def _quarters(v):
+    """[A, B, 16] -> four [A, B, 4]: elements 4w + j for j = 0, 1, 2, 3."""
+    e, o = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], 4, 2, 2]))  # (4w + 2i, 4w + 2i + 1)
+    v0, v2 = tl.split(e)
+    v1, v3 = tl.split(o)
+    return v0, v1, v2, v3
+
+
 assert legacy.MXFP4_LEVELS == (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
@@ -477,9 +584,7 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
             q_lo = q_lo | (((h >> k) & 1) << 4).to(tl.int32)
             q_hi = q_hi | (((h >> (k + 16)) & 1) << 4).to(tl.int32)
         if QT == IQ4_NL:  # a scale times the levels' dot product
-            dot = tl.sum(nl_level(q_lo) * xl[None, :, :], 2)
-            dot += tl.sum(nl_level(q_hi) * xh[None, :, :], 2)
-            out = _f16(wp2 + o1, blk2, m2) * dot
+            out = _f16(wp2 + o1, blk2, m2) * nl_dot(q, xl, xh)
         elif QT == MXFP4:  # the scale times the levels' dot product
             dot = tl.sum(mxfp4_signed(q_lo) * xl[None, :, :], 2)
             dot += tl.sum(mxfp4_signed(q_hi) * xh[None, :, :], 2)

@@ -143,6 +143,57 @@ def test_mxfp4_values_of_the_gemm_round_to_the_references_float16() -> None:
     assert torch.equal(out.cpu(), want)
 
 
+@triton.jit
+def _prmt_kernel(a, b, c, out, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out + i, unit_kernels.prmt(tl.load(a + i), tl.load(b + i), tl.load(c + i)))
+
+
+def test_prmt_is_ptxs_byte_permute(rng) -> None:
+    # PTX prmt.b32 (the inline instruction on a GPU, its shifts in the interpreter): byte i of
+    # the result is byte (c >> 4i) & 7 of b:a; negative words and every selector value
+    n = 4096
+    a, b = (rng.integers(-(2**31), 2**31, n, dtype=np.int64).astype(np.int32) for _ in "ab")
+    c = rng.integers(0, 2**16, n, dtype=np.int64).astype(np.int32) & 0x7777
+    c[:4096:8] = [0x3210, 0x7654, 0x0000, 0x7777, 0x4567, 0x0123, 0x7440, 0x3004] * 64
+    got = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    args = [torch.from_numpy(v).to(DEVICE) for v in (a, b, c)]
+    _prmt_kernel[(1,)](*args, got, N=n)
+    eight = a.astype(np.uint32).astype(np.uint64) | (b.astype(np.uint32).astype(np.uint64) << 32)
+    want = np.zeros(n, dtype=np.uint64)
+    for i in range(4):
+        sel = ((c >> (4 * i)) & 7).astype(np.uint64)
+        want |= ((eight >> (8 * sel)) & 0xFF) << np.uint64(8 * i)
+    assert np.array_equal(got.cpu().numpy().view(np.uint32), want.astype(np.uint32))
+
+
+@triton.jit
+def _nl_dot_kernel(q, x, out):
+    # 16 units of one row: unit u's byte k is q[16u + k]; x: 32 elements a unit
+    u = tl.arange(0, 16)
+    k = tl.arange(0, 16)
+    qb = tl.load(q + (16 * u)[None, :, None] + k[None, None, :]).to(tl.int32)  # [1, 16, 16]
+    xl = tl.load(x + (32 * u)[:, None] + k[None, :])
+    xh = tl.load(x + (32 * u)[:, None] + 16 + k[None, :])
+    tl.store(out + u[None, :], unit_kernels.nl_dot(qb, xl, xh))
+
+
+def test_nl_dot_reads_every_byte_as_two_iq4_nl_levels() -> None:
+    # the byte-permute lookup against the level table for all 256 bytes, both nibbles: one
+    # element of every unit at a time (x one there, zero elsewhere), so a level read for the
+    # wrong element or nibble shows, exactly
+    q = torch.arange(256, dtype=torch.uint8)
+    lv = torch.tensor(legacy.IQ4_NL_LEVELS, dtype=torch.float32)
+    qu = q.view(16, 16).long()
+    out = torch.empty(1, 16, device=DEVICE)
+    for e in range(32):
+        x = torch.zeros(16, 32)
+        x[:, e] = 1.0
+        _nl_dot_kernel[(1,)](q.to(DEVICE), x.view(-1).to(DEVICE), out)
+        want = lv[qu[:, e] & 15] if e < 16 else lv[qu[:, e - 16] >> 4]
+        assert torch.equal(out.cpu()[0], want), e
+
+
 def mat(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> Mat:
     raw = torch.from_numpy(random_bytes(qtype, (rows, cols), rng))
     lay = repacked_layout(qtype, (rows, cols))
