@@ -60,7 +60,7 @@ from strata.engine.quant.unit_kernels import (
     IQ3_S,
     IQ3_XXS,
     K_UNITS,
-    nl_dot,
+    level_dot,
     u_float,
     unit_bytes,
     unit_dot,
@@ -139,7 +139,7 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     elif QT == IQ4_XS:
         q = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
         s_at = _unit_at(r, u, NK)
-        dot = nl_dot(q, xl, xh)  # (masked: d is 0)
+        dot = level_dot(q, xl, xh)  # (masked: d is 0)
         sc = tl.load(wp[None, :] + o1 + s_at, mask=m2, other=0).to(tl.int8, bitcast=True)
         d = tl.load(_f16_plane(wp[None, :], o2) + db, mask=m2, other=0).to(tl.float32)
         out = (d * sc.to(tl.float32)) * dot

@@ -157,9 +157,15 @@ def _level_words(levels: tuple[int, ...]) -> tuple[tl.constexpr, ...]:
 
 
 NL_W0, NL_W1, NL_W2, NL_W3 = _level_words(legacy.IQ4_NL_LEVELS)
-# the same levels plus 128 (0..255, as unsigned bytes): ``nl_dot``'s table for byte permutes
-NLU_W0, NLU_W1, NLU_W2, NLU_W3 = _level_words(tuple(v + 128 - 256 * (v >= 0) for v in
-                                                    legacy.IQ4_NL_LEVELS))  # fmt: skip
+
+
+def _biased_words(levels: tuple[int, ...]) -> tuple[tl.constexpr, ...]:
+    """``_level_words`` of the levels plus 128 (0..255, each byte unsigned): ``level_dot``'s."""
+    return _level_words(tuple(v + 128 - 256 * (v >= 0) for v in levels))
+
+
+NLU_W0, NLU_W1, NLU_W2, NLU_W3 = _biased_words(legacy.IQ4_NL_LEVELS)
+MXU_W0, MXU_W1, MXU_W2, MXU_W3 = _biased_words(legacy.MXFP4_LEVELS)
 _INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
@@ -184,12 +190,15 @@ def prmt(a, b, c):
 
 
 @triton.jit
-def _nl_pair(qs, ch, sh: tl.constexpr):
+def _level_pair(qs, ch, sh: tl.constexpr, MX: tl.constexpr):
     """Four levels plus 128, as the bytes of a word, of the four nibbles at bits sh .. sh + 15
-    of the words (``nl_dot``): each nibble's three low bits pick a byte of the low and of the
-    high half of the table, its fourth which of the two."""
+    of the words (``level_dot``): each nibble's three low bits pick a byte of the low and of
+    the high half of the table, its fourth which of the two."""
     sel = qs >> sh
-    return prmt(prmt(NLU_W0, NLU_W1, sel), prmt(NLU_W2, NLU_W3, sel), ch >> sh)
+    if MX:
+        return prmt(prmt(MXU_W0, MXU_W1, sel), prmt(MXU_W2, MXU_W3, sel), ch >> sh)
+    else:
+        return prmt(prmt(NLU_W0, NLU_W1, sel), prmt(NLU_W2, NLU_W3, sel), ch >> sh)
 
 
 @triton.jit
@@ -220,36 +229,36 @@ def _magic_prmt(t, asm: tl.constexpr):
 
 
 @triton.jit
-def _nl_float(t, byte: tl.constexpr):
+def _level(t, byte: tl.constexpr):
     """Byte ``byte`` of t, a level plus 128, as the float32 level."""
     return byte_float(t, byte, 128.0)
 
 
 @triton.jit
-def nl_dot(q, xl, xh):
-    """IQ4_NL's (and IQ4_XS's) levels dotted with the input: q [BN, T, 16] a unit's bytes
-    (int32, byte k: element k's index in its low nibble, 16 + k's in its high one), xl, xh
-    [T, 16] -> [BN, T], the sum of level(q & 15) xl + level(q >> 4) xh. Four bytes go into a
-    word, and three byte permutes (PTX ``prmt``) look up four nibbles' levels at once, as
-    llama.cpp's CUDA kernels do; a level becomes a float with one more permute and a
-    subtraction (``nl_level``'s selects and conversion cost twice Q4_K's instructions an
-    element)."""
+def level_dot(q, xl, xh, MX: tl.constexpr = False):
+    """A 16-level type's levels dotted with the input: IQ4_NL's (and IQ4_XS's), or with MX
+    MXFP4's (its e2m1 values doubled). q [BN, T, 16] a unit's bytes (int32, byte k: element
+    k's index in its low nibble, 16 + k's in its high one), xl, xh [T, 16] -> [BN, T], the sum
+    of level(q & 15) xl + level(q >> 4) xh. Four bytes go into a word, and three byte permutes
+    (PTX ``prmt``) look up four nibbles' levels at once, as llama.cpp's CUDA kernels do; a
+    level becomes a float with one more permute and a subtraction (``nl_level``'s selects and
+    conversion cost twice Q4_K's instructions an element)."""
     b0, b1, b2, b3 = _quarters(q)  # bytes 4w + j, j = 0..3: [BN, T, 4]
     w = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
     qs = w & 0x77777777
     ch = ((w >> 1) & 0x44444444) | 0x32103210  # byte i from the low table or the high one
-    t0 = _nl_pair(qs, ch, 0)  # the levels of b0's low, b0's high, b1's low, b1's high nibble
-    t1 = _nl_pair(qs, ch, 16)  # b2's and b3's
+    t0 = _level_pair(qs, ch, 0, MX)  # the levels of b0's low, b0's high, b1's low, b1's high
+    t1 = _level_pair(qs, ch, 16, MX)  # b2's and b3's
     l0, l1, l2, l3 = _quarters(xl[None, :, :])
     h0, h1, h2, h3 = _quarters(xh[None, :, :])
-    acc = _nl_float(t0, 0) * l0  # (a chain of fused multiply-adds)
-    acc = _nl_float(t0, 2) * l1 + acc
-    acc = _nl_float(t1, 0) * l2 + acc
-    acc = _nl_float(t1, 2) * l3 + acc
-    acc = _nl_float(t0, 1) * h0 + acc
-    acc = _nl_float(t0, 3) * h1 + acc
-    acc = _nl_float(t1, 1) * h2 + acc
-    acc = _nl_float(t1, 3) * h3 + acc
+    acc = _level(t0, 0) * l0  # (a chain of fused multiply-adds)
+    acc = _level(t0, 2) * l1 + acc
+    acc = _level(t1, 0) * l2 + acc
+    acc = _level(t1, 2) * l3 + acc
+    acc = _level(t0, 1) * h0 + acc
+    acc = _level(t0, 3) * h1 + acc
+    acc = _level(t1, 1) * h2 + acc
+    acc = _level(t1, 3) * h3 + acc
     return tl.sum(acc, 2)
 
 
@@ -326,14 +335,6 @@ def mxfp4_value(shift, sign, d, d_two23):
     mag = (MX_MAGS >> shift) & 15
     v = tl.fma((mag | MAGIC).to(tl.float32, bitcast=True), d, d_two23)
     return (v.to(tl.int32, bitcast=True) ^ (sign & SIGN_BIT)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def mxfp4_signed(q):
-    """MXFP4's doubled level of index q (int32, 0..15) as float32 for a dot product:
-    ``mxfp4_value`` with a scale of 1. Index 8 gives -0 where the table has +0, which adds
-    nothing to a sum either way (the dequantisation uses ``mxfp4_level``)."""
-    return mxfp4_value((q & 7) << 2, q << 28, 1.0, -TWO23)
 
 
 @triton.jit
@@ -584,11 +585,9 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
             q_lo = q_lo | (((h >> k) & 1) << 4).to(tl.int32)
             q_hi = q_hi | (((h >> (k + 16)) & 1) << 4).to(tl.int32)
         if QT == IQ4_NL:  # a scale times the levels' dot product
-            out = _f16(wp2 + o1, blk2, m2) * nl_dot(q, xl, xh)
+            out = _f16(wp2 + o1, blk2, m2) * level_dot(q, xl, xh)
         elif QT == MXFP4:  # the scale times the levels' dot product
-            dot = tl.sum(mxfp4_signed(q_lo) * xl[None, :, :], 2)
-            dot += tl.sum(mxfp4_signed(q_hi) * xh[None, :, :], 2)
-            out = _e8m0_half(_u8(wp2 + o1, blk2, m2)) * dot
+            out = _e8m0_half(_u8(wp2 + o1, blk2, m2)) * level_dot(q, xl, xh, True)
         else:
             dot = _fsum(q_lo, xl) + _fsum(q_hi, xh)
             if QT == Q4_1:  # sum of (d q + m) x = d (q . x) + m sum(x)

@@ -168,28 +168,30 @@ def test_prmt_is_ptxs_byte_permute(rng) -> None:
 
 
 @triton.jit
-def _nl_dot_kernel(q, x, out):
+def _level_dot_kernel(q, x, out, MX: tl.constexpr):
     # 16 units of one row: unit u's byte k is q[16u + k]; x: 32 elements a unit
     u = tl.arange(0, 16)
     k = tl.arange(0, 16)
     qb = tl.load(q + (16 * u)[None, :, None] + k[None, None, :]).to(tl.int32)  # [1, 16, 16]
     xl = tl.load(x + (32 * u)[:, None] + k[None, :])
     xh = tl.load(x + (32 * u)[:, None] + 16 + k[None, :])
-    tl.store(out + u[None, :], unit_kernels.nl_dot(qb, xl, xh))
+    tl.store(out + u[None, :], unit_kernels.level_dot(qb, xl, xh, MX))
 
 
-def test_nl_dot_reads_every_byte_as_two_iq4_nl_levels() -> None:
-    # the byte-permute lookup against the level table for all 256 bytes, both nibbles: one
-    # element of every unit at a time (x one there, zero elsewhere), so a level read for the
-    # wrong element or nibble shows, exactly
+@pytest.mark.parametrize("qtype", [Q.IQ4_NL, Q.MXFP4], ids=lambda t: t.name)
+def test_level_dot_reads_every_byte_as_two_levels(qtype) -> None:
+    # the byte-permute lookup against the level table (IQ4_NL's; MXFP4's doubled e2m1 values)
+    # for all 256 bytes, both nibbles: one element of every unit at a time (x one there, zero
+    # elsewhere), so a level read for the wrong element or nibble shows, exactly
+    table = legacy.IQ4_NL_LEVELS if qtype == Q.IQ4_NL else legacy.MXFP4_LEVELS
     q = torch.arange(256, dtype=torch.uint8)
-    lv = torch.tensor(legacy.IQ4_NL_LEVELS, dtype=torch.float32)
+    lv = torch.tensor(table, dtype=torch.float32)
     qu = q.view(16, 16).long()
     out = torch.empty(1, 16, device=DEVICE)
     for e in range(32):
         x = torch.zeros(16, 32)
         x[:, e] = 1.0
-        _nl_dot_kernel[(1,)](q.to(DEVICE), x.view(-1).to(DEVICE), out)
+        _level_dot_kernel[(1,)](q.to(DEVICE), x.view(-1).to(DEVICE), out, MX=qtype == Q.MXFP4)
         want = lv[qu[:, e] & 15] if e < 16 else lv[qu[:, e - 16] >> 4]
         assert torch.equal(out.cpu()[0], want), e
 
