@@ -60,10 +60,13 @@ from strata.engine.quant.unit_kernels import (
     IQ3_S,
     IQ3_XXS,
     K_UNITS,
+    byte_dots,
     level_dot,
+    nibble_dots,
     u_float,
     unit_bytes,
     unit_dot,
+    words,
 )
 
 Q = gguf.GGMLQuantizationType
@@ -105,14 +108,12 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     scales sit at 16(u // 8) + u % 8 (+ 8).
     FLAT, w0, uf: the quants' loads as ``unit_bytes`` makes them flat."""
     nb: tl.constexpr = NK // K_UNITS  # 256-element blocks per row (the K-quants and IQ4_XS)
-    k = tl.arange(0, 16)
     m2 = rmask[:, None] & um[None, :]
     qr = r * (NK * 16)  # a row's quants
     db = (r * nb)[:, None] + (u // K_UNITS)[None, :]  # [BN, T]: each unit's 256-block
     if QT == Q4_K:
         q = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
-        dl = tl.sum(u_float(q & 15, 0.0) * xl[None, :, :], 2)  # [BN, T]
-        dh = tl.sum(u_float(q >> 4, 0.0) * xh[None, :, :], 2)
+        dl, dh = nibble_dots(q, xl, xh)  # [BN, T]
         s_at = _unit_at(r, u, NK)
         sc = tl.load(wp[None, :] + o1 + s_at, mask=m2, other=0).to(tl.float32)
         mn = tl.load(wp[None, :] + o2 + s_at, mask=m2, other=0).to(tl.float32)
@@ -125,11 +126,14 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         s_at = _unit_at(r, u, NK)
         hp = (wp[None, :] + o1).to(tl.pointer_type(tl.uint32))
         hw = tl.load(hp + s_at, mask=m2, other=0).to(tl.int32, bitcast=True)  # [BN, T]
-        h = hw[:, :, None] >> k[None, None, :]  # bit 0: element k's fifth bit; 16: 16 + k's
-        lo = (q & 15) | ((h << 4) & 16)
-        hi = (q >> 4) | ((h >> 12) & 16)
-        dl = tl.sum(u_float(lo, 0.0) * xl[None, :, :], 2)
-        dh = tl.sum(u_float(hi, 0.0) * xh[None, :, :], 2)
+        # word w holds elements 4w .. 4w + 3: their fifth bits, bits 4w .. 4w + 3 of hw (16 +
+        # those for the high half), spread to bit 4 of each byte by one multiplication (bit j
+        # to 8j + 4; the partial products never overlap, so nothing carries)
+        h = hw[:, :, None] >> (4 * tl.arange(0, 4))[None, None, :]
+        qw = words(q)
+        lo = (qw & 0x0F0F0F0F) | (((h & 15) * 0x02040810) & 0x10101010)
+        hi = ((qw >> 4) & 0x0F0F0F0F) | ((((h >> 16) & 15) * 0x02040810) & 0x10101010)
+        dl, dh = byte_dots(lo, hi, xl, xh, 0.0)
         sc = tl.load(wp[None, :] + o2 + s_at, mask=m2, other=0).to(tl.float32)
         mn = tl.load(wp[None, :] + o3 + s_at, mask=m2, other=0).to(tl.float32)
         ddp = _f16_plane(wp[None, :], o4) + 2 * db  # d, then dmin
@@ -145,8 +149,7 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         out = (d * sc.to(tl.float32)) * dot
     elif QT == Q4_0:
         q = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
-        dl = tl.sum(u_float(q & 15, 0.0) * xl[None, :, :], 2)
-        dh = tl.sum(u_float(q >> 4, 0.0) * xh[None, :, :], 2)
+        dl, dh = nibble_dots(q, xl, xh)
         s_at = _unit_at(r, u, NK)
         d = tl.load(_f16_plane(wp[None, :], o1) + s_at, mask=m2, other=0).to(tl.float32)
         # sum of d (q - 8) x over the block = d (q . x - 8 sum(x))
@@ -162,12 +165,13 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     elif QT == Q6_K:
         ql = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
         qh = unit_bytes(wp, w0, uf, o1 + r * (NK * 8), u, um, rmask, 16, 2, 16, NK, FLAT)
-        qh = qh.to(tl.int32)
-        sh = (4 * (u % 2))[None, :, None]
-        lo = (ql & 15) | (((qh >> sh) & 3) << 4)
-        hi = (ql >> 4) | (((qh >> (sh + 2)) & 3) << 4)
-        dl = tl.sum(u_float(lo, 32.0) * xl[None, :, :], 2)
-        dh = tl.sum(u_float(hi, 32.0) * xh[None, :, :], 2)
+        # four elements a word: their high bits 2 (u % 2) .. + 1 (the low half's) and + 2 .. + 3
+        # (the high half's) of each qh byte, moved to bits 4-5 of each byte
+        qs = words(qh.to(tl.int32)) >> (4 * (u % 2))[None, :, None]
+        qlw = words(ql)
+        lo = (qlw & 0x0F0F0F0F) | ((qs << 4) & 0x30303030)
+        hi = ((qlw >> 4) & 0x0F0F0F0F) | ((qs << 2) & 0x30303030)
+        dl, dh = byte_dots(lo, hi, xl, xh, 32.0)
         s6 = (r * (NK * 2))[:, None] + (16 * (u // 8) + u % 8)[None, :]
         s_lo = tl.load(wp[None, :] + o2 + s6, mask=m2, other=0).to(tl.int8, bitcast=True)
         s_hi = tl.load(wp[None, :] + o2 + s6 + 8, mask=m2, other=0).to(tl.int8, bitcast=True)

@@ -243,8 +243,7 @@ def level_dot(q, xl, xh, MX: tl.constexpr = False):
     (PTX ``prmt``) look up four nibbles' levels at once, as llama.cpp's CUDA kernels do; a
     level becomes a float with one more permute and a subtraction (``nl_level``'s selects and
     conversion cost twice Q4_K's instructions an element)."""
-    b0, b1, b2, b3 = _quarters(q)  # bytes 4w + j, j = 0..3: [BN, T, 4]
-    w = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+    w = words(q)  # bytes 4w .. 4w + 3: [BN, T, 4]
     qs = w & 0x77777777
     ch = ((w >> 1) & 0x44444444) | 0x32103210  # byte i from the low table or the high one
     t0 = _level_pair(qs, ch, 0, MX)  # the levels of b0's low, b0's high, b1's low, b1's high
@@ -260,6 +259,46 @@ def level_dot(q, xl, xh, MX: tl.constexpr = False):
     acc = _level(t1, 1) * h2 + acc
     acc = _level(t1, 3) * h3 + acc
     return tl.sum(acc, 2)
+
+
+@triton.jit
+def words(q):
+    """[BN, T, 16] bytes (int32, one a lane) -> [BN, T, 4] words, bytes 4w .. 4w + 3 in w (the
+    compiler keeps the loaded words)."""
+    b0, b1, b2, b3 = _quarters(q)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
+@triton.jit
+def _bytes_dot(t, x0, x1, x2, x3, bias: tl.constexpr):
+    """Bytes 0..3 of the words t, less bias, as floats, times x0..x3 ([1, T, 4] each), summed:
+    four byte permutes, four subtractions, a multiply and three fused multiply-adds."""
+    acc = byte_float(t, 0, bias) * x0
+    acc = byte_float(t, 1, bias) * x1 + acc
+    acc = byte_float(t, 2, bias) * x2 + acc
+    acc = byte_float(t, 3, bias) * x3 + acc
+    return tl.sum(acc, 2)
+
+
+@triton.jit
+def byte_dots(lo, hi, xl, xh, bias: tl.constexpr):
+    """A unit's values as the bytes of words, less ``bias``, dotted with the input: lo, hi
+    [BN, T, 4] (byte j of word w: element 4w + j of the low half, of the high half), xl, xh
+    [T, 16] -> ([BN, T], [BN, T]). A byte permute, a subtraction and a fused multiply-add an
+    element (``byte_float``)."""
+    l0, l1, l2, l3 = _quarters(xl[None, :, :])
+    h0, h1, h2, h3 = _quarters(xh[None, :, :])
+    return _bytes_dot(lo, l0, l1, l2, l3, bias), _bytes_dot(hi, h0, h1, h2, h3, bias)
+
+
+@triton.jit
+def nibble_dots(q, xl, xh):
+    """The low and the high nibbles of a unit's bytes dotted with the input: q [BN, T, 16]
+    (int32, byte k), xl, xh [T, 16] -> ([BN, T], [BN, T]), the sums of (q & 15) xl and
+    (q >> 4) xh, from four bytes a word: a mask (and a shift) for four nibbles, then
+    ``byte_dots``."""
+    w = words(q)
+    return byte_dots(w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, xl, xh, 0.0)
 
 
 @triton.jit
