@@ -17,13 +17,15 @@ contiguous bytes each, and every thread holds all BN rows of its unit, so each i
 loads serves BN rows. K is a compile-time constant and the steps are unrolled; each thread
 reduces its own unit in registers and the rows are summed across threads once, at the end.
 The K-quants use the factored form (per sub-block: scale times the integer dot minus min times
-the input's sum), and integers become floats by an OR and an exact subtraction
-(``unit_kernels.u_float``) where the compiler would otherwise convert a narrow integer, an
-instruction at an eighth of the issue rate.
-Every type with units of 32 elements (all but the floats) shares ``k_tile``'s structure;
-IQ4_XS picks its levels out of packed words (``unit_kernels.nl_level``, no load). Q4_K, Q5_K,
-Q6_K, IQ4_XS, Q4_0 and Q8_0 (a unit a block: its 32 bytes as two halves of 16, as a nibble
-type's low and high nibbles) have inner loops of their own; the gathered types (Q4_1,
+the input's sum). Q4_K, Q4_0, Q5_K and Q6_K assemble their values four a word (masks and
+shifts a word, not an element), and a byte becomes a float by one byte permute and an exact
+subtraction (``unit_kernels.byte_float``); IQ4_XS, IQ4_NL and MXFP4 look up four nibbles'
+levels with three byte permutes (``unit_kernels.level_dot``, no load); elsewhere integers
+become floats by an OR and an exact subtraction (``unit_kernels.u_float``) where the compiler
+would otherwise convert a narrow integer, an instruction at an eighth of the issue rate.
+Every type with units of 32 elements (all but the floats) shares ``k_tile``'s structure.
+Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0 and Q8_0 (a unit a block: its 32 bytes as two halves of 16, as
+a nibble type's low and high nibbles) have inner loops of their own; the gathered types (Q4_1,
 Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K) theirs in ``quant.unit_kernels.unit_dot`` (factored
 where the type allows). The grid types (IQ3_XXS, IQ3_S) are ``grid_tile``'s: a unit's grid
 rows are words read from the matrix's own table, and its tiles are [units, rows], the input
@@ -101,7 +103,7 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     the input tile: [BN, T]. Byte 16u + k of the quants holds elements 32u + k and 32u + 16 + k.
 
     Q4_K, Q5_K, IQ4_XS: one scale (and min) per unit, at u; Q5_K's fifth bits: bits k and
-    16 + k of the uint32 word u; IQ4_XS: nibbles index the 16 levels (``nl_level``). Q4_0: a
+    16 + k of the uint32 word u; IQ4_XS: nibbles index the 16 levels (``level_dot``). Q4_0: a
     unit is a block, its d at u. Q8_0: a unit is a block, its 32 int8 at 32u (bytes 32u + k
     and 32u + 16 + k are elements 32u + k and 32u + 16 + k), its d at u. Q6_K: the bytes
     hold the low 4 bits, bits 4(u % 2) (+ 2) of qh byte 16(u // 2) + k the high 2, and the
