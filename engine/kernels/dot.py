@@ -72,6 +72,7 @@ from strata.engine.quant.unit_kernels import (
 )
 
 Q = gguf.GGMLQuantizationType
+SIGN_BYTES: tl.constexpr = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32
 
 # the types whose units are 32 elements, k_tile's: every type but the plain floats (dot_rows
 # and moe._down_kernel test those inline); the gathered ones through unit_halves
@@ -160,8 +161,10 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         q8r = r * (NK * 32)  # a row's quants: a block's 32 bytes a unit
         lo = unit_bytes(wp, w0, uf, q8r, u, um, rmask, 32, 1, 16, NK, FLAT)
         hi = unit_bytes(wp, w0, uf, q8r + 16, u, um, rmask, 32, 1, 16, NK, FLAT)
-        dl = tl.sum(_int8_float(lo) * xl[None, :, :], 2)
-        dh = tl.sum(_int8_float(hi) * xh[None, :, :], 2)
+        # int8 + 128 is the byte with its top bit flipped: four a word, one XOR
+        lo = words(lo.to(tl.int32)) ^ SIGN_BYTES
+        hi = words(hi.to(tl.int32)) ^ SIGN_BYTES
+        dl, dh = byte_dots(lo, hi, xl, xh, 128.0)
         d = tl.load(_f16_plane(wp[None, :], o1) + _unit_at(r, u, NK), mask=m2, other=0)
         out = d.to(tl.float32) * (dl + dh)
     elif QT == Q6_K:
@@ -182,13 +185,6 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
     else:  # the gathered types: their tiles in quant.unit_kernels
         out = unit_dot(wp, o1, o2, o3, o4, r, rmask, u, um, NK, QT, xl, xh, sx, w0, uf, FLAT)
     return out
-
-
-@triton.jit
-def _int8_float(q):
-    """Bytes read as int8, as float32: an OR and an exact subtraction (``u_float``), q + 128
-    being the byte's unsigned value with its top bit flipped."""
-    return u_float(q.to(tl.int8, bitcast=True).to(tl.int32) + 128, 128.0)
 
 
 @triton.jit
