@@ -65,7 +65,6 @@ from strata.engine.quant.unit_kernels import (
     byte_dots,
     level_dot,
     nibble_dots,
-    u_float,
     unit_bytes,
     unit_dot,
     words,
