@@ -570,16 +570,17 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
         j = j2[:, :, None]
         if FLAT:  # the 32 bytes of units 4i .. 4i + 3 of a block, each unit its 2 bits
             qr = r * (NK // K_UNITS * K2_QS)
-            q_lo = unit_bytes(wp, w0, uf, qr, u, um, rm, K2_QS, K_UNITS, 16, NK, True, -1, 32, 4)
-            q_hi = unit_bytes(
+            b_lo = unit_bytes(wp, w0, uf, qr, u, um, rm, K2_QS, K_UNITS, 16, NK, True, -1, 32, 4)
+            b_hi = unit_bytes(
                 wp, w0, uf, qr + 16, u, um, rm, K2_QS, K_UNITS, 16, NK, True, -1, 32, 4
             )
-            q_lo = (q_lo.to(tl.int32) >> (2 * (j % 4))) & 3
-            q_hi = (q_hi.to(tl.int32) >> (2 * (j % 4))) & 3
         else:
             at = blk2[:, :, None] * K2_QS + 32 * (j // 4) + k
-            q_lo = (_u8(wp[None, :, None], at, m3) >> (2 * (j % 4))) & 3
-            q_hi = (_u8(wp[None, :, None], at + 16, m3) >> (2 * (j % 4))) & 3
+            b_lo = _u8(wp[None, :, None], at, m3)
+            b_hi = _u8(wp[None, :, None], at + 16, m3)
+        # four elements a word: the unit's 2 bits of each byte, masked a word at a time
+        q_lo = (words(b_lo.to(tl.int32)) >> (2 * (j % 4))) & 0x03030303
+        q_hi = (words(b_hi.to(tl.int32)) >> (2 * (j % 4))) & 0x03030303
         if QT == Q2_K:
             sc_lo = _u8(wp2 + o1, blk2 * Q2K_SC + 2 * j2, m2)
             sc_hi = _u8(wp2 + o1, blk2 * Q2K_SC + 2 * j2 + 1, m2)
@@ -587,24 +588,24 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
             dm = _f16(wp2 + o3, blk2, m2)
             s_lo = tl.sum(xl, 1)[None, :]
             s_hi = tl.sum(xh, 1)[None, :]
-            out = d * ((sc_lo & 15).to(tl.float32) * _fsum(q_lo, xl))
-            out += d * ((sc_hi & 15).to(tl.float32) * _fsum(q_hi, xh))
+            dl, dh = byte_dots(q_lo, q_hi, xl, xh, 0.0)
+            out = d * ((sc_lo & 15).to(tl.float32) * dl)
+            out += d * ((sc_hi & 15).to(tl.float32) * dh)
             out -= dm * ((sc_lo >> 4).to(tl.float32) * s_lo + (sc_hi >> 4).to(tl.float32) * s_hi)
         else:  # Q3_K: q - 4 where the hmask bit is 0
             if FLAT:
                 hr = o1 + r * (NK // K_UNITS * Q3K_HM)
                 h_lo = unit_bytes(wp, w0, uf, hr, u, um, rm, Q3K_HM, K_UNITS, 16, NK, True)
                 h_hi = unit_bytes(wp, w0, uf, hr + 16, u, um, rm, Q3K_HM, K_UNITS, 16, NK, True)
-                h_lo = (h_lo.to(tl.int32) >> j) & 1
-                h_hi = (h_hi.to(tl.int32) >> j) & 1
             else:
                 blk = blk2[:, :, None]
-                h_lo = (_u8(wp[None, :, None] + o1, blk * Q3K_HM + k, m3) >> j) & 1
-                h_hi = (_u8(wp[None, :, None] + o1, blk * Q3K_HM + 16 + k, m3) >> j) & 1
+                h_lo = _u8(wp[None, :, None] + o1, blk * Q3K_HM + k, m3)
+                h_hi = _u8(wp[None, :, None] + o1, blk * Q3K_HM + 16 + k, m3)
+            # (q | 4 h) - 4, as in unit_halves, four a word: bit j of each hmask byte to bit 2
+            h_lo = ((words(h_lo.to(tl.int32)) >> j) & 0x01010101) << 2
+            h_hi = ((words(h_hi.to(tl.int32)) >> j) & 0x01010101) << 2
+            lo, hi = byte_dots(q_lo | h_lo, q_hi | h_hi, xl, xh, 4.0)
             d = _f16(wp2 + o3, blk2, m2)
-            # (q | 4 h) - 4, as in unit_halves: no narrow conversion (I2F.S16)
-            lo = tl.sum(u_float(q_lo | (h_lo << 2), 4.0) * xl[None, :, :], 2)
-            hi = tl.sum(u_float(q_hi | (h_hi << 2), 4.0) * xh[None, :, :], 2)
             out = d * (_q3k_scale(wp2, o2, blk2, 2 * j2, m2) * lo)
             out += d * (_q3k_scale(wp2, o2, blk2, 2 * j2 + 1, m2) * hi)
     else:  # blocks of 32: a unit is a block
