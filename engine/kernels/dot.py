@@ -63,6 +63,7 @@ from strata.engine.quant.unit_kernels import (
     IQ3_XXS,
     K_UNITS,
     byte_dots,
+    fifth_bits,
     level_dot,
     nibble_dots,
     unit_bytes,
@@ -127,15 +128,9 @@ def k_tile(wp, o1, o2, o3, o4, r, rmask, u, um, NK: tl.constexpr, QT: tl.constex
         q = unit_bytes(wp, w0, uf, qr, u, um, rmask, 16, 1, 16, NK, FLAT).to(tl.int32)
         s_at = _unit_at(r, u, NK)
         hp = (wp[None, :] + o1).to(tl.pointer_type(tl.uint32))
-        hw = tl.load(hp + s_at, mask=m2, other=0).to(tl.int32, bitcast=True)  # [BN, T]
-        # word w holds elements 4w .. 4w + 3: their fifth bits, bits 4w .. 4w + 3 of hw (16 +
-        # those for the high half), spread to bit 4 of each byte by one multiplication (bit j
-        # to 8j + 4; the partial products never overlap, so nothing carries)
-        h = hw[:, :, None] >> (4 * tl.arange(0, 4))[None, None, :]
+        f_lo, f_hi = fifth_bits(tl.load(hp + s_at, mask=m2, other=0))  # (hw: [BN, T])
         qw = words(q)
-        lo = (qw & 0x0F0F0F0F) | (((h & 15) * 0x02040810) & 0x10101010)
-        hi = ((qw >> 4) & 0x0F0F0F0F) | ((((h >> 16) & 15) * 0x02040810) & 0x10101010)
-        dl, dh = byte_dots(lo, hi, xl, xh, 0.0)
+        dl, dh = byte_dots((qw & 0x0F0F0F0F) | f_lo, ((qw >> 4) & 0x0F0F0F0F) | f_hi, xl, xh, 0.0)
         sc = tl.load(wp[None, :] + o2 + s_at, mask=m2, other=0).to(tl.float32)
         mn = tl.load(wp[None, :] + o3 + s_at, mask=m2, other=0).to(tl.float32)
         ddp = _f16_plane(wp[None, :], o4) + 2 * db  # d, then dmin

@@ -302,6 +302,19 @@ def nibble_dots(q, xl, xh):
 
 
 @triton.jit
+def fifth_bits(h):
+    """A unit's fifth bits as ``byte_dots``' words: h [BN, T] holds element k's in bit k and
+    16 + k's in bit 16 + k (Q5_0, Q5_1, Q5_K); -> ([BN, T, 4], [BN, T, 4]), bit 4 of byte j of
+    word w set for element 4w + j (of the low half, of the high half). Four bits go to bits 4,
+    12, 20, 28 by one multiplication: bit j's partial products land at j + 4 + 7i, never the
+    same place twice, so nothing carries."""
+    hw = h.to(tl.int32, bitcast=True)[:, :, None] >> (4 * tl.arange(0, 4))[None, None, :]
+    lo = ((hw & 15) * 0x02040810) & 0x10101010
+    hi = (((hw >> 16) & 15) * 0x02040810) & 0x10101010
+    return lo, hi
+
+
+@triton.jit
 def _quarters(v):
     """[A, B, 16] -> four [A, B, 4]: elements 4w + j for j = 0, 1, 2, 3."""
     e, o = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], 4, 2, 2]))  # (4w + 2i, 4w + 2i + 1)
@@ -615,21 +628,24 @@ def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexp
             q = q.to(tl.int32)
         else:
             q = _u8(wp[None, :, None], blk2[:, :, None] * Q4_BYTES + k, m3)
-        q_lo = q & 15
-        q_hi = q >> 4
-        if QT == Q5_0 or QT == Q5_1:
-            if FLAT:  # (a [BN, T] load: units contiguous)
-                h = _u32(wp2 + o1, blk2, m2)[:, :, None]
-            else:
-                h = _u32(wp[None, :, None] + o1, blk2[:, :, None], m3)
-            q_lo = q_lo | (((h >> k) & 1) << 4).to(tl.int32)
-            q_hi = q_hi | (((h >> (k + 16)) & 1) << 4).to(tl.int32)
         if QT == IQ4_NL:  # a scale times the levels' dot product
             out = _f16(wp2 + o1, blk2, m2) * level_dot(q, xl, xh)
         elif QT == MXFP4:  # the scale times the levels' dot product
             out = _e8m0_half(_u8(wp2 + o1, blk2, m2)) * level_dot(q, xl, xh, True)
-        else:
-            dot = _fsum(q_lo, xl) + _fsum(q_hi, xh)
+        else:  # four elements a word (``byte_dots``)
+            w = words(q)
+            q_lo = w & 0x0F0F0F0F
+            q_hi = (w >> 4) & 0x0F0F0F0F
+            if QT == Q5_0 or QT == Q5_1:
+                if FLAT:  # (a [BN, T] load: units contiguous)
+                    h = _u32(wp2 + o1, blk2, m2)
+                else:
+                    h = tl.max(_u32(wp[None, :, None] + o1, blk2[:, :, None], m3), 2)
+                f_lo, f_hi = fifth_bits(h)
+                q_lo = q_lo | f_lo
+                q_hi = q_hi | f_hi
+            dl, dh = byte_dots(q_lo, q_hi, xl, xh, 0.0)
+            dot = dl + dh
             if QT == Q4_1:  # sum of (d q + m) x = d (q . x) + m sum(x)
                 out = _f16(wp2 + o1, blk2, m2) * dot + _f16(wp2 + o2, blk2, m2) * sx[None, :]
             elif QT == Q5_1:
