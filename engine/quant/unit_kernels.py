@@ -559,12 +559,6 @@ def dequantize_launch(data, out, rows, row0: int, n: int, lay, has_ids: bool) ->
 
 
 @triton.jit
-def _fsum(q, x):
-    """sum over k of float(q) * x: [BN, T, 16] ints and [T, 16] inputs -> [BN, T]."""
-    return tl.sum(q.to(tl.float32) * x[None, :, :], 2)
-
-
-@triton.jit
 def unit_dot(wp, o1, o2, o3, o4, r, rm, u, um, NK: tl.constexpr, QT: tl.constexpr, xl, xh, sx,
              w0=None, uf=None, FLAT: tl.constexpr = False):  # fmt: skip
     """The decode kernels' tile of a gathered type: rows r [BN] x units u [T] dotted with the
