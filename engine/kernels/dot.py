@@ -17,12 +17,11 @@ contiguous bytes each, and every thread holds all BN rows of its unit, so each i
 loads serves BN rows. K is a compile-time constant and the steps are unrolled; each thread
 reduces its own unit in registers and the rows are summed across threads once, at the end.
 The K-quants use the factored form (per sub-block: scale times the integer dot minus min times
-the input's sum). Q4_K, Q4_0, Q5_K and Q6_K assemble their values four a word (masks and
-shifts a word, not an element), and a byte becomes a float by one byte permute and an exact
-subtraction (``unit_kernels.byte_float``); IQ4_XS, IQ4_NL and MXFP4 look up four nibbles'
-levels with three byte permutes (``unit_kernels.level_dot``, no load); elsewhere integers
-become floats by an OR and an exact subtraction (``unit_kernels.u_float``) where the compiler
-would otherwise convert a narrow integer, an instruction at an eighth of the issue rate.
+the input's sum). The quantised types with 32-element units assemble their values four a word
+(masks and shifts a word, not an element; Q8_0's int8 + 128 one XOR a word), and a byte
+becomes a float by one byte permute and an exact subtraction (``unit_kernels.byte_float``):
+no narrow conversion, an instruction at an eighth of the issue rate. IQ4_XS, IQ4_NL and MXFP4
+look up four nibbles' levels with three byte permutes (``unit_kernels.level_dot``, no load).
 Every type with units of 32 elements (all but the floats) shares ``k_tile``'s structure.
 Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0 and Q8_0 (a unit a block: its 32 bytes as two halves of 16, as
 a nibble type's low and high nibbles) have inner loops of their own; the gathered types (Q4_1,
