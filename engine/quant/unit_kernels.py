@@ -208,8 +208,8 @@ def byte_float(t, byte: tl.constexpr, bias: tl.constexpr):
     The selector is written into the instruction and the constant is the permute's first
     operand: as a register operand, or with the constant last, the compiler rematerialises a
     constant before each permute."""
-    if _INTERPRETED:
-        f = prmt(MAGIC + t * 0, t, 0x3004 | byte)
+    if _INTERPRETED:  # (the same value; a permute's emulation costs the interpreter more)
+        return ((t >> (8 * byte)) & 0xFF).to(tl.float32) - bias
     elif byte == 0:
         f = _magic_prmt(t, "prmt.b32 $0, $1, $2, 0x3004;")
     elif byte == 1:
@@ -243,6 +243,12 @@ def level_dot(q, xl, xh, MX: tl.constexpr = False):
     (PTX ``prmt``) look up four nibbles' levels at once, as llama.cpp's CUDA kernels do; a
     level becomes a float with one more permute and a subtraction (``nl_level``'s selects and
     conversion cost twice Q4_K's instructions an element)."""
+    if _INTERPRETED:  # the levels an element at a time: the permutes are the GPU's, tested there
+        if MX:
+            lo, hi = mxfp4_level(q & 15), mxfp4_level(q >> 4)
+        else:
+            lo, hi = nl_level(q & 15), nl_level(q >> 4)
+        return tl.sum(lo * xl[None, :, :], 2) + tl.sum(hi * xh[None, :, :], 2)
     w = words(q)  # bytes 4w .. 4w + 3: [BN, T, 4]
     qs = w & 0x77777777
     ch = ((w >> 1) & 0x44444444) | 0x32103210  # byte i from the low table or the high one
@@ -265,6 +271,9 @@ def level_dot(q, xl, xh, MX: tl.constexpr = False):
 def words(q):
     """[BN, T, 16] bytes (int32, one a lane) -> [BN, T, 4] words, bytes 4w .. 4w + 3 in w (the
     compiler keeps the loaded words)."""
+    if _INTERPRETED:  # (fewer operations for the interpreter, the same words)
+        b = tl.reshape(q, [q.shape[0], q.shape[1], 4, 4]) << (8 * tl.arange(0, 4))
+        return tl.sum(b, 3)
     b0, b1, b2, b3 = _quarters(q)
     return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
 
@@ -286,9 +295,19 @@ def byte_dots(lo, hi, xl, xh, bias: tl.constexpr):
     [BN, T, 4] (byte j of word w: element 4w + j of the low half, of the high half), xl, xh
     [T, 16] -> ([BN, T], [BN, T]). A byte permute, a subtraction and a fused multiply-add an
     element (``byte_float``)."""
+    if _INTERPRETED:  # every byte at once (fewer operations for the interpreter)
+        return _bytes_dot_interpreted(lo, xl, bias), _bytes_dot_interpreted(hi, xh, bias)
     l0, l1, l2, l3 = _quarters(xl[None, :, :])
     h0, h1, h2, h3 = _quarters(xh[None, :, :])
     return _bytes_dot(lo, l0, l1, l2, l3, bias), _bytes_dot(hi, h0, h1, h2, h3, bias)
+
+
+@triton.jit
+def _bytes_dot_interpreted(t, x, bias: tl.constexpr):
+    """``_bytes_dot`` of words t [BN, T, 4] and x [T, 16] (element 4w + j: byte j of word w)."""
+    b = (t[:, :, :, None] >> (8 * tl.arange(0, 4))[None, None, None, :]) & 0xFF
+    v = tl.reshape(b, [t.shape[0], t.shape[1], 16]).to(tl.float32) - bias
+    return tl.sum(v * x[None, :, :], 2)
 
 
 @triton.jit
