@@ -1,7 +1,8 @@
 """Test-wide rules.
 
 In CI (the environment variable ``CI`` set) a skipped test is a failure, unless it carries the
-``gpu`` marker: a missing tool or test dependency must never pass silently. Everywhere, skips print
+``gpu`` marker or the ``isa`` marker (the CPU lacks the instructions: hardware, not a missing
+tool): a missing tool or test dependency must never pass silently. Everywhere, skips print
 their reason (``-ra`` in pytest's options).
 
 A test that hangs ends the run with its threads' stacks (``faulthandler_timeout`` in
@@ -37,7 +38,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and os.environ.get("CI") and item.get_closest_marker("gpu") is None:
+    exempt = item.get_closest_marker("gpu") or item.get_closest_marker("isa")
+    if report.skipped and os.environ.get("CI") and exempt is None:
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, which must run every non-gpu test: {reason}"

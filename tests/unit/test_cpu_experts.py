@@ -298,6 +298,7 @@ MARCHES = {
 }
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("march", sorted(MARCHES))
 def test_each_instruction_sets_kernels_match_the_reference(march: str, tmp_path, rng) -> None:
     cpus = cpuinfo.processors()
