@@ -5,7 +5,9 @@ a stand-in ``torch`` package first on the path records being imported.
 - installed, ``./scripts/strata --help`` and ``config show`` import no torch (the bootstrap's
   check for torch used to import it: seconds before every command);
 - the first run says what it installs and lets pip show its own progress (no ``-q``), on
-  stderr, so that the command's own output stays clean.
+  stderr, so that the command's own output stays clean;
+- two at once (``./scripts/test & ./scripts/test`` on a fresh clone) install once: the second
+  waits for the first and finds the project installed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ ROOT = Path(__file__).parents[2]
 PYTHON_STUB = """#!/bin/sh
 if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
   echo "$*" >> "$PIP_LOG"
+  [ -z "$PIP_SECONDS" ] || sleep "$PIP_SECONDS"
   echo "Collecting something (pip's own line)"
   exit 0
 fi
@@ -103,6 +106,21 @@ def test_the_first_run_says_what_it_installs_and_shows_pips_progress(tmp_path: P
     for call in (torch_call, project_call):
         assert "-q" not in call.split() and "--quiet" not in call, call
     assert (root / ".venv" / ".strata-installed").exists()
+
+
+def test_two_bootstraps_at_once_install_the_project_once(tmp_path: Path) -> None:
+    root, env = _checkout(tmp_path)
+    env = {**env, "PIP_SECONDS": "1"}  # an install that takes a while, as pip's does
+    runs = [subprocess.Popen([str(root / "scripts" / "bootstrap"), "test"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]  # fmt: skip
+    errs = [p.communicate(timeout=120)[1] for p in runs]
+    for p, err in zip(runs, errs, strict=True):
+        assert p.returncode == 0, err
+    calls = (tmp_path / "pip.log").read_text().splitlines()
+    assert len(calls) == 1 and "-e" in calls[0].split(), calls  # one install, not one each
+    said = sorted(err.count("strata: installed into") for err in errs)
+    assert said == [0, 1], errs
 
 
 def test_pip_install_of_the_checkout_gives_working_strata_and_strata_ctl(tmp_path: Path) -> None:
