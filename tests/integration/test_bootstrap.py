@@ -121,6 +121,9 @@ def test_two_bootstraps_at_once_install_the_project_once(tmp_path: Path) -> None
     assert len(calls) == 1 and "-e" in calls[0].split(), calls  # one install, not one each
     said = sorted(err.count("strata: installed into") for err in errs)
     assert said == [0, 1], errs
+    for err in errs:  # one that waited said so, and found the project installed
+        if "waiting for it" in err:
+            assert "installed into" not in err, err
 
 
 def test_pip_install_of_the_checkout_gives_working_strata_and_strata_ctl(tmp_path: Path) -> None:
