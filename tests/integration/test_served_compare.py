@@ -16,7 +16,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
                           timeout=60)  # fmt: skip
 
 
-def test_a_missing_model_or_server_is_named(tmp_path: Path) -> None:
+def test_a_bad_model_server_or_run_count_is_named(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     r = _run("--model", str(model), "--llama-server", "/bin/true")
     assert r.returncode == 2 and f"--model {model}: no such file" in r.stderr, r.stderr
