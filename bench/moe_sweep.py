@@ -5,7 +5,8 @@ model's layers (random bytes in the kernel layout) in VRAM and in page-locked ho
 times graphs of ``layers`` x (``gate_up``, ``down``) — one decode step's expert work — with every
 chosen expert in RAM, in VRAM, or half and half, for several row blocks and warp counts. Beside
 them: the copy engine and a plain copy kernel moving the same bytes, the rates a kernel that reads
-RAM over PCIe can hope for. Prints one table (GB/s of RAM bytes, µs per layer)::
+RAM over PCIe can hope for. Prints one table (GB/s of RAM bytes, µs per layer; the row with
+every expert in VRAM: GB/s of the quantised bytes it reads there)::
 
     python -m strata.bench.moe_sweep --d 2048 --f 768 --down Q6_K
 """
@@ -172,11 +173,10 @@ def main(argv: list[str] | None = None) -> int:
 
     gu_bytes = a.layers * a.k * 2 * gate.nbytes
     dn_bytes = a.layers * a.k * down.nbytes
+    # the RAM rows' rates are of the bytes read over PCIe, the VRAM row's of those read from VRAM
     for share, label in ((a.k, "all in RAM"), (a.k // 2, "half in RAM"), (0, "all in VRAM")):
-        ts = tables(share)
-        frac = share / a.k
-        record(f"gate_up + down, {label} (defaults)", _time(step(ts), dev, a.reps),
-               int(nbytes * frac))  # fmt: skip
+        t = _time(step(tables(share)), dev, a.reps)
+        record(f"gate_up + down, {label} (defaults)", t, nbytes * share // a.k if share else nbytes)
     for c in counts:
         t = _time(step(tables(c)), dev, a.reps)
         record(f"gate_up + down, {c} of {a.k} in RAM", t, int(nbytes * c / a.k))
